@@ -1,0 +1,5 @@
+"""Lightning callbacks of lightning_accel, one per module."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

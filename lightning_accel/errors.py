@@ -1,0 +1,17 @@
+"""The project's exception and warning classes."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "LightningAccelError", "LightningAccelWarning"]
+
+
+class LightningAccelError(Exception):
+    """Base class of lightning_accel's errors."""
+
+
+class ConfigError(LightningAccelError, ValueError):
+    """A setting that cannot work; the message names the setting, the value received and the fix."""
+
+
+class LightningAccelWarning(UserWarning):
+    """Warnings of lightning_accel (filter them with `warnings.filterwarnings("ignore", category=...)`)."""

@@ -1,0 +1,139 @@
+"""Hydra-safe launching of Lightning's DDP child ranks: one run or sweep directory, no nested sweeps.
+
+Lightning starts ranks 1..N-1 by re-running the script with `sys.argv` (Lightning issue #11300). Under a Hydra
+multirun that argv still holds `-m` and the sweep, so each child rank launches the whole sweep again into a second
+sweep directory; and after the first job the launcher's environment variables (`LOCAL_RANK`, ...) stay set, so the
+next job believes its ranks were started externally and waits for peers that never come.
+`hydra_safe_launch` fixes both for any Hydra app: child ranks get the job's own overrides in run mode, pointed at
+the job's output directory, and the environment is restored after each job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["child_rank_command", "hydra_safe_launch"]
+
+log = logging.getLogger(__name__)
+
+# The launcher modules that look `_hydra_subprocess_cmd` up at call time.
+_LAUNCHER_MODULES = (
+    "lightning.pytorch.strategies.launchers.subprocess_script",
+    "lightning.fabric.strategies.launchers.subprocess_script",
+)
+# Set by Lightning's launcher in the parent process for the children to inherit.
+_LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+# Hydra command-line flags (with a value) that choose the primary config: kept for the child ranks.
+_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+# Settings the child command sets itself, and launcher/sweeper choices that only the parent may use.
+_PARENT_ONLY = ("hydra.run.dir", "hydra.output_subdir", "hydra.job.name", "hydra.mode", "hydra.sweep.", "hydra/launcher",
+                "hydra/sweeper", "hydra.launcher.", "hydra.sweeper.")  # fmt: skip
+
+
+def _config_flags(argv: Sequence[str]) -> list[str]:
+    kept: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if name in _CONFIG_FLAGS:
+            kept.append(arg)
+            if "=" not in arg:
+                kept.append(next(args, ""))
+    return kept
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("~+")
+
+
+def _quote(value: str) -> str:
+    escaped = value.replace("'", "\\'")
+    return f"'{escaped}'"
+
+
+def child_rank_command(local_rank: int) -> tuple[list[str], str]:
+    """The command (and working directory) that starts DDP child rank `local_rank` of the current Hydra job.
+
+    It re-runs the app in run mode with the job's own overrides (not the sweep's), writing into the job's output
+    directory under the job name `<name>_rank<k>`, and without saving the config a second time.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
+
+    hydra_cfg = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    command += _config_flags(sys.argv[1:])
+    command += [o for o in hydra_cfg.overrides.hydra if not _override_key(o).startswith(_PARENT_ONLY)]
+    command += list(hydra_cfg.overrides.task)
+    command += [
+        f"hydra.run.dir={_quote(hydra_cfg.runtime.output_dir)}",
+        "hydra.output_subdir=null",
+        f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
+        "hydra.mode=RUN",
+    ]
+    return command, get_original_cwd()
+
+
+def _wait_for_children(trainer: pl.Trainer | None, timeout_s: float) -> None:
+    launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
+    for proc in getattr(launcher, "procs", ()):
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("Child rank process %d still runs %.0f s after the job ended; killing it.", proc.pid, timeout_s)
+            proc.kill()
+
+
+@contextmanager
+def hydra_safe_launch(trainer: pl.Trainer | None = None, child_timeout_s: float = 120.0) -> Iterator[None]:
+    """Run `trainer.fit`/`trainer.test` inside this to launch DDP child ranks correctly from a Hydra app.
+
+    Outside a Hydra app it changes nothing. On exit it waits for the child ranks of `trainer` (up to
+    `child_timeout_s`), restores the launcher's environment variables and destroys the process group, so the next
+    job of a multirun starts clean.
+
+    Example::
+
+        @hydra.main(config_path="conf", config_name="config", version_base="1.3")
+        def main(cfg):
+            trainer = hydra.utils.instantiate(cfg.trainer)
+            with hydra_safe_launch(trainer):
+                trainer.fit(model)
+    """
+    saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
+    patched: list[tuple[Any, Any]] = []
+    try:
+        for name in _LAUNCHER_MODULES:
+            module = import_module(name)
+            patched.append((module, module._hydra_subprocess_cmd))
+            module._hydra_subprocess_cmd = child_rank_command
+        yield
+    finally:
+        for module, original in patched:
+            module._hydra_subprocess_cmd = original
+        _wait_for_children(trainer, child_timeout_s)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+

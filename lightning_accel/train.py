@@ -1,0 +1,117 @@
+"""accel-train: compose a Lightning run from Hydra presets, check it, then fit, test and summarise."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_accel.errors import ConfigError, LightningAccelWarning
+from lightning_accel.launch import hydra_safe_launch
+from lightning_accel.presets import check_config
+from lightning_accel.summary import RunStats, RunSummary, collect_summary, print_summary, write_summary
+
+__all__ = ["instantiate_named", "main", "run"]
+
+log = logging.getLogger("lightning_accel.train")
+
+
+def instantiate_named(section: DictConfig | None) -> list[Any]:
+    """Instantiate a dict of `_target_` configs keyed by name (callbacks, loggers); null entries are skipped."""
+    if not section:
+        return []
+    return [instantiate(node) for _, node in sorted(section.items()) if node is not None]
+
+
+def config_digest(cfg: DictConfig) -> str:
+    """sha256 of the resolved config: every rank of a run logs it, so equal configs can be checked."""
+    return hashlib.sha256(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()
+
+
+def _drop_logger_callbacks(callbacks: list[Any]) -> list[Any]:
+    import warnings
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    kept = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
+    if len(kept) != len(callbacks):
+        warnings.warn(
+            "`logger=none` leaves LearningRateMonitor nothing to log to; it is removed "
+            "(add a logger, or `~callbacks.lr_monitor` to silence this).",
+            LightningAccelWarning,
+            stacklevel=2,
+        )
+    return kept
+
+
+def run(cfg: DictConfig) -> RunSummary | None:
+    """Check the composed config, build data, model, callbacks, loggers and Trainer, fit, test and summarise.
+
+    Returns the summary on global rank zero, None on the other ranks.
+
+    Raises:
+        ConfigError: for a setting that cannot work, before any Trainer exists or any process is spawned.
+    """
+    started = time.perf_counter()
+    check_config(cfg)
+    import lightning.pytorch as pl
+
+    if cfg.get("seed") is not None:
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    loggers = instantiate_named(cfg.get("logger"))
+    callbacks = instantiate_named(cfg.get("callbacks"))
+    if not loggers:
+        callbacks = _drop_logger_callbacks(callbacks)
+    stats = RunStats()
+    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=[*callbacks, stats], logger=loggers or False)
+    run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else str(trainer.default_root_dir)
+    log.info("resolved config sha256=%s run_dir=%s", config_digest(cfg), run_dir)
+
+    metrics: dict[str, float] = {}
+    tested = "final"
+    with hydra_safe_launch(trainer):
+        if cfg.get("fit", True):
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
+        if cfg.get("test", True):
+            best = getattr(trainer.checkpoint_callback, "best_model_path", "")
+            tested = "best" if best else "final"
+            results = trainer.test(model, datamodule=datamodule, ckpt_path="best" if best else None, verbose=False)
+            metrics.update({k: float(v) for k, v in (results[0] if results else {}).items()})
+        log.info("rank %d finished: %s", trainer.global_rank, metrics)
+        if not trainer.is_global_zero:
+            return None
+        summary = collect_summary(
+            trainer, datamodule, stats, metrics, time.perf_counter() - started, run_dir, tested
+        )
+    write_summary(summary, Path(run_dir) / "summary.json")
+    print_summary(summary)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="pkg://lightning_accel.conf", config_name="train")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except ConfigError as err:
+        print(f"accel-train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main() -> None:
+    """Console entry point of `accel-train` (also `python -m lightning_accel.train`)."""
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Shared fixtures: composing the packaged config tree and running `accel-train` in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+CONF_MODULE = "lightning_accel.conf"
+
+
+@pytest.fixture
+def compose_train(tmp_path: Path) -> Iterator:
+    """compose_train(overrides) -> the resolved-ready `train` config, with HydraConfig set to a run in tmp_path."""
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
+
+        def _compose(overrides: Sequence[str] = ()) -> DictConfig:
+            cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+            with open_dict(cfg):
+                cfg.hydra.runtime.output_dir = str(tmp_path)
+                cfg.hydra.job.num = 0
+            HydraConfig.instance().set_config(cfg)
+            return cfg
+
+        yield _compose
+    GlobalHydra.instance().clear()
+
+
+def run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
+            module: str = "lightning_accel.train") -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """Run `python -m <module> ARGS` (what `accel-train` runs) in `cwd`, capturing output."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACCEL_LOG_DIR": str(cwd / "outputs"), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )

@@ -1,0 +1,111 @@
+"""Every option of every config group composes, and builds a Trainer (and its parts) on CPU."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import lightning.pytorch as pl
+import pytest
+from hydra import initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_accel.presets import check_config
+from lightning_accel.train import instantiate_named
+
+CONF = resources.files("lightning_accel.conf")
+
+
+def _packaged_options() -> list[tuple[str, str]]:
+    """(group, option) pairs as Hydra itself lists them, limited to the configs this package ships."""
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_accel.conf", version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        pairs = [
+            (group, option)
+            for group in loader.list_groups("")
+            for option in loader.get_group_options(group)
+            if CONF.joinpath(group, f"{option}.yaml").is_file()
+        ]
+    GlobalHydra.instance().clear()
+    return pairs
+
+
+OPTIONS = _packaged_options()
+# Options that only make sense together with another choice.
+COMPANIONS = {("data", "digits"): ["model=classifier"]}
+
+
+def test_listing_covers_the_documented_groups() -> None:
+    groups = {group for group, _ in OPTIONS}
+    assert groups >= {"trainer", "precision", "strategy", "accumulation", "scheduler", "callbacks", "logger", "model",
+                      "data", "preset", "paths", "hydra"}  # fmt: skip
+    options = set(OPTIONS)
+    for required in [("precision", "fp32"), ("precision", "bf16_mixed"), ("precision", "fp16_mixed"),
+                     ("strategy", "auto"), ("strategy", "ddp"), ("scheduler", "none"), ("scheduler", "cosine"),
+                     ("scheduler", "onecycle"), ("accumulation", "none"), ("accumulation", "fixed"),
+                     ("preset", "baseline"), ("preset", "amp"), ("preset", "ddp"), ("logger", "csv"),
+                     ("logger", "tensorboard")]:  # fmt: skip
+        assert required in options
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_option_composes_and_builds_a_cpu_trainer(compose_train, group: str, option: str) -> None:
+    overrides = [] if group == "hydra" else [f"{group}={option}", *COMPANIONS.get((group, option), [])]
+    cfg = compose_train([*overrides, "trainer.accelerator=cpu"])
+    check_config(cfg)
+    callbacks = instantiate_named(cfg.callbacks)
+    loggers = instantiate_named(cfg.logger)
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    assert isinstance(trainer, pl.Trainer)
+    assert trainer.accelerator.__class__.__name__ == "CPUAccelerator"
+    model = instantiate(cfg.model)
+    datamodule = instantiate(cfg.data)
+    assert isinstance(model, pl.LightningModule)
+    assert isinstance(datamodule, pl.LightningDataModule)
+    # Each option does what its name says.
+    if group == "strategy" and option == "ddp":
+        assert isinstance(trainer.strategy, DDPStrategy)
+    if group == "precision":
+        expected = {"fp32": "32-true", "bf16_mixed": "bf16-mixed", "fp16_mixed": "16-mixed"}[option]
+        assert cfg.trainer.precision == expected
+    if group == "accumulation":
+        assert trainer.accumulate_grad_batches == {"none": 1, "fixed": 4}[option]
+    if group == "scheduler":
+        assert (cfg.scheduler is None) == (option == "none")
+        assert (model.lr_scheduler is None) == (option == "none")
+    if group == "callbacks":
+        assert len(callbacks) == len(cfg.callbacks)
+    if group == "logger":
+        assert len(trainer.loggers) == len(cfg.logger)
+
+
+def test_presets_set_the_ladder(compose_train) -> None:
+    baseline = compose_train(["preset=baseline"])
+    assert (baseline.trainer.precision, baseline.data.num_workers, baseline.trainer.devices) == ("32-true", 0, 1)
+    amp = compose_train(["preset=amp"])
+    assert amp.trainer.precision == "bf16-mixed" and amp.data.num_workers > 0
+    ddp = compose_train(["preset=ddp"])
+    assert ddp.trainer.strategy._target_.endswith("DDPStrategy") and ddp.trainer.devices == "auto"
+    assert ddp.trainer.precision == "bf16-mixed"
+
+
+def test_command_line_beats_preset(compose_train) -> None:
+    cfg = compose_train(["preset=amp", "precision=fp32", "data.num_workers=1"])
+    assert cfg.trainer.precision == "32-true"
+    assert cfg.data.num_workers == 1
+
+
+def test_callbacks_are_a_dict_keyed_by_name(compose_train) -> None:
+    cfg = compose_train(["~callbacks.lr_monitor", "callbacks.model_checkpoint.save_top_k=3"])
+    assert "lr_monitor" not in cfg.callbacks
+    assert cfg.callbacks.model_checkpoint.save_top_k == 3
+    both = compose_train(["callbacks=[default,early_stopping]"])
+    assert set(both.callbacks) == {"model_checkpoint", "lr_monitor", "model_summary", "early_stopping"}
+
+
+def test_classifier_model_brings_its_data(compose_train) -> None:
+    cfg = compose_train(["model=classifier"])
+    assert cfg.data._target_.endswith("DigitsDataModule")
+    assert cfg.model._target_.endswith("DigitsClassifier")
