@@ -35,10 +35,16 @@ def compose_train(tmp_path: Path) -> Iterator:
     GlobalHydra.instance().clear()
 
 
-def run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
+def _run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
             module: str = "lightning_accel.train") -> subprocess.CompletedProcess[str]:  # fmt: skip
     """Run `python -m <module> ARGS` (what `accel-train` runs) in `cwd`, capturing output."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACCEL_LOG_DIR": str(cwd / "outputs"), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+@pytest.fixture
+def run_cli():
+    """run_cli(args, cwd, timeout=300, env=None, module="lightning_accel.train") -> CompletedProcess."""
+    return _run_cli

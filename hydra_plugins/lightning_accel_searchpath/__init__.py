@@ -1,5 +1,1 @@
-"""Hydra search-path plugin: lets any Hydra app select lightning_accel's config groups."""
-
-from hydra_plugins.lightning_accel_searchpath.searchpath import LightningAccelSearchPathPlugin
-
-__all__ = ["LightningAccelSearchPathPlugin"]
+"""Hydra search-path plugin: lets any Hydra app select lightning_accel's config groups (see searchpath.py)."""

@@ -1,0 +1,50 @@
+"""hydra_safe_launch and the child-rank command it gives Lightning's launcher."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+from lightning_accel import launch
+from lightning_accel.launch import child_rank_command, hydra_safe_launch
+
+
+def test_config_flags_are_kept_and_overrides_dropped() -> None:
+    argv = ["-m", "a=1,2", "--config-name", "mine", "-cp=/x/conf", "--config-dir", "/extra", "b=3"]
+    assert launch._config_flags(argv) == ["--config-name", "mine", "-cp=/x/conf", "--config-dir", "/extra"]
+
+
+def test_child_command_is_the_job_in_run_mode(compose_train, monkeypatch, tmp_path) -> None:
+    cfg = compose_train(["seed=2", "trainer.devices=2"])  # this job's own overrides
+    OmegaConf.set_readonly(cfg.hydra, False)
+    cfg.hydra.overrides.hydra = ["hydra.mode=MULTIRUN", "hydra.sweep.dir=/s", "hydra.job.chdir=false",
+                                 "hydra/launcher=basic"]  # fmt: skip
+    HydraConfig.instance().set_config(cfg)
+    monkeypatch.setattr(sys, "argv", ["/bin/app.py", "-m", "seed=1,2", "-cn", "train"])
+    command, cwd = child_rank_command(local_rank=1)
+    assert command[:2] == [sys.executable, "/bin/app.py"]
+    assert command[2:] == [
+        "-cn", "train",                              # the primary config choice is kept
+        "hydra.job.chdir=false",                     # hydra overrides, less sweep/launcher/mode ones
+        "seed=2", "trainer.devices=2",               # the job's overrides, not the sweep's
+        f"hydra.run.dir='{tmp_path}'", "hydra.output_subdir=null", "hydra.job.name=train_rank1", "hydra.mode=RUN",
+    ]  # fmt: skip
+    assert cwd == os.getcwd()
+
+
+def test_launch_environment_is_restored_and_lightning_unpatched(monkeypatch) -> None:
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    original = subprocess_script._hydra_subprocess_cmd
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    with hydra_safe_launch():
+        assert subprocess_script._hydra_subprocess_cmd is child_rank_command
+        os.environ["LOCAL_RANK"] = "0"  # what Lightning's launcher leaves behind
+        os.environ["MASTER_PORT"] = "5555"
+    assert "LOCAL_RANK" not in os.environ
+    assert os.environ["MASTER_PORT"] == "1234"
+    assert subprocess_script._hydra_subprocess_cmd is original

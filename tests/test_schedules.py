@@ -1,0 +1,61 @@
+"""LR scheduler factories: shapes of the schedules and the errors for settings that cannot work."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_accel.schedules import cosine_schedule, onecycle_schedule
+
+
+def _lrs(scheduler, steps: int) -> list[float]:
+    lrs = []
+    for _ in range(steps):
+        lrs.append(scheduler.get_last_lr()[0])
+        scheduler.optimizer.step()
+        scheduler.step()
+    lrs.append(scheduler.get_last_lr()[0])
+    return lrs
+
+
+def _optimizer(lr: float = 1.0) -> torch.optim.Optimizer:
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+
+
+def test_cosine_warms_up_then_decays_to_the_floor() -> None:
+    lrs = _lrs(cosine_schedule(_optimizer(), total_steps=100, warmup_steps=10, min_lr_ratio=0.1), 100)
+    assert lrs[0] == pytest.approx(0.1)  # (0 + 1) / 10 of the base LR
+    assert lrs[9] == pytest.approx(1.0)
+    assert lrs[10] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert lrs[100] == pytest.approx(0.1, rel=1e-6)
+    midpoint = 10 + 45
+    assert lrs[midpoint] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), rel=1e-6)
+
+
+def test_cosine_warmup_as_fraction() -> None:
+    lrs = _lrs(cosine_schedule(_optimizer(), total_steps=200, warmup_steps=0.05), 200)
+    assert lrs[9] == pytest.approx(1.0) and lrs[8] < 1.0  # 10 warm-up steps
+    assert lrs[200] == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"warmup_steps": 100}, "warmup_steps=100"),
+        ({"warmup_steps": 1.5}, "warmup_steps=1.5"),
+        ({"min_lr_ratio": 2.0}, "min_lr_ratio=2.0"),
+    ],
+)
+def test_cosine_rejects_bad_settings(kwargs, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        cosine_schedule(_optimizer(), total_steps=100, **kwargs)
+
+
+def test_onecycle_peaks_at_optimizer_lr_and_ends_near_zero() -> None:
+    lrs = _lrs(onecycle_schedule(_optimizer(lr=0.5), total_steps=50, pct_start=0.2), 49)
+    assert max(lrs) == pytest.approx(0.5, rel=1e-3)
+    assert lrs[0] == pytest.approx(0.5 / 25)
+    assert lrs[-1] < 1e-4

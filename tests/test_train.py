@@ -1,0 +1,104 @@
+"""accel-train end to end: the default run learns, DDP and multirun x DDP keep one directory, kills are safe."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Small and quick variants of the default run for the plumbing tests.
+SMOKE = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000"]
+DDP2 = ["strategy=ddp", "trainer.devices=2"]
+
+
+def _digests(run_dir: Path) -> dict[str, str]:
+    found = {}
+    for log_file in sorted(run_dir.glob("*.log")):
+        match = re.search(r"resolved config sha256=([0-9a-f]{64})", log_file.read_text())
+        assert match, f"{log_file} has no config digest"
+        found[log_file.name] = match.group(1)
+    return found
+
+
+def test_default_run_beats_chance(run_cli, tmp_path: Path) -> None:
+    """`accel-train` with no arguments (but the run directory) trains the GPT example past the unigram baseline."""
+    run_dir = tmp_path / "run"
+    started = time.perf_counter()
+    result = run_cli([f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=600)
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    bpc, unigram, uniform = summary["metrics"]["test/bpc"], summary["baselines"]["unigram_bpc"], summary["baselines"][
+        "uniform_bpc"]  # fmt: skip
+    print(f"default run: {elapsed:.1f} s wall, test/bpc={bpc:.3f}, unigram={unigram:.3f}, uniform={uniform:.3f}")
+    assert bpc < unigram - 1.0 < uniform
+    assert summary["tested_weights"] == "best" and Path(summary["best_checkpoint"]).is_file()
+    assert summary["samples_per_s"] > 0 and summary["train_samples"] > 0
+    assert "accel-train summary" in result.stdout and "test/bpc" in result.stdout
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (run_dir / "csv" / "version_0" / "metrics.csv").is_file()
+
+
+def test_ddp_two_cpu_processes_share_one_run_directory(run_cli, tmp_path: Path) -> None:
+    result = run_cli([*SMOKE, *DDP2], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = list((tmp_path / "outputs" / "runs").iterdir())
+    assert len(runs) == 1, runs
+    run_dir = runs[0]
+    digests = _digests(run_dir)
+    assert set(digests) == {"train.log", "train_rank1.log"}
+    assert len(set(digests.values())) == 1, digests  # the same resolved config on both ranks
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert not (tmp_path / "outputs" / "multiruns").exists()
+
+
+def test_multirun_with_ddp_keeps_one_sweep_directory(run_cli, tmp_path: Path) -> None:
+    """Lightning #11300: child ranks must not start the sweep again, and job 2 must launch its own ranks."""
+    result = run_cli(["-m", *SMOKE, *DDP2, "seed=1,2"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweeps = list((tmp_path / "outputs" / "multiruns").iterdir())
+    assert len(sweeps) == 1, sweeps
+    assert not (tmp_path / "outputs" / "runs").exists()
+    jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1"]
+    digests = [_digests(job) for job in jobs]
+    for job, found in zip(jobs, digests, strict=True):
+        assert set(found) == {"train.log", "train_rank1.log"}, job
+        assert len(set(found.values())) == 1
+        assert json.loads((job / "summary.json").read_text())["world_size"] == 2
+    assert digests[0]["train.log"] != digests[1]["train.log"]  # the jobs differ (seed)
+
+
+def test_killed_run_leaves_no_half_written_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL while checkpoints are written every step: every .ckpt file left behind loads."""
+    run_dir = tmp_path / "run"
+    args = [
+        *SMOKE, "trainer.max_steps=500", "model.n_embd=256", "callbacks.model_checkpoint.every_n_train_steps=1",
+        "callbacks.model_checkpoint.save_top_k=-1", "callbacks.model_checkpoint.monitor=null",
+        "callbacks.model_checkpoint.filename='s{step}'", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_accel.train", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    ckpt_dir = run_dir / "checkpoints"
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and len(list(ckpt_dir.glob("*.ckpt"))) < 4:
+            assert proc.poll() is None, f"accel-train exited early with {proc.returncode}"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    checkpoints = sorted(ckpt_dir.glob("*.ckpt"))
+    assert len(checkpoints) >= 4, "the run did not reach its checkpoints in time"
+    for path in checkpoints:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        assert "state_dict" in state and state["global_step"] >= 1, path
