@@ -36,8 +36,10 @@ _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_S
 # Hydra command-line flags (with a value) that choose the primary config: kept for the child ranks.
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 # Settings the child command sets itself, and launcher/sweeper choices that only the parent may use.
-_PARENT_ONLY = ("hydra.run.dir", "hydra.output_subdir", "hydra.job.name", "hydra.mode", "hydra.sweep.", "hydra/launcher",
-                "hydra/sweeper", "hydra.launcher.", "hydra.sweeper.")  # fmt: skip
+_PARENT_ONLY = (
+    "hydra.run.dir", "hydra.output_subdir", "hydra.job.name", "hydra.mode",
+    "hydra.sweep.", "hydra/launcher", "hydra/sweeper", "hydra.launcher.", "hydra.sweeper.",
+)  # fmt: skip
 
 
 def _config_flags(argv: Sequence[str]) -> list[str]:

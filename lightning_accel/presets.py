@@ -29,11 +29,15 @@ def check_config(cfg: DictConfig) -> None:
     for node in ("trainer", "model", "data"):
         section = cfg.get(node)
         if not isinstance(section, DictConfig) or "_target_" not in section:
-            raise ConfigError(f"`{node}` must be a config with a `_target_`; got {_show(section)}. Pick one with `{node}=NAME`.")
+            raise ConfigError(
+                f"`{node}` must be a config with a `_target_`; got {_show(section)}. Pick one with `{node}=NAME`."
+            )
     trainer = cfg.trainer
     _check_devices(trainer.get("devices", "auto"))
     _check_choice("trainer.accelerator", trainer.get("accelerator", "auto"), _ACCELERATORS)
-    _check_choice("trainer.precision", trainer.get("precision", "32-true"), _PRECISIONS, hint="or pick `precision=NAME`")
+    _check_choice(
+        "trainer.precision", trainer.get("precision", "32-true"), _PRECISIONS, hint="or pick `precision=NAME`"
+    )
     _check_strategy(trainer.get("strategy", "auto"))
     _check_int("trainer.num_nodes", trainer.get("num_nodes", 1), minimum=1)
     _check_int("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), minimum=1)
@@ -74,7 +78,8 @@ def _check_choice(setting: str, value: Any, choices: Sequence[str], hint: str = 
         return
     if str(value) not in choices:
         options = ", ".join(f"`{c}`" for c in choices)
-        raise ConfigError(f"`{setting}={_show(value)}` is not supported; use one of {options}{' ' + hint if hint else ''}.")
+        hint = f" {hint}" if hint else ""
+        raise ConfigError(f"`{setting}={_show(value)}` is not supported; use one of {options}{hint}.")
 
 
 def _check_strategy(strategy: Any) -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 from hydra.core.plugins import Plugins
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-
 APP = '''
 """A user's own app: own config dir, own LightningModule, this package's presets through the plugin."""
 import json
@@ -51,7 +50,8 @@ def main(cfg):
     trainer = instantiate(cfg.trainer, callbacks=instantiate_named(cfg.callbacks))
     trainer.fit(model, loader)
     print("RESULT " + json.dumps({"precision": cfg.trainer.precision, "marker": cfg.get("marker"),
-        "num_workers": cfg.data.num_workers, "callbacks": sorted(cfg.callbacks), "scheduler": OmegaConf.to_container(cfg.scheduler) if cfg.scheduler else None,
+        "num_workers": cfg.data.num_workers, "callbacks": sorted(cfg.callbacks),
+        "scheduler": OmegaConf.to_container(cfg.scheduler) if cfg.scheduler else None,
         "first_loss": model.losses[0], "last_loss": model.losses[-1]}))
 
 
