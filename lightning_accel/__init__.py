@@ -5,14 +5,23 @@ Importing the package has no side effects: no Hydra, no NVML, no CUDA initialisa
 
 from __future__ import annotations
 
-from lightning_accel.schedules import configure_optimizers, cosine_schedule, onecycle_schedule, total_optimizer_steps
+from lightning_accel.schedules import (
+    AccumulationPlan,
+    configure_optimizers,
+    cosine_schedule,
+    estimated_optimizer_steps,
+    linear_warmup_schedule,
+    onecycle_schedule,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulationPlan",
     "__version__",
     "configure_optimizers",
     "cosine_schedule",
+    "estimated_optimizer_steps",
+    "linear_warmup_schedule",
     "onecycle_schedule",
-    "total_optimizer_steps",
 ]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -14,42 +16,139 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["configure_optimizers", "cosine_schedule", "onecycle_schedule", "total_optimizer_steps"]
+__all__ = [
+    "AccumulationPlan",
+    "accumulation_plan",
+    "configure_optimizers",
+    "cosine_schedule",
+    "count_optimizer_steps",
+    "estimated_optimizer_steps",
+    "linear_warmup_schedule",
+    "onecycle_schedule",
+]
 
 OptimizerFactory = Callable[[Iterable[Any]], Optimizer]
 SchedulerFactory = Callable[..., LRScheduler]
 
 
-def total_optimizer_steps(trainer: pl.Trainer) -> int:
-    """The number of optimizer steps the current fit will take, as the Trainer estimates it.
+@dataclass(frozen=True)
+class AccumulationPlan:
+    """How many micro-batches each optimizer step accumulates, as a step function of epoch or optimizer step.
 
-    Raises:
-        ValueError: when the fit has no end (`max_steps=-1` and `max_epochs=-1`), so a schedule cannot be sized.
+    Windows restart at every epoch start and the last window of an epoch may be partial: Lightning steps the optimizer
+    on an epoch's final batch whatever the accumulation.
+
+    Attributes:
+        unit: "epoch" keys the points by epoch, "step" by the optimizer step at which a window starts.
+        points: sorted `(key, micro_batches)` pairs, the first key 0.
     """
-    steps = trainer.estimated_stepping_batches
-    if not math.isfinite(steps) or steps <= 0:
-        raise ValueError(
-            f"An LR schedule needs a finite number of optimizer steps, got {steps}; set `trainer.max_steps` or "
-            "`trainer.max_epochs`, or use `scheduler=none`."
-        )
-    return int(steps)
+
+    unit: str = "epoch"
+    points: tuple[tuple[int, int], ...] = ((0, 1),)
+
+    def __post_init__(self) -> None:
+        assert self.unit in ("epoch", "step"), self.unit
+        assert self.points and self.points[0][0] == 0, self.points
+        assert all(a[0] < b[0] for a, b in zip(self.points, self.points[1:], strict=False)), self.points
+
+    @classmethod
+    def constant(cls, micro_batches: int) -> AccumulationPlan:
+        return cls("epoch", ((0, int(micro_batches)),))
+
+    def at(self, epoch: int, step: int) -> int:
+        """Micro-batches of the window that starts in `epoch` at optimizer step `step`."""
+        key = epoch if self.unit == "epoch" else step
+        return self.points[bisect_right([p[0] for p in self.points], key) - 1][1]
+
+    def _next_change(self, key: int) -> float:
+        later = [p[0] for p in self.points if p[0] > key]
+        return later[0] if later else math.inf
 
 
-def cosine_schedule(
-    optimizer: Optimizer, total_steps: int, *, warmup_steps: int | float = 0, min_lr_ratio: float = 0.0
-) -> LambdaLR:
-    """Linear warm-up for `warmup_steps`, then cosine decay to `min_lr_ratio` x the base LR at `total_steps`.
+def count_optimizer_steps(plan: AccumulationPlan, num_batches: float, max_epochs: int | None, max_steps: int) -> int:
+    """The optimizer steps a fit of `num_batches` batches per epoch takes under `plan`, `max_epochs`, `max_steps`.
 
     Args:
-        optimizer: the optimizer whose base LRs are scaled.
-        total_steps: optimizer steps of the whole fit.
-        warmup_steps: linear warm-up from 0 to the base LR: an int counts optimizer steps, a float in [0, 1) is a
-            fraction of `total_steps`.
-        min_lr_ratio: final LR as a fraction of the base LR.
+        plan: the accumulation plan.
+        num_batches: training batches per epoch on one rank (after `limit_train_batches`); `inf` for an iterable
+            dataset without a length.
+        max_epochs: None or -1 for no epoch limit.
+        max_steps: -1 for no step limit.
 
     Raises:
-        ValueError: for a negative or too long warm-up or a ratio outside [0, 1].
+        ValueError: when neither limit ends the fit.
     """
+    unlimited_epochs = max_epochs is None or max_epochs < 0
+    step_cap = math.inf if max_steps is None or max_steps < 0 else max_steps
+    if (unlimited_epochs or not math.isfinite(num_batches)) and not math.isfinite(step_cap):
+        raise ValueError(
+            f"The fit has no end (`max_epochs={max_epochs}`, `max_steps={max_steps}`, {num_batches} batches per "
+            "epoch), so an LR schedule cannot be sized; set `trainer.max_steps` or `trainer.max_epochs`."
+        )
+    if not math.isfinite(num_batches):
+        return int(step_cap)
+    num_batches = int(num_batches)
+    if num_batches <= 0 or (not unlimited_epochs and max_epochs == 0):
+        return 0
+    last_key = plan.points[-1][0]
+    steps, epoch = 0, 0
+    while (unlimited_epochs or epoch < max_epochs) and steps < step_cap:
+        if epoch >= last_key if plan.unit == "epoch" else steps >= last_key:
+            # the plan is constant from here on: whole epochs at once
+            per_epoch = math.ceil(num_batches / plan.at(epoch, steps))
+            epochs_left = math.inf if unlimited_epochs else max_epochs - epoch
+            return int(min(steps + per_epoch * epochs_left, step_cap))
+        done = 0
+        while done < num_batches and steps < step_cap:
+            k = plan.at(epoch, steps)
+            until_change = plan._next_change(steps) - steps if plan.unit == "step" else math.inf
+            windows = int(min(math.ceil((num_batches - done) / k), until_change, step_cap - steps))
+            done = min(num_batches, done + windows * k)
+            steps += windows
+        epoch += 1
+    return int(min(steps, step_cap))
+
+
+def accumulation_plan(trainer: pl.Trainer) -> AccumulationPlan:
+    """The accumulation plan of `trainer`: its AccumulationScheduler's, Lightning's GradientAccumulationScheduler's
+    (epoch keys), or the constant `trainer.accumulate_grad_batches`."""
+    for callback in trainer.callbacks:
+        plan = getattr(callback, "accumulation_plan", None)
+        if callable(plan):
+            return plan(trainer)
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, GradientAccumulationScheduler):
+            points = dict(callback.scheduling)
+            points.setdefault(0, 1)
+            return AccumulationPlan("epoch", tuple(sorted(points.items())))
+    return AccumulationPlan.constant(trainer.accumulate_grad_batches)
+
+
+def estimated_optimizer_steps(trainer: pl.Trainer) -> int:
+    """The exact number of optimizer steps the current fit will take.
+
+    Unlike `trainer.estimated_stepping_batches` it follows accumulation schedules (lightning_accel's
+    `AccumulationScheduler`, by epoch, step or global batch size, and Lightning's `GradientAccumulationScheduler`),
+    the last partial window of every epoch, `limit_train_batches`, `max_steps` and `max_epochs`. World size enters
+    through the per-rank batch count. Size an LR schedule with it in `configure_optimizers`, one line::
+
+        total_steps = lightning_accel.estimated_optimizer_steps(self.trainer)
+
+    Raises:
+        ValueError: when the fit has no end (`max_steps=-1` and `max_epochs=-1`, or an iterable dataset without a
+            length and no `max_steps`), so a schedule cannot be sized.
+    """
+    if trainer.train_dataloader is None:
+        trainer.fit_loop.setup_data()
+    return count_optimizer_steps(
+        accumulation_plan(trainer), trainer.num_training_batches, trainer.max_epochs, trainer.max_steps
+    )
+
+
+def _check_warmup(total_steps: int, warmup_steps: int | float, min_lr_ratio: float) -> int:
+    """Validate a warm-up + decay schedule's settings; returns the warm-up in optimizer steps."""
     if total_steps <= 0:
         raise ValueError(f"`total_steps={total_steps}` must be positive.")
     if isinstance(warmup_steps, float):
@@ -62,14 +161,60 @@ def cosine_schedule(
         )
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"`scheduler.min_lr_ratio={min_lr_ratio}` must be within [0, 1].")
+    return warmup_steps
+
+
+def _warmup_then(decay: Callable[[float], float], total_steps: int, warmup_steps: int) -> Callable[[int], float]:
+    """An LR factor: linear warm-up to 1 over `warmup_steps`, then `decay(progress)`, progress 0 at the first step
+    after warm-up and 1 at the fit's last optimizer step (`total_steps - 1`), so the last step runs at the floor."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+            return (step + 1) / (warmup_steps + 1)
+        return decay(min(1.0, (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps)))
+
+    return factor
+
+
+def cosine_schedule(
+    optimizer: Optimizer, total_steps: int, *, warmup_steps: int | float = 0, min_lr_ratio: float = 0.0
+) -> LambdaLR:
+    """Linear warm-up for `warmup_steps`, then cosine decay to `min_lr_ratio` x the base LR at the last step.
+
+    Args:
+        optimizer: the optimizer whose base LRs are scaled.
+        total_steps: optimizer steps of the whole fit (`estimated_optimizer_steps`).
+        warmup_steps: linear warm-up towards the base LR: an int counts optimizer steps, a float in [0, 1) is a
+            fraction of `total_steps`.
+        min_lr_ratio: LR of the fit's last optimizer step, as a fraction of the base LR.
+
+    Raises:
+        ValueError: for a negative or too long warm-up or a ratio outside [0, 1].
+    """
+    warmup = _check_warmup(total_steps, warmup_steps, min_lr_ratio)
+
+    def cosine(progress: float) -> float:
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    return LambdaLR(optimizer, factor)
+    return LambdaLR(optimizer, _warmup_then(cosine, total_steps, warmup))
+
+
+def linear_warmup_schedule(
+    optimizer: Optimizer, total_steps: int, *, warmup_steps: int | float = 0.05, min_lr_ratio: float = 0.0
+) -> LambdaLR:
+    """Linear warm-up for `warmup_steps`, then linear decay to `min_lr_ratio` x the base LR at the last step.
+
+    Args:
+        optimizer: the optimizer whose base LRs are scaled.
+        total_steps: optimizer steps of the whole fit (`estimated_optimizer_steps`).
+        warmup_steps: an int counts optimizer steps, a float in [0, 1) is a fraction of `total_steps`.
+        min_lr_ratio: LR of the fit's last optimizer step, as a fraction of the base LR.
+
+    Raises:
+        ValueError: for a negative or too long warm-up or a ratio outside [0, 1].
+    """
+    warmup = _check_warmup(total_steps, warmup_steps, min_lr_ratio)
+    return LambdaLR(optimizer, _warmup_then(lambda p: 1.0 - (1.0 - min_lr_ratio) * p, total_steps, warmup))
 
 
 def onecycle_schedule(
@@ -124,5 +269,5 @@ def configure_optimizers(
     opt = make_optimizer(params if params is not None else module.parameters())
     if lr_scheduler is None:
         return opt
-    scheduler = lr_scheduler(opt, total_steps=total_optimizer_steps(module.trainer))
+    scheduler = lr_scheduler(opt, total_steps=estimated_optimizer_steps(module.trainer))
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

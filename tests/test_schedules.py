@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_accel.schedules import cosine_schedule, onecycle_schedule
+from lightning_accel.schedules import cosine_schedule, linear_warmup_schedule, onecycle_schedule
 
 
 def _lrs(scheduler, steps: int) -> list[float]:
@@ -24,21 +24,31 @@ def _optimizer(lr: float = 1.0) -> torch.optim.Optimizer:
     return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
 
 
-def test_cosine_warms_up_then_decays_to_the_floor() -> None:
+def test_cosine_warms_up_then_decays_to_the_floor_at_the_last_step() -> None:
     lrs = _lrs(cosine_schedule(_optimizer(), total_steps=100, warmup_steps=10, min_lr_ratio=0.1), 100)
-    assert lrs[0] == pytest.approx(0.1)  # (0 + 1) / 10 of the base LR
-    assert lrs[9] == pytest.approx(1.0)
-    assert lrs[10] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
-    assert lrs[100] == pytest.approx(0.1, rel=1e-6)
-    midpoint = 10 + 45
-    assert lrs[midpoint] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), rel=1e-6)
+    assert lrs[0] == pytest.approx(1 / 11)  # (0 + 1) / (10 + 1) of the base LR
+    assert lrs[9] == pytest.approx(10 / 11)
+    assert lrs[10] == pytest.approx(1.0)  # the peak: first step after warm-up
+    assert all(a >= b for a, b in zip(lrs[10:99], lrs[11:100], strict=True))
+    assert lrs[99] == pytest.approx(0.1, rel=1e-9)  # the fit's last optimizer step (index total_steps - 1)
+    midpoint = 10 + 89 / 2
+    assert cosine_schedule(_optimizer(), 100, warmup_steps=10, min_lr_ratio=0.1).lr_lambdas[0](midpoint) == (
+        pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), rel=1e-9)
+    )
 
 
 def test_cosine_warmup_as_fraction() -> None:
     lrs = _lrs(cosine_schedule(_optimizer(), total_steps=200, warmup_steps=0.05), 200)
-    assert lrs[9] == pytest.approx(1.0) and lrs[8] < 1.0  # 10 warm-up steps
-    assert lrs[200] == pytest.approx(0.0, abs=1e-12)
+    assert lrs[10] == pytest.approx(1.0) and lrs[9] < 1.0  # 10 warm-up steps
+    assert lrs[199] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_linear_warmup_then_linear_decay() -> None:
+    lrs = _lrs(linear_warmup_schedule(_optimizer(), total_steps=21, warmup_steps=4, min_lr_ratio=0.2), 21)
+    assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    decay = lrs[4:21]
+    assert decay == pytest.approx([1.0 - 0.8 * i / 16 for i in range(17)])
+    assert lrs[20] == pytest.approx(0.2, rel=1e-9)
 
 
 @pytest.mark.parametrize(

@@ -2,4 +2,6 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from lightning_accel.callbacks.accumulation import AccumulationScheduler
+
+__all__ = ["AccumulationScheduler"]
