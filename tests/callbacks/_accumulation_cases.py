@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -69,6 +70,20 @@ class Regression(pl.LightningModule):
         return schedules.configure_optimizers(self, functools.partial(torch.optim.SGD, lr=LR), self.lr_scheduler)
 
 
+class ShardedRegression(Regression):
+    """The same model with its layer sharded by FSDP2 under ModelParallelStrategy."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.layer, mesh=self.device_mesh["data_parallel"])
+
+
+def _fsdp_reduces_grads(module: nn.Module) -> bool:
+    """Whether an FSDP2 module will reduce-scatter gradients on this backward (torch internals, tests only)."""
+    return bool(module._get_fsdp_state()._fsdp_param_group.reduce_grads)
+
+
 class Recorder(pl.Callback):
     """Per optimizer step: epoch, LR used, window size. Per backward: DDP's gradient-sync flag and window end."""
 
@@ -87,14 +102,22 @@ class Recorder(pl.Callback):
         )
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        ddp = trainer.strategy.model
-        sync = bool(getattr(ddp, "require_backward_grad_sync", True))
+        if isinstance(pl_module, ShardedRegression):
+            sync = _fsdp_reduces_grads(pl_module.layer)
+        else:
+            sync = bool(getattr(trainer.strategy.model, "require_backward_grad_sync", True))
         ends = next(cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler)).window_complete
         self.syncs.append((sync, ends))
 
 
 def run_case(
-    schedule: str, lr_schedule: str, root: str, *, resume_from: str | None = None, save_every_step: bool = False
+    schedule: str,
+    lr_schedule: str,
+    root: str,
+    *,
+    resume_from: str | None = None,
+    save_every_step: bool = False,
+    fsdp: bool = False,
 ) -> dict[str, Any]:
     """Fit one case; returns what the tests compare."""
     kwargs, max_epochs, max_steps = SCHEDULES[schedule]
@@ -111,7 +134,9 @@ def run_case(
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy="ddp" if world > 1 else "auto",
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+        if fsdp
+        else ("ddp" if world > 1 else "auto"),
         max_epochs=max_epochs,
         max_steps=max_steps,
         callbacks=callbacks,
@@ -122,7 +147,7 @@ def run_case(
         default_root_dir=root,
         use_distributed_sampler=False,  # Lightning's own DistributedSampler always shuffles training data
     )
-    model = Regression(LR_SCHEDULES[lr_schedule])
+    model = (ShardedRegression if fsdp else Regression)(LR_SCHEDULES[lr_schedule])
     data = dataset(world)
     rank = int(os.environ.get("RANK", "0"))
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
@@ -139,9 +164,15 @@ def run_case(
         "steps": recorder.steps,
         "syncs": recorder.syncs,
         "initial": {k: v.tolist() for k, v in model.initial.items()},
-        "final": {k: v.tolist() for k, v in model.layer.state_dict().items()},
+        "final": {k: _full(v).tolist() for k, v in model.layer.state_dict().items()},
         "accumulate_after_fit": trainer.accumulate_grad_batches,
     }
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def run_all(root: str) -> dict[str, Any]:
@@ -157,6 +188,8 @@ def run_all(root: str) -> dict[str, Any]:
         checkpoint = f"{full_root}/ckpt/s{mid}.ckpt"
         resumed = run_case(schedule, "cosine", f"{root}/{schedule}-resumed", resume_from=checkpoint)
         results[f"{schedule}/resume"] = {"full": full, "resumed": resumed, "resumed_at": mid}
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        results["step/fsdp"] = run_case("step", "cosine", f"{root}/step-fsdp", fsdp=True)
     return results
 
 

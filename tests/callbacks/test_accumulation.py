@@ -156,6 +156,14 @@ def test_two_ddp_processes(two_processes: list[dict[str, Any]], schedule: str, l
         assert sum(ends for _, ends in result["syncs"]) == len(result["steps"])
 
 
+def test_two_processes_fsdp2_under_model_parallel_strategy(two_processes: list[dict[str, Any]]) -> None:
+    rank0, rank1 = (r["step/fsdp"] for r in two_processes)
+    _check_case(rank0, "step", "cosine")  # the same weights as big-batch steps, from sharded parameters
+    assert rank1["final"] == rank0["final"]
+    for result in (rank0, rank1):  # FSDP2 reduce-scatters only on the micro-batch that ends a window
+        assert [sync for sync, _ in result["syncs"]] == [ends for _, ends in result["syncs"]]
+
+
 @pytest.mark.parametrize("schedule", ["epoch", "step", "global_batch"])
 def test_two_ddp_processes_resume_mid_schedule(two_processes: list[dict[str, Any]], schedule: str) -> None:
     for results in two_processes:
