@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "LightningAccelError", "LightningAccelWarning"]
+__all__ = ["ConfigError", "LightningAccelError", "LightningAccelWarning", "NonFiniteLossError"]
 
 
 class LightningAccelError(Exception):
@@ -11,6 +11,10 @@ class LightningAccelError(Exception):
 
 class ConfigError(LightningAccelError, ValueError):
     """A setting that cannot work; the message names the setting, the value received and the fix."""
+
+
+class NonFiniteLossError(LightningAccelError):
+    """Training met a NaN/inf loss under `NonFiniteGuard(action="raise")`; the message names the step and checkpoint."""
 
 
 class LightningAccelWarning(UserWarning):

@@ -13,9 +13,10 @@ from lightning_accel.errors import ConfigError
 __all__ = ["check_config"]
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+# `amp` and `fp8` are resolved per hardware (lightning_accel.precision) before the Trainer is built.
 _PRECISIONS = (
-    "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true",
-    "64-true", "16", "32", "64", "bf16",
+    "amp", "fp8", "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
+    "32-true", "64-true", "16", "32", "64", "bf16",
 )  # fmt: skip
 _DEVICES_STR = re.compile(r"^\s*(auto|-1|\d+|\d+\s*(,\s*\d+\s*)*,?)\s*$")
 
@@ -39,6 +40,9 @@ def check_config(cfg: DictConfig) -> None:
         "trainer.precision", trainer.get("precision", "32-true"), _PRECISIONS, hint="or pick `precision=NAME`"
     )
     _check_strategy(trainer.get("strategy", "auto"))
+    if cfg.get("float32_matmul_precision") is not None:
+        _check_choice("float32_matmul_precision", cfg.float32_matmul_precision, ("highest", "high", "medium"),
+                      hint="or null to leave it alone")  # fmt: skip
     _check_int("trainer.num_nodes", trainer.get("num_nodes", 1), minimum=1)
     _check_int("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), minimum=1)
     _check_int("trainer.max_steps", trainer.get("max_steps", -1), minimum=-1)
@@ -47,6 +51,7 @@ def check_config(cfg: DictConfig) -> None:
     seed = cfg.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"`seed={seed!r}` must be an integer or null.")
+    _check_accumulation(cfg)
 
 
 def _show(value: Any) -> str:
@@ -98,3 +103,51 @@ def _check_strategy(strategy: Any) -> None:
 def _check_int(setting: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"`{setting}={_show(value)}` must be an integer >= {minimum}.")
+
+
+_ACCUMULATION_CALLBACKS = ("AccumulationScheduler", "GradientAccumulationScheduler")
+
+
+def _check_accumulation(cfg: DictConfig) -> None:
+    """An accumulation callback owns `accumulate_grad_batches`; a global batch must split evenly over the devices."""
+    callbacks = cfg.get("callbacks") or {}
+    schedulers = [
+        (name, node)
+        for name, node in callbacks.items()
+        if isinstance(node, DictConfig) and str(node.get("_target_", "")).rsplit(".", 1)[-1] in _ACCUMULATION_CALLBACKS
+    ]
+    if not schedulers:
+        return
+    if len(schedulers) > 1:
+        names = ", ".join(f"`callbacks.{name}`" for name, _ in schedulers)
+        raise ConfigError(f"{names} are all accumulation callbacks; keep one (remove others with `~callbacks.NAME`).")
+    name, node = schedulers[0]
+    accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise ConfigError(
+            f"`trainer.accumulate_grad_batches={accumulate}` conflicts with `callbacks.{name}`, which sets it per "
+            "window; use `accumulation=none` with the callback, or remove it with `~callbacks.{name}`."
+        )
+    global_batch = node.get("global_batch_size")
+    micro = node.get("micro_batch_size")
+    world = _world_size(cfg.trainer)
+    if isinstance(global_batch, int) and isinstance(micro, int) and micro > 0 and world is not None:
+        from lightning_accel.callbacks.accumulation import micro_batches_for
+
+        micro_batches_for(global_batch, micro, world)
+
+
+def _world_size(trainer: DictConfig) -> int | None:
+    """Devices x nodes when the config fixes them; None for "auto" and -1, which depend on the machine."""
+    devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes", 1)
+    if isinstance(devices, ListConfig | list):
+        count = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        count = len([d for d in devices.split(",") if d.strip()])
+    elif isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+        count = devices
+    elif isinstance(devices, str) and devices.strip().isdigit() and int(devices) > 0:
+        count = int(devices)
+    else:
+        return None
+    return count * nodes if isinstance(nodes, int) else None

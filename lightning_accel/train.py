@@ -7,19 +7,22 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.launch import hydra_safe_launch
 from lightning_accel.presets import check_config
 from lightning_accel.summary import RunStats, RunSummary, collect_summary, print_summary, write_summary
 
-__all__ = ["instantiate_named", "main", "run"]
+if TYPE_CHECKING:
+    from lightning_accel.precision import ResolvedPrecision
+
+__all__ = ["apply_precision", "instantiate_named", "main", "run"]
 
 log = logging.getLogger("lightning_accel.train")
 
@@ -31,23 +34,48 @@ def instantiate_named(section: DictConfig | None) -> list[Any]:
     return [instantiate(node) for _, node in sorted(section.items()) if node is not None]
 
 
+def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
+    """Resolve `trainer.precision` for this machine, write it back into `cfg` and apply `float32_matmul_precision`.
+
+    `amp` and `fp8` become a Lightning precision string (see `lightning_accel.precision.resolve_precision`), and
+    the choice is logged with its reason. A Hydra app of your own that selects `precision=amp` or `precision=fp8`
+    (or `preset=amp`) calls this before it instantiates `cfg.trainer`, and adds `resolved.callbacks` to the
+    Trainer's callbacks.
+
+    Raises:
+        ConfigError: when the precision cannot run here (fp8 without a capable GPU or package, bf16 on a GPU without
+            bf16, ...) or `float32_matmul_precision` is not `highest`, `high`, `medium` or null.
+    """
+    import torch
+
+    from lightning_accel.precision import apply_float32_matmul_precision, resolve_precision
+
+    accelerator = cfg.trainer.get("accelerator", "auto")
+    resolved = resolve_precision(
+        cfg.trainer.get("precision", "32-true"), accelerator if isinstance(accelerator, str) else "auto"
+    )
+    apply_float32_matmul_precision(cfg.get("float32_matmul_precision"))
+    with open_dict(cfg):
+        cfg.trainer.precision = resolved.value
+    log.info("%s; float32_matmul_precision=%s", resolved.describe(), torch.get_float32_matmul_precision())
+    return resolved
+
+
 def config_digest(cfg: DictConfig) -> str:
     """sha256 of the resolved config: every rank of a run logs it, so equal configs can be checked."""
     return hashlib.sha256(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()
 
 
 def _drop_logger_callbacks(callbacks: list[Any]) -> list[Any]:
-    import warnings
-
     from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.utilities import rank_zero_warn
 
     kept = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
     if len(kept) != len(callbacks):
-        warnings.warn(
+        rank_zero_warn(
             "`logger=none` leaves LearningRateMonitor nothing to log to; it is removed "
             "(add a logger, or `~callbacks.lr_monitor` to silence this).",
-            LightningAccelWarning,
-            stacklevel=2,
+            category=LightningAccelWarning,
         )
     return kept
 
@@ -62,6 +90,7 @@ def run(cfg: DictConfig) -> RunSummary | None:
     """
     started = time.perf_counter()
     check_config(cfg)
+    resolved = apply_precision(cfg)
     import lightning.pytorch as pl
 
     if cfg.get("seed") is not None:
@@ -72,6 +101,7 @@ def run(cfg: DictConfig) -> RunSummary | None:
     callbacks = instantiate_named(cfg.get("callbacks"))
     if not loggers:
         callbacks = _drop_logger_callbacks(callbacks)
+    callbacks += [cb for cb in resolved.callbacks if not any(type(have) is type(cb) for have in callbacks)]
     stats = RunStats()
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=[*callbacks, stats], logger=loggers or False)
     run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else str(trainer.default_root_dir)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import warnings
 from importlib import resources
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from lightning.pytorch.strategies import DDPStrategy
 
+from lightning_accel.callbacks import AccumulationScheduler
+from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.presets import check_config
-from lightning_accel.train import instantiate_named
+from lightning_accel.system import read_cpu_info
+from lightning_accel.train import apply_precision, instantiate_named
 
 CONF = resources.files("lightning_accel.conf")
 
@@ -35,6 +40,25 @@ def _packaged_options() -> list[tuple[str, str]]:
 OPTIONS = _packaged_options()
 # Options that only make sense together with another choice.
 COMPANIONS = {("data", "digits"): ["model=classifier"]}
+# What each precision option composes to, and what it resolves to on a CPU Trainer here: a Lightning precision, or the
+# error the run stops with. A new option without an entry fails the test (KeyError) rather than being skipped.
+_CPU_AMP = "bf16-mixed" if read_cpu_info().has_native_bf16 else "32-true"
+PRECISIONS: dict[str, tuple[str, str | type[Exception]]] = {
+    "fp32": ("32-true", "32-true"),
+    "amp": ("amp", _CPU_AMP),
+    "bf16_mixed": ("bf16-mixed", "bf16-mixed"),
+    "fp16_mixed": ("16-mixed", "bf16-mixed"),  # fp16 autocast does not run on CPU: bf16, with a warning
+    "bf16_true": ("bf16-true", "bf16-true"),
+    "fp8": ("fp8", ConfigError),  # needs a CUDA GPU of compute capability 8.9+
+}
+
+
+@pytest.fixture(autouse=True)
+def _restore_matmul_precision():
+    """apply_precision sets torch's float32 matmul precision for the process; put it back after each test."""
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
 
 
 def test_listing_covers_the_documented_groups() -> None:
@@ -42,6 +66,7 @@ def test_listing_covers_the_documented_groups() -> None:
     assert groups >= {"trainer", "precision", "strategy", "accumulation", "scheduler", "callbacks", "logger", "model",
                       "data", "preset", "paths", "hydra"}  # fmt: skip
     options = set(OPTIONS)
+    assert {option for group, option in OPTIONS if group == "precision"} == set(PRECISIONS)
     for required in [("precision", "fp32"), ("precision", "bf16_mixed"), ("precision", "fp16_mixed"),
                      ("strategy", "auto"), ("strategy", "ddp"), ("scheduler", "none"), ("scheduler", "cosine"),
                      ("scheduler", "onecycle"), ("accumulation", "none"), ("accumulation", "fixed"),
@@ -55,7 +80,18 @@ def test_option_composes_and_builds_a_cpu_trainer(compose_train, group: str, opt
     overrides = [] if group == "hydra" else [f"{group}={option}", *COMPANIONS.get((group, option), [])]
     cfg = compose_train([*overrides, "trainer.accelerator=cpu"])
     check_config(cfg)
-    callbacks = instantiate_named(cfg.callbacks)
+    if group == "precision":
+        composed, resolved = PRECISIONS[option]
+        assert cfg.trainer.precision == composed
+        assert cfg.float32_matmul_precision in ("highest", "high", "medium")
+        if isinstance(resolved, type):
+            with pytest.raises(resolved):
+                apply_precision(cfg)
+            return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        precision_callbacks = list(apply_precision(cfg).callbacks)
+    callbacks = instantiate_named(cfg.callbacks) + precision_callbacks
     loggers = instantiate_named(cfg.logger)
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     assert isinstance(trainer, pl.Trainer)
@@ -67,11 +103,17 @@ def test_option_composes_and_builds_a_cpu_trainer(compose_train, group: str, opt
     # Each option does what its name says.
     if group == "strategy" and option == "ddp":
         assert isinstance(trainer.strategy, DDPStrategy)
+    ours = [str(w.message) for w in caught if issubclass(w.category, LightningAccelWarning)]
     if group == "precision":
-        expected = {"fp32": "32-true", "bf16_mixed": "bf16-mixed", "fp16_mixed": "16-mixed"}[option]
-        assert cfg.trainer.precision == expected
+        assert cfg.trainer.precision == resolved and trainer.precision == resolved
+        assert torch.get_float32_matmul_precision() == cfg.float32_matmul_precision
+        # One warning when a setting is changed (amp picking a mixed precision is a choice, not a change).
+        warns = resolved != composed and (composed != "amp" or resolved == "32-true")
+        assert len(ours) == int(warns), ours
     if group == "accumulation":
-        assert trainer.accumulate_grad_batches == {"none": 1, "fixed": 4}[option]
+        schedulers = [cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler)]
+        expected = {"none": (1, 0), "fixed": (4, 0), "schedule": (1, 1), "global_batch": (1, 1)}[option]
+        assert (trainer.accumulate_grad_batches, len(schedulers)) == expected
     if group == "scheduler":
         assert (cfg.scheduler is None) == (option == "none")
         assert (model.lr_scheduler is None) == (option == "none")
@@ -85,10 +127,10 @@ def test_presets_set_the_ladder(compose_train) -> None:
     baseline = compose_train(["preset=baseline"])
     assert (baseline.trainer.precision, baseline.data.num_workers, baseline.trainer.devices) == ("32-true", 0, 1)
     amp = compose_train(["preset=amp"])
-    assert amp.trainer.precision == "bf16-mixed" and amp.data.num_workers > 0
+    assert amp.trainer.precision == "amp" and amp.data.num_workers > 0  # resolved per hardware at launch
     ddp = compose_train(["preset=ddp"])
     assert ddp.trainer.strategy._target_.endswith("DDPStrategy") and ddp.trainer.devices == "auto"
-    assert ddp.trainer.precision == "bf16-mixed"
+    assert ddp.trainer.precision == "amp"
 
 
 def test_command_line_beats_preset(compose_train) -> None:
@@ -102,7 +144,7 @@ def test_callbacks_are_a_dict_keyed_by_name(compose_train) -> None:
     assert "lr_monitor" not in cfg.callbacks
     assert cfg.callbacks.model_checkpoint.save_top_k == 3
     both = compose_train(["callbacks=[default,early_stopping]"])
-    assert set(both.callbacks) == {"model_checkpoint", "lr_monitor", "model_summary", "early_stopping"}
+    assert set(both.callbacks) == {"model_checkpoint", "lr_monitor", "model_summary", "skipped_steps", "early_stopping"}
 
 
 def test_classifier_model_brings_its_data(compose_train) -> None:

@@ -82,12 +82,12 @@ data:
   persistent_workers: false
 '''
 
-# The user's own bf16_mixed wins over the packaged one of the same name.
+# The user's own amp wins over the packaged one of the same name.
 OWN_PRECISION = '''
 # @package _global_
 trainer:
   precision: 32-true
-marker: users-own-bf16_mixed
+marker: users-own-amp
 '''
 
 
@@ -95,7 +95,7 @@ def _write_app(root: Path) -> None:
     (root / "conf" / "precision").mkdir(parents=True)
     (root / "app.py").write_text(APP)
     (root / "conf" / "config.yaml").write_text(textwrap.dedent(CONFIG))
-    (root / "conf" / "precision" / "bf16_mixed.yaml").write_text(OWN_PRECISION)
+    (root / "conf" / "precision" / "amp.yaml").write_text(OWN_PRECISION)
 
 
 def _result(stdout: str) -> dict:
@@ -127,7 +127,7 @@ def test_users_app_selects_packaged_presets_and_trains(tmp_path: Path, run_cli) 
 
     amp = app("preset=amp", "callbacks=[lr_monitor,model_summary]", "scheduler=onecycle", "trainer.logger=true")
     assert amp["num_workers"] == 2  # from the packaged amp preset
-    assert amp["marker"] == "users-own-bf16_mixed"  # the preset's `override /precision` took the user's file
+    assert amp["marker"] == "users-own-amp"  # the preset's `override /precision` took the user's file
     assert amp["precision"] == "32-true"
     assert amp["callbacks"] == ["lr_monitor", "model_summary"]
     assert amp["scheduler"]["_target_"] == "lightning_accel.schedules.onecycle_schedule"

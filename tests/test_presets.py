@@ -22,7 +22,8 @@ def test_valid_devices_pass(compose_train, devices: str) -> None:
         ("trainer.devices=0", "`trainer.devices=0`", "-1 for all devices"),
         ("trainer.devices=[]", "`trainer.devices=[]`", "`trainer.devices=[0,1]`"),
         ("trainer.accelerator=gpux", "`trainer.accelerator='gpux'`", "`cpu`"),
-        ("trainer.precision=fp8", "`trainer.precision='fp8'`", "`precision=NAME`"),
+        ("trainer.precision=fp4", "`trainer.precision='fp4'`", "`precision=NAME`"),
+        ("float32_matmul_precision=tf32", "`float32_matmul_precision='tf32'`", "`high`"),
         ("trainer.strategy=ddpp", "`trainer.strategy='ddpp'`", "`strategy=NAME`"),
         ("trainer.accumulate_grad_batches=0", "`trainer.accumulate_grad_batches=0`", ">= 1"),
         ("trainer.max_steps=ten", "`trainer.max_steps='ten'`", "integer"),
@@ -63,3 +64,30 @@ def test_cli_unknown_option_lists_the_valid_ones(run_cli, tmp_path: Path) -> Non
     assert "Could not find 'preset/nope'" in result.stderr
     for option in ("amp", "baseline", "ddp"):
         assert f"\t{option}\n" in result.stderr
+
+
+_LIGHTNING_ACC = "lightning.pytorch.callbacks.GradientAccumulationScheduler"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["accumulation=schedule", "trainer.accumulate_grad_batches=4"],
+         "`trainer.accumulate_grad_batches=4` conflicts with `callbacks.accumulation`"),
+        (["accumulation=global_batch", "callbacks.accumulation.global_batch_size=100"],
+         "`global_batch_size=100` is not a multiple of micro-batch size 32 x world size 1 = 32; use 96 or 128"),
+        (["accumulation=global_batch", "trainer.devices=3", "strategy=ddp", "trainer.accelerator=cpu"],
+         "`global_batch_size=128` is not a multiple of micro-batch size 32 x world size 3 = 96"),
+        (["accumulation=schedule", f"+callbacks.lightning_acc._target_={_LIGHTNING_ACC}"],
+         "are all accumulation callbacks"),
+    ],
+)  # fmt: skip
+def test_accumulation_conflicts_fail_before_launch(compose_train, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_train(overrides))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("devices", ["1", "2", "4", "auto"])
+def test_global_batch_that_divides_passes(compose_train, devices: str) -> None:
+    check_config(compose_train(["accumulation=global_batch", f"trainer.devices={devices}"]))

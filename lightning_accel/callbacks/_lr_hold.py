@@ -1,0 +1,86 @@
+"""Keeps step-interval LR schedulers from advancing on optimizer steps that did not update the weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+__all__ = ["active_hold", "grad_scaler", "hold_lr_schedulers", "release_lr_schedulers"]
+
+HoldPredicate = Callable[[], bool]
+
+
+def grad_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
+    """The precision plugin's enabled GradScaler (fp16 mixed precision), or None."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+
+class _LRHold:
+    """Stands in for `LightningModule.lr_scheduler_step` as an instance attribute.
+
+    Lightning's training epoch loop steps the schedulers after each optimizer step through
+    `call._call_lightning_module_hook(trainer, "lr_scheduler_step", scheduler, metric)`, which looks the hook up with
+    `getattr(pl_module, ...)`, so an instance attribute takes precedence over the class's method. A scheduler whose
+    interval is "step" is not stepped while any owner's predicate returns True; "epoch" schedulers always step.
+    Nothing is set on the scheduler objects, whose `state_dict` saves their whole `__dict__`. A copy or pickle of
+    the module (which Lightning makes without its trainer) gets a hold without owners, which only passes through.
+    """
+
+    def __init__(self, pl_module: pl.LightningModule) -> None:
+        self.pl_module = pl_module
+        self.owners: dict[int, HoldPredicate] = {}
+        self.shadowed = pl_module.__dict__.get("lr_scheduler_step")  # an instance attribute we cover, if any
+        self.held_steps = 0  # scheduler steps suppressed, for tests and debugging
+
+    def __call__(self, scheduler: Any, *args: Any) -> None:  # args: (metric,) in Lightning 2.x
+        if self.owners and self._is_step_interval(scheduler) and any(held() for held in self.owners.values()):
+            self.held_steps += 1
+            return
+        if self.shadowed is not None:
+            self.shadowed(scheduler, *args)
+        else:
+            type(self.pl_module).lr_scheduler_step(self.pl_module, scheduler, *args)
+
+    def _is_step_interval(self, scheduler: Any) -> bool:
+        configs = self.pl_module.trainer.lr_scheduler_configs
+        return any(cfg.scheduler is scheduler and cfg.interval == "step" for cfg in configs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "owners": {}}  # the owners' predicates belong to the running fit
+
+
+def hold_lr_schedulers(pl_module: pl.LightningModule, owner: object, held: HoldPredicate) -> None:
+    """Install (or join) the hold on `pl_module`: step-interval schedulers skip a step whenever `held()` is True.
+
+    `held` is asked after the optimizer step, once per step-interval scheduler, and must give the same answer for
+    every scheduler of one step. Pair with `release_lr_schedulers(pl_module, owner)`.
+    """
+    hold = active_hold(pl_module)
+    if hold is None:
+        hold = _LRHold(pl_module)
+        pl_module.__dict__["lr_scheduler_step"] = hold  # an instance attribute, looked up before the method
+    hold.owners[id(owner)] = held
+
+
+def release_lr_schedulers(pl_module: pl.LightningModule, owner: object) -> None:
+    """Leave the hold; the last owner to leave restores `pl_module.lr_scheduler_step`. Safe to call twice."""
+    hold = active_hold(pl_module)
+    if hold is None:
+        return
+    hold.owners.pop(id(owner), None)
+    if hold.owners:
+        return
+    if hold.shadowed is None:
+        del pl_module.__dict__["lr_scheduler_step"]
+    else:
+        pl_module.__dict__["lr_scheduler_step"] = hold.shadowed
+
+
+def active_hold(pl_module: pl.LightningModule) -> _LRHold | None:
+    """The hold installed on `pl_module`, if any."""
+    hold = pl_module.__dict__.get("lr_scheduler_step")
+    return hold if isinstance(hold, _LRHold) else None
