@@ -9,6 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from _fake_nvml import FakeGPU, FakeNVML, install
 from test_float8 import FakeTorchao
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -20,6 +21,10 @@ import lightning_accel.callbacks as callbacks
 FACTORIES: dict[str, Callable[[pytest.MonkeyPatch], pl.Callback]] = {
     "AccumulationScheduler": lambda mp: callbacks.AccumulationScheduler({0: 1, 2: 2}, unit="step"),
     "Float8Training": lambda mp: (FakeTorchao().install(mp), callbacks.Float8Training())[1],
+    "GPUMonitor": lambda mp: (
+        install(mp, FakeNVML([FakeGPU("GPU-a"), FakeGPU("GPU-b")])),
+        callbacks.GPUMonitor(device_indices=[0, 1], print_report=False),
+    )[1],
     "NonFiniteGuard": lambda mp: callbacks.NonFiniteGuard(action="skip"),
     "SkippedStepGuard": lambda mp: callbacks.SkippedStepGuard(),
 }

@@ -1,0 +1,91 @@
+"""Alert conditions over a window of GPU readings and rank timings: each says the number and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from lightning_accel.telemetry.ranks import RankStats
+from lightning_accel.telemetry.sampler import Stat
+
+__all__ = ["ALERTS", "Alert", "AlertThresholds", "check_alerts"]
+
+ALERTS = ("low_utilization", "memory_headroom", "throttling", "rank_skew")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlertThresholds:
+    """When each alert fires; None turns that alert off."""
+
+    low_utilization_pct: float | None = 50.0
+    """A GPU's mean utilization over a window below this (%)."""
+    min_memory_headroom_pct: float | None = 5.0
+    """A GPU's free memory at its window peak below this (% of its memory)."""
+    max_throttle_pct: float | None = 25.0
+    """A GPU's clocks held down (thermal, power or hardware slowdown) more than this share of a window (%)."""
+    max_rank_skew_pct: float | None = 20.0
+    """The slowest rank's extra host time per step above this share of the median step time (%)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    name: str
+    step: int
+    value: float
+    """The number that crossed the threshold (its unit is in the message)."""
+    message: str
+    gpu: str | None = None
+
+
+def check_alerts(
+    step: int,
+    gpus: Mapping[str, Mapping[str, Stat]],
+    ranks: RankStats | None,
+    thresholds: AlertThresholds,
+    fired: Collection[str] = (),
+) -> list[Alert]:
+    """The alerts not yet in `fired` whose condition holds in this window (the first GPU that meets it, by key)."""
+    found: dict[str, Alert] = {}
+    for key, stats in gpus.items():
+        seconds = max((s.seconds for s in stats.values()), default=0.0)
+        util, used = stats.get("utilization_pct"), stats.get("memory_used_pct")
+        throttled = stats.get("throttle_any_frac")
+        limit = thresholds.low_utilization_pct
+        if "low_utilization" not in found and limit is not None and util is not None and util.mean < limit:
+            found["low_utilization"] = Alert("low_utilization", step, util.mean, (
+                f"`{key}` was busy {util.mean:.0f}% of the last {seconds:.1f} s (below `low_utilization_pct={limit}`): "
+                "the run looks input-bound. Raise the DataLoader's `num_workers` (or let the DataLoader tuner pick "
+                "it), set `pin_memory=True` and `persistent_workers=True`, or move preprocessing out of the step."
+            ), key)  # fmt: skip
+        limit = thresholds.min_memory_headroom_pct
+        if "memory_headroom" not in found and limit is not None and used is not None and 100.0 - used.max < limit:
+            found["memory_headroom"] = Alert("memory_headroom", step, 100.0 - used.max, (
+                f"`{key}` peaked at {used.max:.1f}% of its memory, {100.0 - used.max:.1f}% headroom (below "
+                f"`min_memory_headroom_pct={limit}`): a longer batch or allocator fragmentation will raise CUDA out of "
+                "memory. Lower the batch size and accumulate gradients, use bf16 mixed precision, or checkpoint "
+                "activations."
+            ), key)  # fmt: skip
+        limit = thresholds.max_throttle_pct
+        if "throttling" not in found and limit is not None and throttled is not None and 100 * throttled.mean > limit:
+            parts = ", ".join(
+                f"{what} {100 * stats[name].mean:.0f}%"
+                for what, name in (("thermal", "throttle_thermal_frac"), ("power", "throttle_power_frac"),
+                                   ("hardware slowdown", "throttle_hw_slowdown_frac")) if name in stats
+            )  # fmt: skip
+            found["throttling"] = Alert("throttling", step, 100 * throttled.mean, (
+                f"`{key}` ran with reduced clocks {100 * throttled.mean:.0f}% of the last {seconds:.1f} s ({parts}; "
+                f"above `max_throttle_pct={limit}`). Thermal or hardware slowdown: check cooling and airflow "
+                "(`nvidia-smi -q -d PERFORMANCE,TEMPERATURE`). Power: the card is at its power limit "
+                "(`nvidia-smi -q -d POWER`); expected at full load, otherwise raise the limit if the site allows."
+            ), key)  # fmt: skip
+    limit = thresholds.max_rank_skew_pct
+    if ranks is not None and limit is not None and ranks.skew_pct > limit:
+        low, median, high = ranks.step_time_s
+        found["rank_skew"] = Alert("rank_skew", step, ranks.skew_pct, (
+            f"Rank {ranks.slowest} is the straggler: it needs {ranks.skew_pct:.0f}% of a step more host time than "
+            f"the median rank (step time {1e3 * median:.1f} ms median, {1e3 * high:.1f} ms max; data wait "
+            f"{1e3 * ranks.data_time_s[2]:.1f} ms max vs {1e3 * ranks.data_time_s[1]:.1f} ms median; above "
+            f"`max_rank_skew_pct={limit}`), and the other ranks wait for it at every gradient sync. Give its "
+            "DataLoader more `num_workers`, balance the data shards, and check its GPU's clocks and temperature."
+        ))  # fmt: skip
+    return [alert for name, alert in found.items() if name not in fired]

@@ -1,0 +1,97 @@
+"""The background sampler: exact time-weighted windows from scripted readings, failures, and the real thread."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from _fake_nvml import FakeClock, FakeGPU, FakeNVML, install
+
+from lightning_accel.telemetry.nvml import resolve_devices
+from lightning_accel.telemetry.readings import DeviceReader
+from lightning_accel.telemetry.sampler import NVMLSampler, Stat
+
+
+def _sampler(monkeypatch: pytest.MonkeyPatch, gpus: list[FakeGPU], clock: FakeClock, **kwargs: object) -> NVMLSampler:
+    install(monkeypatch, FakeNVML(gpus, clock=clock, **kwargs))
+    readers = [DeviceReader(d, readings=["utilization", "memory", "energy"]) for d in resolve_devices(range(len(gpus)))]
+    return NVMLSampler(readers, interval_s=0.5, clock=clock)
+
+
+def test_windows_are_exact_time_weighted_aggregates(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    gpus = [FakeGPU("GPU-a", utilization=lambda t: 10.0 * t, energy_mj=lambda t: 3_600.0 * t),
+            FakeGPU("GPU-b", utilization=lambda t: 100.0 if t < 2 else 0.0)]  # fmt: skip
+    sampler = _sampler(monkeypatch, gpus, clock)
+    sampler.start(threaded=False)  # the reference reading at t=0 covers no time
+    assert sampler.close_window() is None
+    for t in (1.0, 1.5, 3.5):  # irregular intervals: 1 s, 0.5 s, 2 s
+        clock.t = t
+        assert sampler.sample_once()
+    window = sampler.close_window()
+    assert (window.start, window.end, window.samples, window.seconds) == (0.0, 3.5, 3, 3.5)
+    util = window.devices[0]["utilization_pct"]  # readings 10, 15, 35 held for 1, 0.5, 2 s
+    assert (util.mean, util.min, util.max, util.last, util.seconds) == ((10 + 7.5 + 70) / 3.5, 10.0, 35.0, 35.0, 3.5)
+    other = window.devices[1]["utilization_pct"]  # 100, 100, 0 held for 1, 0.5, 2 s
+    assert (other.mean, other.min, other.max) == (150 / 3.5, 0.0, 100.0)
+    assert window.devices[0]["energy_wh"].last == pytest.approx(3.5 * 3_600.0 / 3.6e6)
+    clock.t = 4.0
+    sampler.sample_once()
+    second = sampler.close_window()
+    assert (second.start, second.end, second.devices[0]["utilization_pct"].mean) == (3.5, 4.0, 40.0)
+    assert sampler.close_window() is None and sampler.samples == 4
+
+
+def test_explicit_times_and_a_clock_that_stands_still(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(10.0)
+    sampler = _sampler(monkeypatch, [FakeGPU("GPU-a", utilization=lambda t: t)], clock)
+    sampler.start(threaded=False)
+    assert sampler.sample_once(now=10.0)  # no time passed: nothing to weigh
+    assert sampler.close_window() is None
+    clock.t = 12.0
+    assert sampler.sample_once()
+    assert sampler.close_window().devices[0]["utilization_pct"].mean == 12.0
+
+
+def test_a_failure_stops_sampling_and_keeps_what_was_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    sampler = _sampler(monkeypatch, [FakeGPU("GPU-a", utilization=50.0)], clock, fail_at=2.0)
+    sampler.start(threaded=False)
+    clock.t = 1.0
+    assert sampler.sample_once()
+    clock.t = 2.0
+    assert not sampler.sample_once()
+    assert sampler.failure == "NVMLError: GPU is lost"
+    clock.t = 3.0
+    assert not sampler.sample_once()  # never again
+    window = sampler.close_window()
+    assert (window.samples, window.end, window.devices[0]["utilization_pct"].mean) == (1, 1.0, 50.0)
+    sampler.stop()
+    sampler.stop()  # idempotent
+
+
+def test_the_thread_samples_on_its_own_and_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = install(monkeypatch, FakeNVML([FakeGPU("GPU-a", utilization=70.0)], clock=time.monotonic))
+    [device] = resolve_devices([0])
+    sampler = NVMLSampler([DeviceReader(device)], interval_s=0.01)
+    sampler.start()
+    time.sleep(0.25)
+    window = sampler.close_window()
+    sampler.stop()
+    assert sampler._thread is None and not sampler.readers
+    assert window is not None and window.devices[0]["utilization_pct"].mean == 70.0
+    assert 5 <= window.samples <= 0.25 / 0.01 + 2  # on a timer, not a busy loop
+    assert fake.calls["nvmlGpmSampleFree"] == 2  # GPM buffers released
+    samples = sampler.samples
+    time.sleep(0.05)
+    assert sampler.samples == samples
+
+
+def test_stat_merge_and_mean() -> None:
+    first, second = Stat(), Stat()
+    first.add(10.0, 1.0)
+    second.add(40.0, 2.0)
+    first.merge(second)
+    assert (first.mean, first.min, first.max, first.last, first.seconds) == (30.0, 10.0, 40.0, 40.0, 3.0)
+    assert math.isnan(Stat().mean)
