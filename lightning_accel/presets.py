@@ -10,7 +10,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_accel.errors import ConfigError
 
-__all__ = ["check_config"]
+__all__ = ["check_combinations", "check_config", "effective_trainer_settings"]
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 # `amp` and `fp8` are resolved per hardware (lightning_accel.precision) before the Trainer is built.
@@ -52,6 +52,7 @@ def check_config(cfg: DictConfig) -> None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"`seed={seed!r}` must be an integer or null.")
     _check_accumulation(cfg)
+    check_combinations(cfg)
 
 
 def _show(value: Any) -> str:
@@ -151,3 +152,129 @@ def _world_size(trainer: DictConfig) -> int | None:
     else:
         return None
     return count * nodes if isinstance(nodes, int) else None
+
+
+def _visible_cuda_devices() -> int:
+    """CUDA devices this process sees, counted without creating a CUDA context (NVML first, as Lightning does)."""
+    from lightning.fabric.accelerators.cuda import num_cuda_devices
+
+    return num_cuda_devices()
+
+
+def _strategy_name(strategy: Any) -> str:
+    """The strategy family ("ddp", "fsdp", "model_parallel", "deepspeed", ...) of a registry name or `_target_`."""
+    if isinstance(strategy, (DictConfig, Mapping)):
+        target = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
+        names = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "ModelParallelStrategy": "model_parallel",
+                 "DeepSpeedStrategy": "deepspeed", "SingleDeviceStrategy": "single_device"}  # fmt: skip
+        return names.get(target, target)
+    name = str(strategy)
+    for family in ("fsdp", "deepspeed", "ddp"):
+        if name.startswith(family):
+            return family
+    return name
+
+
+def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> None:
+    """Settings that are each valid but fail together, or that Lightning would silently ignore.
+
+    Checked: the accelerator against the CUDA devices visible, `trainer.devices` against them, the strategy against
+    the accelerator (FSDP and DeepSpeed need CUDA), the precision against the strategy (ModelParallelStrategy) and
+    the accelerator (Transformer Engine needs CUDA), and DDP communication hooks on CPU (Lightning drops them).
+
+    Args:
+        cfg: the composed config.
+        visible_cuda: CUDA devices visible; None counts them (without creating a CUDA context).
+
+    Raises:
+        ConfigError: naming the settings, the values and the fix.
+    """
+    trainer = cfg.trainer
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator not in ("auto", "cpu", "gpu", "cuda"):
+        return  # mps and tpu: Lightning checks those itself
+    visible = _visible_cuda_devices() if visible_cuda is None else visible_cuda
+    on_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and visible > 0)
+    devices = trainer.get("devices", "auto")
+    if accelerator in ("gpu", "cuda") and visible == 0:
+        raise ConfigError(
+            f"`trainer.accelerator={accelerator}` but this process sees no CUDA device (check `nvidia-smi` and "
+            "CUDA_VISIBLE_DEVICES, or run `accel-doctor`); use `trainer.accelerator=cpu` to run on the CPU."
+        )
+    if on_cuda:
+        _check_devices_visible(devices, visible)
+    strategy = trainer.get("strategy", "auto")
+    name = _strategy_name(strategy)
+    if not on_cuda and name in ("fsdp", "deepspeed"):
+        fix = "`strategy=model_parallel` (FSDP2, runs on CPU)" if name == "fsdp" else "`strategy=ddp`"
+        raise ConfigError(
+            f"`trainer.strategy={_show(strategy)}` needs CUDA GPUs, but this run is on the CPU "
+            f"(`trainer.accelerator={accelerator}`); use {fix}, or run on GPUs."
+        )
+    precision = str(trainer.get("precision", "32-true"))
+    if name == "model_parallel" and precision in ("16-mixed", "16", "transformer-engine-float16"):
+        raise ConfigError(
+            f"`trainer.precision={precision}` is not supported by `strategy=model_parallel` (ModelParallelStrategy "
+            "takes 32-true, bf16-mixed, bf16-true or 16-true); use `precision=bf16_mixed`."
+        )
+    if not on_cuda and precision.startswith("transformer-engine"):
+        raise ConfigError(
+            f"`trainer.precision={precision}` needs a CUDA GPU (Transformer Engine), but this run is on the CPU; "
+            "use `precision=bf16_mixed` or `precision=fp32`."
+        )
+    if not on_cuda and isinstance(strategy, (DictConfig, Mapping)) and strategy.get("ddp_comm_hook") is not None:
+        raise ConfigError(
+            f"`trainer.strategy.ddp_comm_hook={_show(strategy.get('ddp_comm_hook'))}` has no effect on the CPU: "
+            "Lightning registers DDP communication hooks on CUDA only and drops them silently elsewhere; remove "
+            "it (`~trainer.strategy.ddp_comm_hook`) or run on GPUs."
+        )
+
+
+def _check_devices_visible(devices: Any, visible: int) -> None:
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, str) and "," in devices:
+        devices = [int(d) for d in devices.split(",") if d.strip()]
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > visible:
+        raise ConfigError(
+            f"`trainer.devices={devices}` but only {visible} CUDA device(s) are visible; use "
+            f"`trainer.devices={visible}` or `trainer.devices=-1` (all), or check CUDA_VISIBLE_DEVICES."
+        )
+    if isinstance(devices, (ListConfig, list)):
+        missing = [d for d in devices if isinstance(d, int) and d >= visible]
+        if missing:
+            raise ConfigError(
+                f"`trainer.devices={_show(devices)}` names device(s) {missing}, but only indices 0..{visible - 1} "
+                f"are visible; use indices below {visible}, or check CUDA_VISIBLE_DEVICES."
+            )
+
+
+_IMPLIED_DEFAULTS: dict[str, Any] = {
+    "precision": "32-true", "enable_progress_bar": True, "enable_checkpointing": True, "enable_model_summary": True,
+    "log_every_n_steps": 50, "limit_train_batches": 1.0, "limit_val_batches": 1.0, "limit_test_batches": 1.0,
+    "limit_predict_batches": 1.0, "val_check_interval": 1.0, "num_sanity_val_steps": 2,
+}  # fmt: skip
+
+
+def effective_trainer_settings(cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
+    """`{argument: (value, Lightning's default)}` for each Trainer argument the config sets to a non-default value."""
+    import inspect
+
+    import lightning.pytorch as pl
+
+    defaults = {
+        name: param.default
+        for name, param in inspect.signature(pl.Trainer.__init__).parameters.items()
+        if param.default is not inspect.Parameter.empty
+    }
+    settings = OmegaConf.to_container(cfg.trainer, resolve=True)
+    assert isinstance(settings, dict)
+    settings.pop("_target_", None)
+    # What Lightning does with the arguments whose signature default is None.
+    implied = {**_IMPLIED_DEFAULTS, "max_epochs": 1000 if settings.get("max_steps", -1) == -1 else -1}
+    defaults.update({k: v for k, v in implied.items() if defaults.get(k, None) is None})
+    return {
+        key: (value, defaults.get(key, "(no default)"))
+        for key, value in sorted(settings.items())
+        if key not in defaults or value != defaults[key]
+    }

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.launch import hydra_safe_launch
-from lightning_accel.presets import check_config
+from lightning_accel.presets import check_combinations, check_config, effective_trainer_settings
 from lightning_accel.summary import RunStats, RunSummary, collect_summary, print_summary, write_summary
 
 if TYPE_CHECKING:
@@ -61,6 +61,25 @@ def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
     return resolved
 
 
+def print_check(cfg: DictConfig, resolved: ResolvedPrecision) -> None:
+    """What `accel-train check=true` prints: the Trainer arguments that differ from Lightning's defaults."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="accel-train check: the config is valid; nothing was built or launched")
+    table.add_column("Trainer argument")
+    table.add_column("value")
+    table.add_column("Lightning's default")
+    for key, (value, default) in effective_trainer_settings(cfg).items():
+        table.add_row(key, repr(value), repr(default))
+    console = Console()
+    console.print(table)
+    console.print(f"{resolved.describe()}; float32_matmul_precision={cfg.get('float32_matmul_precision')}")
+    callbacks = sorted(name for name, node in (cfg.get("callbacks") or {}).items() if node is not None)
+    loggers = sorted(name for name, node in (cfg.get("logger") or {}).items() if node is not None)
+    console.print(f"callbacks: {', '.join(callbacks) or 'none'}; loggers: {', '.join(loggers) or 'none'}")
+
+
 def config_digest(cfg: DictConfig) -> str:
     """sha256 of the resolved config: every rank of a run logs it, so equal configs can be checked."""
     return hashlib.sha256(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()
@@ -91,6 +110,10 @@ def run(cfg: DictConfig) -> RunSummary | None:
     started = time.perf_counter()
     check_config(cfg)
     resolved = apply_precision(cfg)
+    check_combinations(cfg)  # again, now with the precision resolved for this machine
+    if cfg.get("check", False):
+        print_check(cfg, resolved)
+        return None
     import lightning.pytorch as pl
 
     if cfg.get("seed") is not None:

@@ -91,3 +91,71 @@ def test_accumulation_conflicts_fail_before_launch(compose_train, overrides: lis
 @pytest.mark.parametrize("devices", ["1", "2", "4", "auto"])
 def test_global_batch_that_divides_passes(compose_train, devices: str) -> None:
     check_config(compose_train(["accumulation=global_batch", f"trainer.devices={devices}"]))
+
+
+_MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
+_GET_METHOD = "hydra.utils.get_method"
+_FP16_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook"
+
+
+@pytest.mark.parametrize(
+    ("visible", "overrides", "message", "fix"),
+    [
+        (0, ["trainer.accelerator=gpu"], "`trainer.accelerator=gpu` but this process sees no CUDA device",
+         "use `trainer.accelerator=cpu`"),
+        (2, ["trainer.accelerator=gpu", "trainer.devices=4", "strategy=ddp"],
+         "`trainer.devices=4` but only 2 CUDA device(s) are visible", "use `trainer.devices=2`"),
+        (2, ["trainer.accelerator=cuda", "trainer.devices=[0,3]", "strategy=ddp"], "names device(s) [3]",
+         "use indices below 2"),
+        (2, ["trainer.devices='0,2'", "strategy=ddp"], "names device(s) [2]", "use indices below 2"),
+        (0, ["trainer.strategy=fsdp"], "`trainer.strategy='fsdp'` needs CUDA GPUs",
+         "use `strategy=model_parallel`"),
+        (0, ["trainer.strategy=deepspeed_stage_2", "trainer.accelerator=cpu"], "needs CUDA GPUs", "use `strategy=ddp`"),
+        (2, [f"trainer.strategy={{_target_: {_MODEL_PARALLEL}}}", "precision=fp16_mixed"],
+         "`trainer.precision=16-mixed` is not supported by `strategy=model_parallel`", "use `precision=bf16_mixed`"),
+        (0, ["trainer.precision=transformer-engine"], "needs a CUDA GPU (Transformer Engine)",
+         "use `precision=bf16_mixed`"),
+        (0, ["strategy=ddp", "trainer.accelerator=cpu", f"+trainer.strategy.ddp_comm_hook._target_={_GET_METHOD}",
+             f"+trainer.strategy.ddp_comm_hook.path={_FP16_HOOK}"],
+         "has no effect on the CPU", "remove it (`~trainer.strategy.ddp_comm_hook`)"),
+    ],
+)  # fmt: skip
+def test_invalid_combination_names_the_fix(
+    compose_train, monkeypatch: pytest.MonkeyPatch, visible: int, overrides: list[str], message: str, fix: str
+) -> None:
+    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: visible)
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_train(overrides))
+    assert message in str(err.value)
+    assert fix in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("visible", "overrides"),
+    [
+        (0, ["trainer.devices=4", "strategy=ddp"]),  # 4 CPU processes
+        (2, ["trainer.accelerator=gpu", "trainer.devices=2", "strategy=ddp"]),
+        (2, ["trainer.accelerator=gpu", "trainer.devices=-1", "strategy=ddp"]),
+        (1, ["trainer.strategy=fsdp"]),  # auto picks the GPU
+        (0, [f"trainer.strategy={{_target_: {_MODEL_PARALLEL}}}", "precision=bf16_mixed"]),
+    ],
+)
+def test_valid_combinations_pass(compose_train, monkeypatch: pytest.MonkeyPatch, visible: int, overrides) -> None:
+    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: visible)
+    check_config(compose_train(overrides))
+
+
+def test_check_only_validates_and_prints_the_non_default_trainer_settings(run_cli, tmp_path: Path) -> None:
+    proc = run_cli(["check=true", "preset=amp", "trainer.max_steps=7"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "the config is valid; nothing was built or launched" in proc.stdout
+    assert "max_steps" in proc.stdout and "│ 7 " in proc.stdout.replace("  ", " ")
+    assert "precision 'amp' ->" in proc.stdout
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("metrics.csv"))
+
+
+def test_cli_rejects_a_bad_combination_before_launch(run_cli, tmp_path: Path) -> None:
+    proc = run_cli(["trainer.accelerator=cpu", "trainer.strategy=fsdp", "trainer.devices=2"], tmp_path)
+    assert proc.returncode == 2
+    assert "accel-train: error: `trainer.strategy='fsdp'` needs CUDA GPUs" in proc.stderr
+    assert "Traceback" not in proc.stderr and "train_rank1.log" not in {p.name for p in tmp_path.rglob("*")}
