@@ -10,7 +10,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_accel.errors import ConfigError
 
-__all__ = ["check_combinations", "check_config", "effective_trainer_settings"]
+__all__ = [
+    "apply_ddp_grad_compression",
+    "check_combinations",
+    "check_config",
+    "effective_trainer_settings",
+    "runs_on_cuda",
+]
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 # `amp` and `fp8` are resolved per hardware (lightning_accel.precision) before the Trainer is built.
@@ -173,6 +179,63 @@ def _strategy_name(strategy: Any) -> str:
         if name.startswith(family):
             return family
     return name
+
+
+def runs_on_cuda(cfg: DictConfig, *, visible_cuda: int | None = None) -> bool:
+    """Whether the composed run's accelerator is CUDA (`gpu`/`cuda`, or `auto` with a CUDA device visible)."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda"):
+        return True
+    if accelerator != "auto":
+        return False
+    return (_visible_cuda_devices() if visible_cuda is None else visible_cuda) > 0
+
+
+_COMPRESSION_HOOKS = {
+    "bf16": "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook",
+    "fp16": "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook",
+}
+
+
+def apply_ddp_grad_compression(cfg: DictConfig, *, visible_cuda: int | None = None) -> str | None:
+    """Turn `ddp_grad_compression` (none, bf16, fp16; set by `strategy=ddp`) into DDPStrategy's `ddp_comm_hook`.
+
+    On CUDA the gradients are all-reduced in the compressed dtype (half the bytes on the wire); on the CPU the hook
+    is not applied, and a rank-zero warning says so (Lightning itself would drop it without a word).
+
+    Returns:
+        What was done, for the log; None when compression is off.
+
+    Raises:
+        ConfigError: for an unknown value, or compression with a strategy other than DDP.
+    """
+    from omegaconf import open_dict
+
+    choice = cfg.get("ddp_grad_compression")
+    if choice in (None, "none"):
+        return None
+    if choice not in _COMPRESSION_HOOKS:
+        raise ConfigError(f"`ddp_grad_compression={_show(choice)}` is not supported; use `none`, `bf16` or `fp16`.")
+    strategy = cfg.trainer.get("strategy", "auto")
+    if not isinstance(strategy, (DictConfig, Mapping)) or _strategy_name(strategy) != "ddp":
+        raise ConfigError(
+            f"`ddp_grad_compression={choice}` needs `strategy=ddp`, not `trainer.strategy={_show(strategy)}`; "
+            "pick `strategy=ddp` or set `ddp_grad_compression=none`."
+        )
+    if not runs_on_cuda(cfg, visible_cuda=visible_cuda):
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        from lightning_accel.errors import LightningAccelWarning
+
+        rank_zero_warn(
+            f"`ddp_grad_compression={choice}` is not applied on the CPU: DDP communication hooks run on CUDA only, "
+            "so gradients are all-reduced in fp32 here (set `ddp_grad_compression=none` to silence this).",
+            category=LightningAccelWarning,
+        )
+        return f"ddp_grad_compression={choice} not applied (CPU)"
+    with open_dict(cfg):
+        cfg.trainer.strategy.ddp_comm_hook = {"_target_": "hydra.utils.get_method", "path": _COMPRESSION_HOOKS[choice]}
+    return f"ddp_grad_compression={choice}: DDP all-reduces gradients in {choice} ({_COMPRESSION_HOOKS[choice]})"
 
 
 def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> None:

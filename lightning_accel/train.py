@@ -16,7 +16,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.launch import hydra_safe_launch
-from lightning_accel.presets import check_combinations, check_config, effective_trainer_settings
+from lightning_accel.presets import (
+    apply_ddp_grad_compression,
+    check_combinations,
+    check_config,
+    effective_trainer_settings,
+)
 from lightning_accel.summary import RunStats, RunSummary, collect_summary, print_summary, write_summary
 
 if TYPE_CHECKING:
@@ -111,6 +116,9 @@ def run(cfg: DictConfig) -> RunSummary | None:
     check_config(cfg)
     resolved = apply_precision(cfg)
     check_combinations(cfg)  # again, now with the precision resolved for this machine
+    compression = apply_ddp_grad_compression(cfg)
+    if compression:
+        log.info(compression)
     if cfg.get("check", False):
         print_check(cfg, resolved)
         return None
@@ -130,6 +138,26 @@ def run(cfg: DictConfig) -> RunSummary | None:
     run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else str(trainer.default_root_dir)
     log.info("resolved config sha256=%s run_dir=%s", config_digest(cfg), run_dir)
 
+    try:
+        summary = _fit_and_test(cfg, trainer, model, datamodule, stats, started, run_dir)
+    except ConfigError:
+        raise
+    except Exception as err:  # name the rank: under DDP the other ranks only see a closed connection
+        message = f"rank {trainer.global_rank} failed at global step {trainer.global_step}: {type(err).__name__}: {err}"
+        log.error(message)
+        print(f"accel-train: error: {message}", file=sys.stderr, flush=True)
+        raise
+    if summary is None:
+        return None
+    write_summary(summary, Path(run_dir) / "summary.json")
+    print_summary(summary)
+    return summary
+
+
+def _fit_and_test(
+    cfg: DictConfig, trainer: Any, model: Any, datamodule: Any, stats: RunStats, started: float, run_dir: str
+) -> RunSummary | None:
+    """Fit, then test the best checkpoint; the summary on global rank zero, None elsewhere."""
     metrics: dict[str, float] = {}
     tested = "final"
     with hydra_safe_launch(trainer):
@@ -144,12 +172,9 @@ def run(cfg: DictConfig) -> RunSummary | None:
         log.info("rank %d finished: %s", trainer.global_rank, metrics)
         if not trainer.is_global_zero:
             return None
-        summary = collect_summary(
+        return collect_summary(
             trainer, datamodule, stats, metrics, time.perf_counter() - started, run_dir, tested
         )
-    write_summary(summary, Path(run_dir) / "summary.json")
-    print_summary(summary)
-    return summary
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_accel.conf", config_name="train")

@@ -159,3 +159,40 @@ def test_cli_rejects_a_bad_combination_before_launch(run_cli, tmp_path: Path) ->
     assert proc.returncode == 2
     assert "accel-train: error: `trainer.strategy='fsdp'` needs CUDA GPUs" in proc.stderr
     assert "Traceback" not in proc.stderr and "train_rank1.log" not in {p.name for p in tmp_path.rglob("*")}
+
+
+def test_ddp_grad_compression_sets_the_comm_hook_on_cuda(compose_train) -> None:
+    from hydra.utils import instantiate
+
+    from lightning_accel.presets import apply_ddp_grad_compression
+
+    cfg = compose_train(["strategy=ddp", "ddp_grad_compression=bf16", "trainer.accelerator=gpu"])
+    assert "bf16" in apply_ddp_grad_compression(cfg, visible_cuda=2)
+    hook = instantiate(cfg.trainer.strategy.ddp_comm_hook)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    assert hook is default_hooks.bf16_compress_hook
+
+
+def test_ddp_grad_compression_on_cpu_is_noted_not_dropped(compose_train) -> None:
+    from lightning_accel.errors import LightningAccelWarning
+    from lightning_accel.presets import apply_ddp_grad_compression
+
+    cfg = compose_train(["strategy=ddp", "ddp_grad_compression=fp16", "trainer.accelerator=cpu"])
+    with pytest.warns(LightningAccelWarning, match="`ddp_grad_compression=fp16` is not applied on the CPU"):
+        assert "not applied" in apply_ddp_grad_compression(cfg)
+    assert "ddp_comm_hook" not in cfg.trainer.strategy
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy=ddp", "ddp_grad_compression=int8"], "`ddp_grad_compression='int8'` is not supported"),
+        (["strategy=auto", "+ddp_grad_compression=bf16"], "needs `strategy=ddp`"),
+    ],
+)
+def test_ddp_grad_compression_bad_input(compose_train, overrides: list[str], message: str) -> None:
+    from lightning_accel.presets import apply_ddp_grad_compression
+
+    with pytest.raises(ConfigError, match=message):
+        apply_ddp_grad_compression(compose_train(overrides), visible_cuda=0)

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 # Small and quick variants of the default run for the plumbing tests.
@@ -102,3 +103,32 @@ def test_killed_run_leaves_no_half_written_checkpoint(tmp_path: Path) -> None:
     for path in checkpoints:
         state = torch.load(path, map_location="cpu", weights_only=False)
         assert "state_dict" in state and state["global_step"] >= 1, path
+
+
+_FAILING_CALLBACK = '''
+import lightning.pytorch as pl
+
+
+class FailAt(pl.Callback):
+    def __init__(self, rank: int = 1, step: int = 3) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise RuntimeError(f"injected failure at step {self.step}")
+'''
+
+
+def test_a_rank_that_raises_ends_the_job_and_is_named(run_cli, tmp_path: Path) -> None:
+    (tmp_path / "failmod.py").write_text(_FAILING_CALLBACK)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    args = ["trainer=smoke", "trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp",
+            "+callbacks.fail._target_=failmod.FailAt", "test=false"]  # fmt: skip
+    started = time.monotonic()
+    proc = run_cli(args, tmp_path, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert time.monotonic() - started < 60
+    assert "accel-train: error: rank 1 failed at global step 3: RuntimeError: injected failure at step 3" in proc.stderr
+    time.sleep(1)
+    orphans = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not orphans, [p.info["cmdline"] for p in orphans]
