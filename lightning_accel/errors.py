@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "LightningAccelError", "LightningAccelWarning", "NonFiniteLossError"]
+__all__ = ["ConfigError", "LightningAccelError", "LightningAccelWarning", "NonFiniteLossError", "PreflightError"]
 
 
 class LightningAccelError(Exception):
@@ -15,6 +15,10 @@ class ConfigError(LightningAccelError, ValueError):
 
 class NonFiniteLossError(LightningAccelError):
     """Training met a NaN/inf loss under `NonFiniteGuard(action="raise")`; the message names the step and checkpoint."""
+
+
+class PreflightError(LightningAccelError):
+    """A `Preflight` check failed before the first step; the message names the node, rank, check and fix."""
 
 
 class LightningAccelWarning(UserWarning):

@@ -5,16 +5,24 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system.cpu import CpuInfo, read_cpu_info
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback
+
+
+def rank_zero_warn(message: str, **kwargs: Any) -> None:
+    """Lightning's rank-zero warning, imported when needed: `import lightning_accel` stays free of Lightning."""
+    from lightning.pytorch.utilities import rank_zero_warn as warn
+
+    if "stacklevel" in kwargs:
+        kwargs["stacklevel"] += 1  # this wrapper's own frame
+    warn(message, **kwargs)
 
 __all__ = [
     "FLOAT32_MATMUL_PRECISIONS", "LIGHTNING_PRECISIONS", "PRECISION_SENTINELS", "Hardware", "ResolvedPrecision",

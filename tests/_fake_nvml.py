@@ -3,7 +3,9 @@
 Install it where the telemetry code looks the module up: `monkeypatch.setattr(lightning_accel.telemetry.nvml, "pynvml",
 fake)` (or `install(monkeypatch, fake)`). Readings are numbers or functions of the clock's time, in NVML's own units
 (mW, bytes, KB/s, mJ), so tests check the conversions too. `unsupported` makes named NVML functions raise
-NotSupported on a device; `fail_at` makes every device call raise GPU_IS_LOST from that time on.
+NotSupported on a device; `fail_at` makes every device call raise GPU_IS_LOST from that time on. The driver's
+version and the CUDA version it supports, compute capabilities, NVLink links and the PCIe topology serve
+lightning_accel.system (accel-doctor and Preflight).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_GPM_METRICS_GET_VERSION = 1
+NVML_P2P_STATUS_NOT_SUPPORTED = 5
 _NAMES = {2: "Invalid Argument", 3: "Not Supported", 6: "Not Found", 12: "NVML Shared Library Not Found",
           15: "GPU is lost"}  # fmt: skip
 
@@ -76,6 +79,8 @@ class FakeGPU:
     mig: list[FakeGPU] = field(default_factory=list)
     parent: FakeGPU | None = None
     gpu_instance_id: int = 0
+    compute_capability: tuple[int, int] = (9, 0)
+    nvlinks: int = 0  # active NVLink links; 0: the GPU has none (NVML says NotSupported)
 
 
 class FakeNVML:
@@ -85,8 +90,12 @@ class FakeNVML:
     NVML_GPM_METRICS_GET_VERSION = NVML_GPM_METRICS_GET_VERSION
 
     def __init__(self, gpus: list[FakeGPU], clock: Callable[[], float] | None = None, fail_at: float | None = None,
-                 init_error: int | None = None) -> None:  # fmt: skip
+                 init_error: int | None = None, *, driver_version: str = "550.54.15",
+                 cuda_driver_version: int | None = 12040, topology_level: int = 30) -> None:  # fmt: skip
         self.gpus = gpus
+        self.driver_version = driver_version
+        self.cuda_driver_version = cuda_driver_version  # None: this driver does not say (NotSupported)
+        self.topology_level = topology_level  # nvmlDeviceGetTopologyCommonAncestor of every pair; 30: PHB
         self.clock = clock or FakeClock()
         self.fail_at = fail_at
         self.init_error = init_error
@@ -119,6 +128,17 @@ class FakeNVML:
     @staticmethod
     def _at(reading: Reading, now: float) -> float:
         return reading(now) if callable(reading) else reading
+
+    # system
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._call("nvmlSystemGetDriverVersion")
+        return self.driver_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        self._call("nvmlSystemGetCudaDriverVersion")
+        if self.cuda_driver_version is None:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return self.cuda_driver_version
 
     # devices
     def nvmlDeviceGetCount(self) -> int:
@@ -207,6 +227,27 @@ class FakeNVML:
     def nvmlDeviceGetArchitecture(self, device: FakeGPU) -> int:
         self._whole_gpu_only("nvmlDeviceGetArchitecture", device)
         return device.architecture
+
+    def nvmlDeviceGetCudaComputeCapability(self, device: FakeGPU) -> tuple[int, int]:
+        self._call("nvmlDeviceGetCudaComputeCapability", device)
+        return (device.parent or device).compute_capability
+
+    def nvmlDeviceGetNvLinkState(self, device: FakeGPU, link: int) -> int:
+        self._whole_gpu_only("nvmlDeviceGetNvLinkState", device)
+        if not device.nvlinks:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        if link >= device.nvlinks:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return 1  # NVML_FEATURE_ENABLED
+
+    def nvmlDeviceGetP2PStatus(self, first: FakeGPU, second: FakeGPU, index: int) -> int:
+        self._call("nvmlDeviceGetP2PStatus", first)
+        assert index == 2  # NVML_P2P_CAPS_INDEX_NVLINK
+        return 0 if first.nvlinks and second.nvlinks else NVML_P2P_STATUS_NOT_SUPPORTED
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, first: FakeGPU, second: FakeGPU) -> int:
+        self._call("nvmlDeviceGetTopologyCommonAncestor", first)
+        return self.topology_level
 
     # GPM
     def nvmlGpmQueryDeviceSupport(self, device: FakeGPU) -> Any:

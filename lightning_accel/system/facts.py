@@ -1,0 +1,94 @@
+"""Every fact the checks judge, gathered in one frozen record that reads back as plain JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_accel.system.cgroup import CpuBudget, MemoryLimit, read_cpu_budget, read_memory_limit
+from lightning_accel.system.cpu import CpuInfo, read_cpu_info
+from lightning_accel.system.gpu import NvmlFacts, read_nvml
+from lightning_accel.system.host import IbPort, ShmInfo, hostname, read_infiniband, read_nccl_env, read_shm
+from lightning_accel.system.software import PackageVersion, TorchBuild, read_packages, read_torch_build
+
+__all__ = ["SystemFacts", "collect_facts", "facts_to_dict"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SystemFacts:
+    """The machine as one process sees it. Every field has a default, so tests build the case they need by hand."""
+
+    host: str = ""
+    """This node's host name."""
+    cpu: CpuInfo = field(default_factory=lambda: CpuInfo(path="/proc/cpuinfo", found=False))
+    cpus: CpuBudget = field(default_factory=lambda: CpuBudget(affinity=1))
+    memory: MemoryLimit = field(default_factory=MemoryLimit)
+    shm: ShmInfo | None = None
+    """`/dev/shm`; None where there is none."""
+    infiniband: tuple[IbPort, ...] = ()
+    nccl_env: Mapping[str, str] = field(default_factory=dict)
+    """The `NCCL_*` variables set in this process."""
+    torch: TorchBuild = field(default_factory=TorchBuild)
+    nvml: NvmlFacts = field(default_factory=lambda: NvmlFacts(available=False, why="not read"))
+    packages: tuple[PackageVersion, ...] = ()
+    """Our requirements and their installed versions; empty when lightning_accel has no metadata."""
+
+
+def collect_facts(
+    root: str | os.PathLike[str] = "/",
+    env: Mapping[str, str] | None = None,
+    *,
+    affinity: Collection[int] | int | None = None,
+    statvfs: Callable[[str], Any] | None = None,
+    nvml: bool = True,
+) -> SystemFacts:
+    """Read every fact of this machine; missing files and libraries give unknown values, never an error.
+
+    Args:
+        root: the file-system root `/proc`, `/sys` and `/dev/shm` are read under (tests pass fake trees).
+        env: the environment (`PYTHON_CPU_COUNT`, `CUDA_VISIBLE_DEVICES`, `NCCL_*`); None: `os.environ`.
+        affinity: the CPU affinity set or its size; None: `os.sched_getaffinity(0)`.
+        statvfs: stand-in for `os.statvfs` on `/dev/shm`.
+        nvml: read GPUs through NVML; False leaves `nvml` unavailable.
+
+    Example::
+
+        facts = collect_facts()
+        facts.cpus.effective, facts.shm.size_bytes
+    """
+    env = os.environ if env is None else env
+    return SystemFacts(
+        host=hostname(),
+        cpu=read_cpu_info(root),
+        cpus=read_cpu_budget(root, env, affinity),
+        memory=read_memory_limit(root),
+        shm=read_shm(root, statvfs),
+        infiniband=read_infiniband(root),
+        nccl_env=read_nccl_env(env),
+        torch=read_torch_build(),
+        nvml=read_nvml(env) if nvml else NvmlFacts(available=False, why="NVML not read (`nvml=False`)"),
+        packages=read_packages(),
+    )
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "flags"}
+        if isinstance(value, CpuBudget):
+            out["effective"] = value.effective
+        if isinstance(value, CpuInfo):
+            out["bf16_flag"] = value.bf16_flag
+        return out
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list | frozenset | set):
+        return [_plain(v) for v in value]
+    return value
+
+
+def facts_to_dict(facts: SystemFacts) -> dict[str, Any]:
+    """`facts` as JSON-ready dicts and lists (CPU flags left out; `cpus.effective` and `cpu.bf16_flag` added)."""
+    return _plain(facts)
