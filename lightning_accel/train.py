@@ -21,11 +21,13 @@ from lightning_accel.presets import (
     check_combinations,
     check_config,
     effective_trainer_settings,
+    runs_on_cuda,
 )
 from lightning_accel.summary import RunStats, RunSummary, collect_summary, print_summary, write_summary
 
 if TYPE_CHECKING:
     from lightning_accel.precision import ResolvedPrecision
+    from lightning_accel.strategies.nccl import NcclPlan
 
 __all__ = ["apply_precision", "instantiate_named", "main", "run"]
 
@@ -64,6 +66,31 @@ def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
         cfg.trainer.precision = resolved.value
     log.info("%s; float32_matmul_precision=%s", resolved.describe(), torch.get_float32_matmul_precision())
     return resolved
+
+
+def apply_nccl(cfg: DictConfig) -> NcclPlan | None:
+    """Set the NCCL variables of `cfg.nccl.preset` for a CUDA run (the launched ranks inherit them) and log them.
+
+    Raises:
+        ConfigError: for an unknown preset, or `nccl=ib` without an ACTIVE InfiniBand/RoCE port.
+    """
+    from lightning_accel.strategies.nccl import nccl_plan
+
+    section = cfg.get("nccl")
+    if not section or section.get("preset", "none") == "none":
+        return None
+    if not runs_on_cuda(cfg):
+        log.info("nccl=%s: not applied, this run is on the CPU (gloo)", section.preset)
+        return None
+    trace_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
+    try:
+        plan = nccl_plan(section.preset, socket_ifname=section.get("socket_ifname"),
+                         num_nodes=int(cfg.trainer.get("num_nodes", 1)), trace_dir=trace_dir)  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    plan.apply()
+    log.info(plan.describe())
+    return plan
 
 
 def print_check(cfg: DictConfig, resolved: ResolvedPrecision) -> None:
@@ -119,6 +146,7 @@ def run(cfg: DictConfig) -> RunSummary | None:
     compression = apply_ddp_grad_compression(cfg)
     if compression:
         log.info(compression)
+    apply_nccl(cfg)
     if cfg.get("check", False):
         print_check(cfg, resolved)
         return None
