@@ -14,15 +14,17 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from omegaconf import OmegaConf
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["child_rank_command", "hydra_safe_launch"]
+__all__ = ["child_rank_command", "external_rank_job_name", "external_run_id", "hydra_safe_launch", "register_resolvers"]
 
 log = logging.getLogger(__name__)
 
@@ -139,3 +141,33 @@ def hydra_safe_launch(trainer: pl.Trainer | None = None, child_timeout_s: float 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
+
+def external_run_id(default: str, env: Mapping[str, str] | None = None) -> str:
+    """The id every rank of an externally launched job shares, else `default` (a timestamp).
+
+    torchrun gives every rank the same `TORCHELASTIC_RUN_ID` (a fresh one per `--standalone` launch, else the
+    `--rdzv-id`), so ranks started a second apart still write into one run directory; `ACCEL_RUN_ID` (e.g.
+    `$SLURM_JOB_ID` under srun) wins over it.
+    """
+    env = os.environ if env is None else env
+    for key in ("ACCEL_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        value = env.get(key, "")
+        if value and value != "none":
+            return value
+    return default
+
+
+def external_rank_job_name(default: str, env: Mapping[str, str] | None = None) -> str:
+    """`default`, or `<default>_rank<k>` on rank k > 0 of an externally launched job (torchrun's `RANK`, SLURM's
+    `SLURM_PROCID` when it runs several tasks), so each rank logs into its own file of the shared run directory."""
+    env = os.environ if env is None else env
+    rank = env.get("RANK") or (env.get("SLURM_PROCID") if int(env.get("SLURM_NTASKS", "1") or 1) > 1 else None)
+    return f"{default}_rank{rank}" if rank and rank != "0" else default
+
+
+def register_resolvers() -> None:
+    """`${accel_run_id:DEFAULT}` and `${accel_job_name:DEFAULT}` for conf/hydra/default.yaml (idempotent)."""
+    if not OmegaConf.has_resolver("accel_run_id"):
+        OmegaConf.register_new_resolver("accel_run_id", lambda default: external_run_id(str(default)))
+    if not OmegaConf.has_resolver("accel_job_name"):
+        OmegaConf.register_new_resolver("accel_job_name", lambda default: external_rank_job_name(str(default)))

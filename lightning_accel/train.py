@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
-from lightning_accel.launch import hydra_safe_launch
+from lightning_accel.launch import hydra_safe_launch, register_resolvers
 from lightning_accel.presets import (
     apply_ddp_grad_compression,
     check_combinations,
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["apply_precision", "instantiate_named", "main", "run"]
 
 log = logging.getLogger("lightning_accel.train")
+register_resolvers()  # before @hydra.main composes: conf/hydra/default.yaml uses ${accel_run_id:...}
 
 
 def instantiate_named(section: DictConfig | None) -> list[Any]:

@@ -151,3 +151,10 @@ def test_classifier_model_brings_its_data(compose_train) -> None:
     cfg = compose_train(["model=classifier"])
     assert cfg.data._target_.endswith("DigitsDataModule")
     assert cfg.model._target_.endswith("DigitsClassifier")
+
+
+def test_slurm_launcher_follows_the_trainer(compose_train) -> None:
+    cfg = compose_train(["hydra/launcher=accel_slurm", "trainer.num_nodes=2", "trainer.devices=4", "strategy=ddp"])
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)

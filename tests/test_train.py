@@ -132,3 +132,48 @@ def test_a_rank_that_raises_ends_the_job_and_is_named(run_cli, tmp_path: Path) -
     time.sleep(1)
     orphans = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert not orphans, [p.info["cmdline"] for p in orphans]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_under_torchrun_share_one_run_directory(tmp_path: Path) -> None:
+    """Two torchrun agents on this machine play two nodes of one process each: `trainer.num_nodes=2` from config."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACCEL_LOG_DIR": str(tmp_path / "outputs"), "ACCEL_RUN_ID": "job42"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
+             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "lightning_accel.train", "trainer=smoke",
+             "trainer.accelerator=cpu", "trainer.devices=1", "trainer.num_nodes=2", "strategy=ddp", "test=false"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    run_dirs = list((tmp_path / "outputs" / "runs").iterdir())
+    assert [d.name for d in run_dirs] == ["job42"]
+    logs = {p.name: p.read_text() for p in run_dirs[0].glob("*.log")}
+    assert set(logs) == {"train.log", "train_rank1.log"}
+    digests = {re.search(r"sha256=(\w+)", text).group(1) for text in logs.values()}
+    assert len(digests) == 1
+
+
+def test_external_launch_ids() -> None:
+    from lightning_accel.launch import external_rank_job_name, external_run_id
+
+    assert external_run_id("T", {}) == "T"
+    assert external_run_id("T", {"TORCHELASTIC_RUN_ID": "none"}) == "T"
+    assert external_run_id("T", {"TORCHELASTIC_RUN_ID": "abc"}) == "abc"
+    assert external_run_id("T", {"TORCHELASTIC_RUN_ID": "abc", "ACCEL_RUN_ID": "slurm7"}) == "slurm7"
+    assert external_rank_job_name("train", {}) == "train"
+    assert external_rank_job_name("train", {"RANK": "0"}) == "train"
+    assert external_rank_job_name("train", {"RANK": "3"}) == "train_rank3"
+    assert external_rank_job_name("train", {"SLURM_PROCID": "2", "SLURM_NTASKS": "8"}) == "train_rank2"
+    assert external_rank_job_name("train", {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == "train"
