@@ -14,6 +14,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lightning_accel import schedules
+from lightning_accel.examples._settings import check_split_settings
 
 __all__ = ["DigitsClassifier", "DigitsDataModule"]
 
@@ -75,18 +76,7 @@ class DigitsDataModule(pl.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"`data.batch_size={batch_size}` must be >= 1.")
-        for name, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-            if not 0.0 < fraction < 1.0:
-                raise ValueError(f"`data.{name}={fraction}` must be within (0, 1).")
-        if val_fraction + test_fraction >= 1.0:
-            raise ValueError(
-                f"`data.val_fraction={val_fraction}` plus `data.test_fraction={test_fraction}` must be below 1 to "
-                "leave data for training; lower one of them."
-            )
-        if num_workers < 0:
-            raise ValueError(f"`data.num_workers={num_workers}` must be >= 0.")
+        check_split_settings(val_fraction, test_fraction, num_workers, batch_size=batch_size)
         self.save_hyperparameters()
         self.batch_size = batch_size
         self.val_fraction = val_fraction

@@ -12,6 +12,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lightning_accel.examples._settings import check_split_settings
+
 __all__ = ["StdlibTextDataModule", "read_stdlib_corpus"]
 
 # Folders left out of the corpus: third-party code, the test suites and the two large legacy tools.
@@ -117,19 +119,8 @@ class StdlibTextDataModule(pl.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_chars", max_chars)):
-            if value < 1:
-                raise ValueError(f"`data.{name}={value}` must be >= 1.")
-        for name, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-            if not 0.0 < fraction < 1.0:
-                raise ValueError(f"`data.{name}={fraction}` must be within (0, 1).")
-        if val_fraction + test_fraction >= 1.0:
-            raise ValueError(
-                f"`data.val_fraction={val_fraction}` plus `data.test_fraction={test_fraction}` must be below 1 to "
-                "leave data for training; lower one of them."
-            )
-        if num_workers < 0:
-            raise ValueError(f"`data.num_workers={num_workers}` must be >= 0.")
+        check_split_settings(val_fraction, test_fraction, num_workers, block_size=block_size, batch_size=batch_size,
+                             max_chars=max_chars)  # fmt: skip
         self.save_hyperparameters()
         self.block_size = block_size
         self.batch_size = batch_size
