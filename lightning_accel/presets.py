@@ -270,8 +270,9 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
     name = _strategy_name(strategy)
     if not on_cuda and name in ("fsdp", "deepspeed"):
         fix = "`strategy=model_parallel` (FSDP2, runs on CPU)" if name == "fsdp" else "`strategy=ddp`"
+        shown = strategy.get("_target_") if isinstance(strategy, (DictConfig, Mapping)) else strategy
         raise ConfigError(
-            f"`trainer.strategy={_show(strategy)}` needs CUDA GPUs, but this run is on the CPU "
+            f"`trainer.strategy={shown!r}` needs CUDA GPUs, but this run is on the CPU "
             f"(`trainer.accelerator={accelerator}`); use {fix}, or run on GPUs."
         )
     precision = str(trainer.get("precision", "32-true"))

@@ -75,10 +75,17 @@ def test_listing_covers_the_documented_groups() -> None:
         assert required in options
 
 
+CPU_ERRORS = {("strategy", "fsdp"): "`trainer.strategy='lightning.pytorch.strategies.FSDPStrategy'` needs CUDA GPUs"}
+
+
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_builds_a_cpu_trainer(compose_train, group: str, option: str) -> None:
     overrides = [] if group == "hydra" else [f"{group}={option}", *COMPANIONS.get((group, option), [])]
     cfg = compose_train([*overrides, "trainer.accelerator=cpu"])
+    if (group, option) in CPU_ERRORS:  # options that cannot run on a CPU stop before anything is built
+        with pytest.raises(ConfigError, match=CPU_ERRORS[(group, option)]):
+            check_config(cfg)
+        return
     check_config(cfg)
     if group == "precision":
         composed, resolved = PRECISIONS[option]
@@ -103,6 +110,12 @@ def test_option_composes_and_builds_a_cpu_trainer(compose_train, group: str, opt
     # Each option does what its name says.
     if group == "strategy" and option == "ddp":
         assert isinstance(trainer.strategy, DDPStrategy)
+    if group == "strategy" and option == "model_parallel":
+        from lightning_accel.callbacks import Parallelize
+        from lightning_accel.parallel import ModelParallelStrategy
+
+        assert isinstance(trainer.strategy, ModelParallelStrategy)
+        assert any(isinstance(cb, Parallelize) for cb in trainer.callbacks)
     ours = [str(w.message) for w in caught if issubclass(w.category, LightningAccelWarning)]
     if group == "precision":
         assert cfg.trainer.precision == resolved and trainer.precision == resolved

@@ -6,7 +6,16 @@ from lightning_accel.callbacks.accumulation import AccumulationScheduler
 from lightning_accel.callbacks.float8 import Float8Training
 from lightning_accel.callbacks.gpu_monitor import GPUMonitor
 from lightning_accel.callbacks.nonfinite import NonFiniteGuard
+from lightning_accel.callbacks.parallelize import Parallelize
 from lightning_accel.callbacks.preflight import Preflight
 from lightning_accel.callbacks.skipped_steps import SkippedStepGuard
 
-__all__ = ["AccumulationScheduler", "Float8Training", "GPUMonitor", "NonFiniteGuard", "Preflight", "SkippedStepGuard"]
+__all__ = [
+    "AccumulationScheduler",
+    "Float8Training",
+    "GPUMonitor",
+    "NonFiniteGuard",
+    "Parallelize",
+    "Preflight",
+    "SkippedStepGuard",
+]

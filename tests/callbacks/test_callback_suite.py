@@ -26,6 +26,7 @@ FACTORIES: dict[str, Callable[[pytest.MonkeyPatch], pl.Callback]] = {
         callbacks.GPUMonitor(device_indices=[0, 1], print_report=False),
     )[1],
     "NonFiniteGuard": lambda mp: callbacks.NonFiniteGuard(action="skip"),
+    "Parallelize": lambda mp: callbacks.Parallelize(block_classes=["Linear"], activation_checkpointing=True),
     "Preflight": lambda mp: callbacks.Preflight(),
     "SkippedStepGuard": lambda mp: callbacks.SkippedStepGuard(),
 }
