@@ -16,6 +16,20 @@ from omegaconf import DictConfig, open_dict
 
 CONF_MODULE = "lightning_accel.conf"
 
+# Set by an in-process distributed fit (Lightning's launcher writes them into os.environ); a subprocess that inherits
+# LOCAL_RANK believes its ranks were launched for it and waits for them forever.
+_DISTRIBUTED_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    """Every test ends with the environment it started with."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
 
 @pytest.fixture
 def compose_train(tmp_path: Path) -> Iterator:
@@ -38,7 +52,8 @@ def compose_train(tmp_path: Path) -> Iterator:
 def _run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
             module: str = "lightning_accel.train") -> subprocess.CompletedProcess[str]:  # fmt: skip
     """Run `python -m <module> ARGS` (what `accel-train` runs) in `cwd`, capturing output."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACCEL_LOG_DIR": str(cwd / "outputs"), **(env or {})}
+    inherited = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
+    full_env = {**inherited, "PYTHONUNBUFFERED": "1", "ACCEL_LOG_DIR": str(cwd / "outputs"), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
