@@ -53,7 +53,8 @@ def _run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str
             module: str = "lightning_accel.train") -> subprocess.CompletedProcess[str]:  # fmt: skip
     """Run `python -m <module> ARGS` (what `accel-train` runs) in `cwd`, capturing output."""
     inherited = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
-    full_env = {**inherited, "PYTHONUNBUFFERED": "1", "ACCEL_LOG_DIR": str(cwd / "outputs"), **(env or {})}
+    full_env = {**inherited, "PYTHONUNBUFFERED": "1", "ACCEL_LOG_DIR": str(cwd / "outputs"),
+                "XDG_CACHE_HOME": str(cwd / "cache"), **(env or {})}  # DataLoaderTuner's cache: not the user's
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )

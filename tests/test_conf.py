@@ -144,6 +144,9 @@ def test_presets_set_the_ladder(compose_train) -> None:
     ddp = compose_train(["preset=ddp"])
     assert ddp.trainer.strategy._target_.endswith("DDPStrategy") and ddp.trainer.devices == "auto"
     assert ddp.trainer.precision == "amp"
+    for cfg in (amp, ddp):  # the DataLoader's workers are found by timing real steps
+        assert cfg.callbacks.dataloader_tuner._target_.endswith("DataLoaderTuner")
+    assert "dataloader_tuner" not in baseline.callbacks
 
 
 def test_command_line_beats_preset(compose_train) -> None:

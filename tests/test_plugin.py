@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -120,7 +121,8 @@ def test_users_app_selects_packaged_presets_and_trains(tmp_path: Path, run_cli) 
     _write_app(tmp_path)
 
     def app(*overrides: str) -> dict:
-        result = subprocess.run([sys.executable, "app.py", *overrides, "hydra.run.dir=run"], cwd=tmp_path,
+        env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # the DataLoaderTuner's decision cache
+        result = subprocess.run([sys.executable, "app.py", *overrides, "hydra.run.dir=run"], cwd=tmp_path, env=env,
                                 capture_output=True, text=True, timeout=300)  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         return _result(result.stdout)
@@ -129,7 +131,7 @@ def test_users_app_selects_packaged_presets_and_trains(tmp_path: Path, run_cli) 
     assert amp["num_workers"] == 2  # from the packaged amp preset
     assert amp["marker"] == "users-own-amp"  # the preset's `override /precision` took the user's file
     assert amp["precision"] == "32-true"
-    assert amp["callbacks"] == ["lr_monitor", "model_summary"]
+    assert amp["callbacks"] == ["dataloader_tuner", "lr_monitor", "model_summary"]  # the preset adds the tuner
     assert amp["scheduler"]["_target_"] == "lightning_accel.schedules.onecycle_schedule"
     assert amp["last_loss"] < amp["first_loss"] / 10
 

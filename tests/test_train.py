@@ -61,6 +61,28 @@ def test_ddp_two_cpu_processes_share_one_run_directory(run_cli, tmp_path: Path) 
     assert not (tmp_path / "outputs" / "multiruns").exists()
 
 
+def test_ddp_preset_tunes_the_dataloader_once_for_both_ranks(run_cli, tmp_path: Path) -> None:
+    """`preset=ddp` brings the DataLoaderTuner: rank zero decides, both ranks train with it, a rerun hits the cache."""
+    tuning = ["callbacks.dataloader_tuner.max_tuning_time_s=20", "callbacks.dataloader_tuner.steps_per_trial=4",
+              "precision=fp32", "trainer.devices=2"]  # fmt: skip
+    for attempt in ("tuned", "cached"):
+        run_dir = tmp_path / attempt
+        result = run_cli([*SMOKE, "preset=ddp", *tuning, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = (run_dir / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+        header = rows[0].split(",")
+        logged = next(dict(zip(header, row.split(","), strict=True)) for row in rows[1:]
+                      if row.split(",")[header.index("dataloader_tuner/num_workers")])  # fmt: skip
+        assert float(logged["dataloader_tuner/cache_hit"]) == (attempt == "cached")
+        assert float(logged["dataloader_tuner/trials"]) >= (0 if attempt == "cached" else 2)
+        logs = {name: (run_dir / name).read_text() for name in ("train.log", "train_rank1.log")}
+        assert "DataLoaderTuner (" in logs["train.log"], logs["train.log"][-2000:]  # rank zero reports the choice
+        assert "DataLoaderTuner" not in logs["train_rank1.log"]
+    cache = json.loads((tmp_path / "cache" / "lightning_accel" / "dataloader_tuner.json").read_text())
+    (entry,) = cache["entries"].values()
+    assert entry["facts"]["world_size"] == 2 and entry["facts"]["cpus_per_rank"] >= 1
+
+
 def test_multirun_with_ddp_keeps_one_sweep_directory(run_cli, tmp_path: Path) -> None:
     """Lightning #11300: child ranks must not start the sweep again, and job 2 must launch its own ranks."""
     result = run_cli(["-m", *SMOKE, *DDP2, "seed=1,2"], cwd=tmp_path)

@@ -1,0 +1,236 @@
+"""Which DataLoader settings to try and in what order, which to keep, the memory guard and the decision cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from lightning_accel.callbacks._dataloader_trials import LoaderSettings, Trial
+
+__all__ = [
+    "COLUMNS", "DecisionCache", "choose", "decision_entry", "decision_metrics", "default_cache_dir", "fingerprint",
+    "memory_note", "rich_table", "search", "table_rows", "table_text", "worker_counts",
+]  # fmt: skip
+
+LOADER_BOUND_SHARE = 0.1
+"""Above this share of step time waiting for data, more workers than CPUs are tried (the loader may wait on I/O)."""
+_MIB = 2**20
+COLUMNS = ("workers", "prefetch", "pin", "samples/s", "data wait", "startup s", "steps", "note")
+
+
+def worker_counts(budget: int) -> list[int]:
+    """Worker counts tried within the CPU budget, in the order they are tried.
+
+    The budget first (it sets the bar that cuts slower trials short), then halving towards 1 (counts up to 4 one by
+    one), then 0: without workers the main process loads batches itself, which on a small CPU quota can beat one
+    worker.
+    """
+    counts = [budget]
+    while counts[-1] > 1:
+        counts.append(counts[-1] - 1 if counts[-1] <= 4 else counts[-1] // 2)
+    return [*dict.fromkeys([*counts, 0])]
+
+
+def choose(trials: Sequence[Trial], tolerance: float) -> Trial | None:
+    """The cheapest finished trial (fewest workers, then least prefetch, then no pinning) within `tolerance` of the
+    fastest; None when no trial finished."""
+    finished = [t for t in trials if t.status == "done" and t.steps > 0]
+    if not finished:
+        return None
+    best = max(t.samples_per_s for t in finished)
+    return min((t for t in finished if t.samples_per_s >= best * (1.0 - tolerance)), key=lambda t: t.settings.cost)
+
+
+def memory_note(settings: LoaderSettings, batch_bytes: int, shm_free: int | None, memory_free: int | None) -> str:
+    """Why `settings` cannot run here, or "": `num_workers x prefetch_factor` batches in flight must fit both
+    /dev/shm (workers hand batches over through it) and the memory this rank may still use."""
+    need = settings.num_workers * (settings.prefetch_factor or 0) * batch_bytes
+    if shm_free is not None and need > shm_free:
+        return f"{need / _MIB:.0f} MiB in flight > {shm_free / _MIB:.0f} MiB /dev/shm free"
+    if memory_free is not None and need > memory_free:
+        return f"{need / _MIB:.0f} MiB in flight > {memory_free / _MIB:.0f} MiB memory free"
+    return ""
+
+
+def search(
+    measure: Callable[[LoaderSettings, float | None], Trial],
+    *,
+    budget: int,
+    max_workers: int,
+    prefetch_factors: Sequence[int],
+    pin_memory: bool,
+    tolerance: float,
+    guard: Callable[[LoaderSettings], str],
+    original: LoaderSettings | None = None,
+) -> list[Trial]:
+    """Try settings in a deterministic order that depends only on the trials' (rank-synchronised) results.
+
+    1. Worker counts within the CPU budget (`worker_counts`), and the loader's own settings, with the first prefetch
+       factor and no pinning.
+    2. While the fastest setting still waits for data more than `LOADER_BOUND_SHARE` of the time, twice as many
+       workers as the last count tried above the budget, up to `max_workers`, while each doubling is faster than
+       the fastest before it by more than `tolerance` (on a loader that waits on I/O each doubling pays; on a
+       CPU-bound one they bring nothing, and under a CPU quota they cost).
+    3. The other prefetch factors, then pinned memory (`pin_memory`, CUDA only), on the fastest count.
+
+    `measure(settings, cut_s_per_step)` times one setting, cutting it short once slower than `cut_s_per_step`;
+    `guard(settings)` returns why a setting cannot run ("" when it can). Stops at the first trial that ran out of
+    time. Returns every trial, skipped ones included.
+    """
+    trials: list[Trial] = []
+    seen: set[LoaderSettings] = set()
+
+    def bar() -> float | None:
+        finished = [t.s_per_step for t in trials if t.status == "done" and t.steps > 0]
+        return min(finished) / (1.0 - tolerance) if finished else None
+
+    def attempt(settings: LoaderSettings) -> Trial | None:
+        if settings in seen:
+            return next(t for t in trials if t.settings == settings)
+        seen.add(settings)
+        note = guard(settings)
+        trial = Trial(settings=settings, status="skipped", note=note) if note else measure(settings, bar())
+        trials.append(trial)
+        return None if trial.status == "time" else trial
+
+    def base(workers: int) -> LoaderSettings:
+        return LoaderSettings(num_workers=workers, prefetch_factor=prefetch_factors[0] if workers else None,
+                              persistent_workers=workers > 0)  # fmt: skip
+
+    counts = [base(w) for w in worker_counts(budget)]
+    cut_at: int | None = None
+    for settings in counts[:1] + ([original] if original is not None else []) + counts[1:]:
+        if cut_at is not None and 0 < settings.num_workers < cut_at and settings != original:
+            continue  # fewer workers than a count already too slow
+        trial = attempt(settings)
+        if trial is None:
+            return trials
+        if trial.status == "cut" and settings != original:
+            cut_at = settings.num_workers
+    top, workers = choose(trials, 0.0), budget
+    while top is not None and top.settings.num_workers > 0 and top.wait_share > LOADER_BOUND_SHARE:
+        more = min(2 * workers, max_workers)
+        if more <= workers:
+            break
+        trial = attempt(base(more))
+        if trial is None:
+            return trials
+        if trial.status != "done":
+            break  # cut short: slower than the fastest by more than the tolerance
+        paid = trial.samples_per_s > top.samples_per_s * (1.0 + tolerance)
+        workers, top = more, max(top, trial, key=lambda t: t.samples_per_s)
+        if not paid:
+            break  # within the noise of the fastest: the next doubling would not pay either
+    fastest = choose(trials, 0.0)
+    if fastest is None or fastest.settings.num_workers == 0:
+        return trials
+    for factor in prefetch_factors[1:]:
+        if attempt(replace(fastest.settings, prefetch_factor=factor, pin_memory=False)) is None:
+            return trials
+    if pin_memory:
+        fastest = choose(trials, 0.0) or fastest
+        attempt(replace(fastest.settings, pin_memory=True))
+    return trials
+
+
+def decision_entry(key: str, facts: Mapping[str, Any], chosen: Trial, trials: Sequence[Trial],
+                   original: LoaderSettings) -> dict[str, Any]:  # fmt: skip
+    """What the cache (and a checkpoint) keeps of a decision: its settings, throughput and speedup over `original`."""
+    own = next((t for t in trials if t.settings == original and t.steps), None)  # a cut trial gives an estimate
+    speedup = chosen.samples_per_s / own.samples_per_s if own is not None and own.samples_per_s > 0 else None
+    return {"fingerprint": key, "facts": dict(facts), "settings": chosen.settings.as_dict(),
+            "samples_per_s": chosen.samples_per_s, "wait_share": chosen.wait_share, "speedup": speedup,
+            "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+
+
+def decision_metrics(entry: Mapping[str, Any], trials: Sequence[Trial], tuning_time_s: float, cache_hit: bool
+                     ) -> dict[str, float]:  # fmt: skip
+    """The `dataloader_tuner/...` metrics of a decision (see `DataLoaderTuner`'s docstring)."""
+    settings = LoaderSettings(**entry["settings"])
+    metrics = {
+        "num_workers": settings.num_workers, "prefetch_factor": settings.prefetch_factor or 0,
+        "pin_memory": settings.pin_memory, "persistent_workers": settings.persistent_workers,
+        "samples_per_s": entry.get("samples_per_s", math.nan), "data_wait_share": entry.get("wait_share", math.nan),
+        "speedup": entry.get("speedup") or math.nan, "tuning_time_s": tuning_time_s,
+        "trials": sum(t.status != "skipped" for t in trials), "cache_hit": cache_hit,
+    }  # fmt: skip
+    return {f"dataloader_tuner/{key}": float(value) for key, value in metrics.items()}
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/lightning_accel`, else `~/.cache/lightning_accel`."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_accel"
+
+
+def fingerprint(facts: Mapping[str, Any]) -> str:
+    """A short stable hash of what the decision depends on (dataset, batch size, model, hardware, world size)."""
+    return hashlib.sha256(json.dumps(dict(facts), sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+class DecisionCache:
+    """Decisions in one JSON file, keyed by fingerprint; written atomically (a temporary file, then a rename)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def _entries(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data.get("entries", {}) if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        entry = self._entries().get(key)
+        return entry if isinstance(entry, dict) and isinstance(entry.get("settings"), dict) else None
+
+    def put(self, key: str, entry: Mapping[str, Any]) -> None:
+        entries = {**self._entries(), key: dict(entry)}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"version": 1, "entries": entries}, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def table_rows(trials: Sequence[Trial], chosen: Trial | None) -> list[list[str]]:
+    """One row of strings per trial: workers, prefetch, pin, samples/s, data wait, startup, steps, note."""
+    rows = []
+    for trial in trials:
+        s = trial.settings
+        measured = trial.status != "skipped"
+        rows.append([
+            str(s.num_workers), str(s.prefetch_factor or "-"), "yes" if s.pin_memory else "no",
+            f"{trial.samples_per_s:,.1f}" if measured and trial.steps else "-",
+            f"{100 * trial.wait_share:.0f}%" if measured and trial.steps else "-",
+            f"{trial.startup_s:.2f}" if measured else "-", str(trial.steps),
+            "chosen" if trial is chosen else (trial.note or trial.status),
+        ])  # fmt: skip
+    return rows
+
+
+def table_text(rows: Sequence[Sequence[str]]) -> str:
+    """The rows under `COLUMNS` as plain text, for logs."""
+    return "\n".join("  ".join(f"{cell:>10}" for cell in row) for row in [COLUMNS, *rows])
+
+
+def rich_table(rows: Sequence[Sequence[str]], title: str) -> Any:
+    """The rows as a rich `Table`, the chosen one in bold green."""
+    from rich.table import Table
+
+    table = Table(*COLUMNS, title=title)
+    for row in rows:
+        table.add_row(*row, style="bold green" if row[-1] == "chosen" else None)
+    return table

@@ -1,0 +1,199 @@
+"""The Trainer side of DataLoader trials: a step that leaves no trace, rank lockstep, loader swaps, the facts."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import psutil
+import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from torchmetrics import Metric
+
+from lightning_accel.callbacks._dataloader_trials import LoaderSettings, frozen_rng, rebuild_loader
+from lightning_accel.system import read_cpu_info, read_memory_limit
+
+__all__ = ["StepMode", "batch_size_of", "facts", "is_tuned", "make_step", "memory_free", "rank_sync", "rebuilt",
+           "stop_workers", "swap_loaders", "untouched", "untunable"]  # fmt: skip
+
+StepMode = Literal["train", "forward", "data"]
+_TUNED = "_lightning_accel_tuned"  # marks the DataLoaders this package built, so a reloaded one is told apart
+
+
+def make_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Callable[[Any, int], None], StepMode]:
+    """A training step on one batch that does not step the optimizer, and what it runs.
+
+    "train": the batch transfer hooks, `training_step` under the precision's autocast and `backward`, called on the
+    LightningModule itself (under DDP: past the DDP wrapper, so no gradient all-reduce), gradients dropped after.
+    "forward": other wrapped models (FSDP1, DeepSpeed): the strategy's `training_step` without gradients.
+    "data": manual optimization, whose `training_step` steps optimizers itself: only the batch transfer.
+    """
+    strategy, precision = trainer.strategy, trainer.precision_plugin
+    mode: StepMode = "data"
+    if pl_module.automatic_optimization:
+        bare = strategy.model is pl_module or isinstance(strategy.model, DistributedDataParallel)
+        mode = "train" if bare else "forward"
+    params = [p for p in pl_module.parameters() if p.requires_grad]
+    cuda = strategy.root_device.type == "cuda"
+
+    def step(batch: Any, batch_idx: int) -> None:
+        batch = strategy.batch_to_device(batch)
+        if mode == "train":
+            with torch.enable_grad(), precision.train_step_context():
+                out = pl_module.training_step(batch, batch_idx)
+            loss = out.get("loss") if isinstance(out, dict) else out
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
+            for param in params:
+                param.grad = None
+        elif mode == "forward":
+            with torch.no_grad():
+                strategy.training_step(batch, batch_idx)
+        if cuda:
+            torch.cuda.synchronize(strategy.root_device)
+
+    return step, mode
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def untouched(pl_module: pl.LightningModule) -> Iterator[None]:
+    """Put back what trial steps change in the module: buffers (BatchNorm statistics), gradients, torchmetrics
+    states, train/eval mode; `self.log` and `self.log_dict` do nothing meanwhile. Parameters are never stepped."""
+    buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
+    grads = [(p, p.grad) for p in pl_module.parameters()]
+    metrics = [(m, copy.deepcopy({k: getattr(m, k) for k in m._defaults}), m._update_count, m._computed)
+               for m in pl_module.modules() if isinstance(m, Metric)]  # fmt: skip
+    modes = [(m, m.training) for m in pl_module.modules()]  # per module: a frozen part may stay in eval mode
+    pl_module.__dict__["log"] = pl_module.__dict__["log_dict"] = _ignore
+    try:
+        yield
+    finally:
+        pl_module.__dict__.pop("log", None)
+        pl_module.__dict__.pop("log_dict", None)
+        for module, training in modes:
+            module.training = training
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for param, grad in grads:
+            param.grad = grad
+        for metric, states, count, computed in metrics:
+            for name, value in states.items():
+                setattr(metric, name, value)
+            metric._update_count, metric._computed = count, computed
+
+
+def rank_sync(device: torch.device) -> Callable[[Sequence[float]], list[float]]:
+    """Element-wise max over all ranks of the default process group; the identity outside one."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list
+
+    def sync(values: Sequence[float]) -> list[float]:
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+    return sync
+
+
+def _shutdown(iterator: Any) -> None:
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
+
+
+def is_tuned(loader: object) -> bool:
+    return bool(getattr(loader, _TUNED, False))
+
+
+def rebuilt(loader: object, settings: LoaderSettings) -> object:
+    """`loader` rebuilt with `settings` and marked as tuned; as it is when it cannot be rebuilt."""
+    if not isinstance(loader, DataLoader):
+        return loader
+    try:
+        new = rebuild_loader(loader, settings)
+    except TypeError:
+        return loader
+    setattr(new, _TUNED, True)
+    return new
+
+
+def stop_workers(loop: Any) -> None:
+    """Shut down the worker processes behind a loop's CombinedLoader (its iterators' and persistent ones); its
+    iterator object stays, so its length can still be read, but must be recreated before it is iterated again."""
+    combined = loop._combined_loader
+    iterator = combined._iterator
+    for it in getattr(iterator, "iterators", None) or []:
+        _shutdown(it)
+    for loader in combined.flattened:
+        if isinstance(loader, DataLoader) and loader._iterator is not None:
+            _shutdown(loader._iterator)
+            loader._iterator = None
+
+
+def swap_loaders(loop: Any, loaders: list[Any], reiterate: bool, frozen: bool = True) -> None:
+    """Give a fit or evaluation loop other DataLoaders: stop the old ones' workers, then set them in its
+    CombinedLoader. With `reiterate`, recreate the iterator of the loop's data fetcher, its RNG draws undone if
+    `frozen`; without, the loop must recreate it before iterating (the evaluation loop does at every run)."""
+    stop_workers(loop)
+    loop._combined_loader.flattened = loaders
+    fetcher = loop._data_fetcher
+    if reiterate and fetcher is not None:
+        with frozen_rng(loaders) if frozen else contextlib.nullcontext():
+            iter(fetcher)
+
+def untunable(trainer: pl.Trainer, loaders: list[Any]) -> str:
+    """Why the fit's train loader is not tuned, or ""."""
+    if trainer.fast_dev_run:
+        return "`fast_dev_run` is set"
+    if len(loaders) != 1:
+        return f"the fit has {len(loaders)} train DataLoaders; one is tuned"
+    try:
+        rebuild_loader(loaders[0], LoaderSettings())
+        len(loaders[0])
+    except TypeError as err:
+        return str(err)
+    return ""
+
+
+def facts(trainer: pl.Trainer, loader: Any, batch_size: int | None, cpus: int) -> dict[str, Any]:
+    """What a decision depends on (the fingerprint's contents): data, batch, model, precision, hardware, world."""
+
+    def name(obj: object) -> str:
+        return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+    cuda = isinstance(trainer.accelerator, CUDAAccelerator)
+    device = torch.cuda.get_device_name(trainer.strategy.root_device) if cuda else read_cpu_info().model_name
+    return {"dataset": name(loader.dataset), "length": len(loader.dataset), "batch_size": batch_size,
+            "batches": len(loader), "model": name(trainer.lightning_module), "precision": str(trainer.precision),
+            "accelerator": name(trainer.accelerator), "device": device, "cpus_per_rank": cpus,
+            "world_size": trainer.world_size, "processes_per_node": trainer.num_devices}  # fmt: skip
+
+
+def memory_free(processes: int) -> int:
+    """Memory one of `processes` ranks may still use: the host's available memory, or what is left under the memory
+    cgroup's limit once every rank holds as much as this one, shared among the ranks."""
+    free = psutil.virtual_memory().available
+    limit = read_memory_limit().limit_bytes
+    if limit is not None:
+        free = min(free, limit - psutil.Process().memory_info().rss * processes)
+    return max(0, free) // max(1, processes)
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch, read from its first tensor; 1 when it holds none (then throughput counts batches)."""
+    try:
+        return extract_batch_size(batch)
+    except Exception:  # Lightning's MisconfigurationException: no tensor to read it from
+        return 1

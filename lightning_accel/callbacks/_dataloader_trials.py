@@ -1,0 +1,254 @@
+"""Timing one DataLoader setting on real training steps, and rebuilding a DataLoader with other settings; no Trainer."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from torch.utils.data import DataLoader, IterableDataset
+
+__all__ = ["LoaderSettings", "Trial", "TrialError", "batch_nbytes", "frozen_rng", "loader_settings", "rebuild_loader",
+           "run_trial", "trial_window"]  # fmt: skip
+
+Status = Literal["done", "cut", "skipped", "time"]
+Sync = Callable[[Sequence[float]], list[float]]
+"""Element-wise max of a short vector over all ranks (identity on one process): keeps ranks in lockstep."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoaderSettings:
+    """The DataLoader arguments the tuner chooses."""
+
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    """Batches loaded ahead per worker; None without workers (DataLoader's rule)."""
+    pin_memory: bool = False
+    persistent_workers: bool = False
+
+    @property
+    def cost(self) -> tuple[int, int, bool]:
+        """Ordering among settings within the tolerance: fewer workers, then less prefetch, then no pinning."""
+        return self.num_workers, self.prefetch_factor or 0, self.pin_memory
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(kw_only=True, slots=True)
+class Trial:
+    """One setting timed over real training steps; times are the slowest rank's."""
+
+    settings: LoaderSettings
+    status: Status = "done"
+    """done; cut (slower than the best by more than the tolerance); skipped (memory guard); time (budget used up)."""
+    steps: int = 0
+    """Timed steps (after the warm-up)."""
+    seconds: float = 0.0
+    """Wall time of the timed steps: waiting for each batch plus the training step on it."""
+    wait_s: float = 0.0
+    """Of `seconds`, the time spent waiting for batches."""
+    startup_s: float = 0.0
+    """From `iter(loader)` to the first batch: what a non-persistent loader pays again every epoch."""
+    samples_per_batch: int = 0
+    note: str = ""
+
+    @property
+    def s_per_step(self) -> float:
+        return self.seconds / self.steps if self.steps else float("inf")
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.steps * self.samples_per_batch / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def wait_share(self) -> float:
+        """Share of the step time spent waiting for data, 0..1."""
+        return self.wait_s / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.settings.as_dict(), "status": self.status, "steps": self.steps, "seconds": self.seconds,
+                "wait_s": self.wait_s, "startup_s": self.startup_s, "samples_per_s": self.samples_per_s,
+                "wait_share": self.wait_share, "note": self.note}  # fmt: skip
+
+
+class TrialError(RuntimeError):
+    """A trial failed on this or another rank; every rank raises it at the same point."""
+
+
+def loader_settings(loader: DataLoader) -> LoaderSettings:
+    """The settings `loader` was built with."""
+    workers = int(loader.num_workers)
+    return LoaderSettings(num_workers=workers, prefetch_factor=loader.prefetch_factor if workers else None,
+                          pin_memory=bool(loader.pin_memory), persistent_workers=bool(loader.persistent_workers))
+
+
+def rebuild_loader(loader: DataLoader, settings: LoaderSettings) -> DataLoader:
+    """A new DataLoader over the same dataset, sampler, batching and collation, with `settings`.
+
+    The sampler (or batch sampler) object is shared, not copied, so a `DistributedSampler` keeps its rank's shard.
+
+    Raises:
+        TypeError: for a DataLoader subclass or an `IterableDataset`, whose workers each replay the whole stream
+            unless the dataset shards itself: neither is rebuilt.
+    """
+    if type(loader) is not DataLoader:
+        raise TypeError(f"{type(loader).__name__} is a DataLoader subclass; only torch's DataLoader is rebuilt.")
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError("an IterableDataset changes meaning with num_workers (each worker replays it); not rebuilt.")
+    workers = settings.num_workers
+    common: dict[str, Any] = {
+        "num_workers": workers, "collate_fn": loader.collate_fn, "pin_memory": settings.pin_memory,
+        "timeout": loader.timeout if workers else 0, "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context if workers else None, "generator": loader.generator,
+        "prefetch_factor": (settings.prefetch_factor or 2) if workers else None,
+        "persistent_workers": settings.persistent_workers and workers > 0,
+        "pin_memory_device": loader.pin_memory_device,
+    }  # fmt: skip
+    if hasattr(loader, "in_order"):
+        common["in_order"] = loader.in_order
+    if loader.batch_size is not None:  # DataLoader made the BatchSampler from batch_size, sampler and drop_last
+        return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler,
+                          drop_last=loader.drop_last, **common)  # fmt: skip
+    if loader.batch_sampler is not None:
+        return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **common)
+    return DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **common)
+
+
+def batch_nbytes(batch: Any) -> int:
+    """Bytes of the tensors in a (nested) batch: what one batch in flight takes in shared memory."""
+    if isinstance(batch, torch.Tensor):
+        return batch.nelement() * batch.element_size()
+    if isinstance(batch, Mapping):
+        return sum(batch_nbytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_nbytes(v) for v in batch)
+    return sum(batch_nbytes(v) for v in vars(batch).values()) if dataclasses.is_dataclass(batch) else 0
+
+
+def _generators(loaders: Iterable[DataLoader]) -> list[torch.Generator]:
+    found: dict[int, torch.Generator] = {}
+    for loader in loaders:
+        for owner in (loader, loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+            gen = getattr(owner, "generator", None)
+            if isinstance(gen, torch.Generator):
+                found[id(gen)] = gen
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def frozen_rng(loaders: Iterable[DataLoader] = ()) -> Iterator[None]:
+    """Restore the global RNGs (torch, CUDA, numpy, random) and the loaders' own generators on exit, even on error."""
+    generators = _generators(loaders)
+    states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    saved = [g.get_state() for g in generators]
+    try:
+        yield
+    finally:
+        _set_rng_states(states)
+        for gen, state in zip(generators, saved, strict=True):
+            gen.set_state(state)
+
+
+def _shutdown(iterator: Any) -> None:
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
+
+
+def trial_window(workers: int, warmup_steps: int, steps_per_trial: int, batches: int) -> tuple[int, int]:
+    """(warm-up, timed) steps of a trial with `workers` on a loader of `batches` batches.
+
+    The warm-up is at least one step per worker (all have started and delivered once); the timed steps are at least
+    two per worker and a multiple of the workers, so they span whole rounds of deliveries; both fit the loader.
+    """
+    rounds = max(1, workers)
+    warmup = min(max(warmup_steps, workers), max(0, batches - 1))
+    timed = math.ceil(max(steps_per_trial, 2 * workers) / rounds) * rounds
+    return warmup, min(timed, max(1, batches - warmup))
+
+
+def run_trial(
+    make_loader: Callable[[LoaderSettings], Iterable[Any]],
+    step: Callable[[Any, int], None],
+    settings: LoaderSettings,
+    *,
+    warmup: int,
+    steps: int,
+    samples_per_batch: int,
+    cut_s_per_step: float | None = None,
+    deadline: float = float("inf"),
+    sync: Sync = list,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Trial:
+    """Time `steps` training steps on batches of a loader built with `settings`, after `warmup` untimed ones.
+
+    Every rank calls this with the same arguments. Ranks compare notes (`sync`) at the start and every quarter of the
+    timed steps (at least as many steps as workers: workers deliver in rounds), so all of them stop at the same step:
+    when the time per step already exceeds `cut_s_per_step` (status "cut"), when `deadline` (a `clock()` value) has
+    passed on any rank ("time"), or when a rank failed.
+
+    Raises:
+        TrialError: on every rank, when building, iterating or stepping failed on any rank.
+    """
+    trial = Trial(settings=settings, samples_per_batch=samples_per_batch)
+    if sync([float(clock() >= deadline)])[0]:
+        trial.status, trial.note = "time", "out of time"
+        return trial
+    error: BaseException | None = None
+    iterator: Any = None
+    timed = wait = 0.0
+    done, exhausted, check = 0, False, max(1, steps // 4, settings.num_workers)
+    try:
+        start = clock()
+        try:
+            iterator = iter(make_loader(settings))
+            for index in range(warmup):
+                batch = next(iterator)
+                if index == 0:
+                    trial.startup_s = clock() - start
+                step(batch, index)
+        except StopIteration:
+            exhausted = True
+        except Exception as err:  # reported to every rank below, raised after the last collective
+            error = err
+        for index in range(steps):
+            if error is None and not exhausted:
+                try:
+                    t0 = clock()
+                    batch = next(iterator)
+                    t1 = clock()
+                    step(batch, warmup + index)
+                    timed, wait, done = timed + clock() - t0, wait + t1 - t0, done + 1
+                except StopIteration:
+                    exhausted = True
+                except Exception as err:
+                    error = err
+            if (index + 1) % check and index + 1 < steps:
+                continue
+            slowest, late, failed, ended = sync([timed, float(clock() >= deadline), float(error is not None),
+                                                 float(exhausted)])  # fmt: skip
+            if failed or ended or index + 1 == steps:
+                break
+            if cut_s_per_step is not None and slowest > (index + 1) * cut_s_per_step:
+                trial.status, trial.note = "cut", "cut"
+                break
+            if late:
+                trial.status, trial.note = "time", "out of time"
+                break
+    finally:
+        _shutdown(iterator)
+    seconds, wait_s, startup_s, fewest, failed = sync([timed, wait, trial.startup_s, -done, float(error is not None)])
+    if failed:
+        raise TrialError(f"DataLoader trial {settings} failed: {error!r}" if error else
+                         f"DataLoader trial {settings} failed on another rank") from error  # fmt: skip
+    trial.steps, trial.seconds, trial.wait_s, trial.startup_s = int(-fewest), seconds, wait_s, startup_s
+    if trial.steps == 0 and trial.status == "done":
+        trial.status, trial.note = "time", "no batch was timed"
+    return trial

@@ -1,0 +1,304 @@
+"""Find the train DataLoader's num_workers, prefetch_factor, persistent_workers and pin_memory by timing real steps."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_accel.callbacks import _dataloader_search as search
+from lightning_accel.callbacks import _dataloader_steps as steps
+from lightning_accel.callbacks._dataloader_trials import (
+    LoaderSettings,
+    Trial,
+    TrialError,
+    batch_nbytes,
+    frozen_rng,
+    loader_settings,
+    rebuild_loader,
+    run_trial,
+    trial_window,
+)
+from lightning_accel.errors import LightningAccelWarning
+from lightning_accel.system import read_cpu_budget, read_shm
+
+__all__ = ["DataLoaderTuner"]
+
+log = logging.getLogger(__name__)
+
+
+class DataLoaderTuner(Callback):
+    """Choose the train DataLoader's settings by timing real training steps at the start of the fit.
+
+    At `on_fit_start` (before the sanity check) the train DataLoader is rebuilt with each candidate setting and the
+    model's own `training_step` and backward run on its batches, timing the wait for each batch and the step. The
+    optimizer never steps; buffers (BatchNorm statistics), gradients, torchmetrics states and the RNGs are put
+    back and `self.log` is muted, so the fit trains exactly as it would have. Candidates: worker counts within the
+    CPUs of this rank (`lightning_accel.system.read_cpu_budget`: affinity, cgroup quota, divided among the node's
+    processes); more, up to `max_workers`, while the fastest count still waits for data (a loader that waits on
+    I/O) and each doubling pays; then `prefetch_factors` and, on CUDA, `pin_memory`. Settings whose batches in
+    flight do not fit /dev/shm or the memory cgroup are skipped; a trial already slower than the best by more
+    than `tolerance` is cut short. The choice is the fewest workers within `tolerance` of the fastest, with
+    `persistent_workers=True` whenever it has workers (a loader that is not persistent pays the table's startup
+    time again every epoch). The Trainer's train and validation DataLoaders are replaced by ones built with the
+    choice; the user's code does not change. If tuning fails, the loaders stay as they were and the fit goes on.
+
+    Under DDP every rank runs the same trial at the same time (its workers compete for the node's CPUs as they
+    will), on the module itself, past the DDP wrapper (no gradient all-reduce is timed); the slowest rank's time
+    counts, rank zero decides and every rank adopts the decision. Decisions are cached in
+    `<cache_dir>/dataloader_tuner.json` under a fingerprint of the dataset (type, length), batch size, model,
+    precision, hardware and world size, and kept in checkpoints; a fit that finds one skips tuning.
+
+    Python side effects of `training_step` (appending to a list, counting calls) happen in the trials too.
+    A loader with its own `generator` shuffles its first epoch differently than without the tuner (the same way
+    in every tuned or cached fit).
+
+    Args:
+        max_tuning_time_s: wall-clock bound of tuning; the running trial stops at its next quarter.
+        steps_per_trial: timed steps per trial (at least twice the workers, a multiple of them).
+        warmup_steps: untimed steps before timing (at least one per worker, so all have started).
+        tolerance: a setting within this fraction of the fastest counts as fast as it.
+        max_workers: the most workers tried on a loader that waits for data; None: 4 x this rank's CPUs.
+        prefetch_factors: batches loaded ahead per worker to try; the first is used while counting workers.
+        tune_pin_memory: also try `pin_memory=True` (CUDA only).
+        apply_to_val: give the validation DataLoaders the same settings.
+        force: tune even when the cache or a checkpoint holds a decision.
+        cache_dir: folder of the decision cache; None: `$XDG_CACHE_HOME/lightning_accel` or
+            `~/.cache/lightning_accel`.
+        use_cache: reuse a decision from the cache, a checkpoint or an earlier fit of this callback, and write the
+            cache.
+        print_table: print the table of trials with rich on rank zero (it is logged at INFO either way).
+
+    Raises:
+        ValueError: for a non-positive time, step count or worker count, a tolerance outside [0, 1), or an empty
+            or non-positive `prefetch_factors`.
+
+    Logs (once, at the start of training, on the Trainer's loggers):
+        `dataloader_tuner/num_workers`, `.../prefetch_factor` (0 without workers), `.../pin_memory`,
+        `.../persistent_workers` (0 or 1): the settings chosen.
+        `dataloader_tuner/samples_per_s`: training samples per second per rank with them, as measured.
+        `dataloader_tuner/data_wait_share`: share of step time waiting for data with them (0..1).
+        `dataloader_tuner/speedup`: their throughput over that of the loader's own settings (x).
+        `dataloader_tuner/tuning_time_s`: seconds spent tuning (s); `dataloader_tuner/trials`: settings timed.
+        `dataloader_tuner/cache_hit`: 1 when the decision came from the cache or a checkpoint.
+
+    Example::
+
+        trainer = Trainer(callbacks=[DataLoaderTuner(max_tuning_time_s=30)])
+    """
+
+    def __init__(
+        self,
+        max_tuning_time_s: float = 60.0,
+        steps_per_trial: int = 16,
+        warmup_steps: int = 2,
+        tolerance: float = 0.05,
+        max_workers: int | None = None,
+        prefetch_factors: Sequence[int] = (2, 4),
+        tune_pin_memory: bool = True,
+        apply_to_val: bool = True,
+        force: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        use_cache: bool = True,
+        print_table: bool = True,
+    ) -> None:
+        if not max_tuning_time_s > 0:
+            raise ValueError(f"`max_tuning_time_s={max_tuning_time_s!r}` must be > 0 seconds.")
+        for name, value, low in (("steps_per_trial", steps_per_trial, 1), ("warmup_steps", warmup_steps, 0),
+                                 ("max_workers", 1 if max_workers is None else max_workers, 1)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"`{name}={value!r}` must be an integer >= {low}.")
+        if not 0.0 <= tolerance < 1.0:
+            raise ValueError(f"`tolerance={tolerance!r}` must be within [0, 1), e.g. 0.05 for 5%.")
+        factors = list(prefetch_factors)
+        if not factors or any(isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in factors):
+            raise ValueError(f"`prefetch_factors={prefetch_factors!r}` must be a non-empty list of integers >= 1.")
+        self.max_tuning_time_s = float(max_tuning_time_s)
+        self.steps_per_trial, self.warmup_steps, self.tolerance = steps_per_trial, warmup_steps, float(tolerance)
+        self.max_workers, self.prefetch_factors, self.tune_pin_memory = max_workers, factors, tune_pin_memory
+        self.apply_to_val, self.force, self.use_cache, self.print_table = apply_to_val, force, use_cache, print_table
+        self.cache_dir = None if cache_dir is None else str(cache_dir)
+        self.trials: list[Trial] = []
+        """The trials of the last tuning, in the order run (empty after a cache hit)."""
+        self.decision: LoaderSettings | None = None
+        """The settings applied in the last fit; None when the loaders were left alone."""
+        self.tuning_time_s, self.cache_hit = 0.0, False
+        self.step_mode = ""
+        """What a trial step ran: "train", "forward" or "data" (see `_dataloader_steps.make_step`)."""
+        self._state: dict[str, Any] = {}
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir or search.default_cache_dir()) / "dataloader_tuner.json"
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.trials, self.decision, self.tuning_time_s, self.cache_hit = [], None, 0.0, False
+        loop, start = trainer.fit_loop, time.perf_counter()
+        early = loop._combined_loader is not None  # set up by another callback: its RNG draws are done
+        with frozen_rng():  # the fit loop's own call finds the loaders set up; their iterator is recreated below
+            loop.setup_data()
+        train = list(loop._combined_loader.flattened) if loop._combined_loader is not None else []
+        reason, final = steps.untunable(trainer, train), train
+        if steps.rank_sync(trainer.strategy.root_device)([float(bool(reason))])[0]:
+            rank_zero_warn(f"DataLoaderTuner left the DataLoaders alone: {reason or 'not tunable on another rank'}.",
+                           category=LightningAccelWarning)  # fmt: skip
+        else:
+            try:
+                with frozen_rng(train):
+                    steps.stop_workers(loop)  # the original loader's workers stop during the trials
+                    self.decision = self._decide(trainer, pl_module, train[0], start)
+                if self.decision is not None:
+                    final = [steps.rebuilt(dl, self.decision) for dl in train]
+            except Exception as err:
+                self.decision = None
+                rank_zero_warn(f"DataLoaderTuner failed ({type(err).__name__}: {err}); training goes on with the "
+                               "DataLoaders as they were.", category=LightningAccelWarning)  # fmt: skip
+        self.tuning_time_s = time.perf_counter() - start
+        if not train:
+            return
+        try:  # an iterator over the chosen loaders, drawing from the RNGs where the fit loop would have
+            steps.swap_loaders(loop, final, reiterate=True, frozen=early)
+        except Exception as err:
+            if final is train:
+                raise
+            self.decision = None
+            rank_zero_warn(f"DataLoaderTuner could not start the chosen DataLoader ({type(err).__name__}: {err}); "
+                           "training goes on with the DataLoaders as they were.", category=LightningAccelWarning)
+            steps.swap_loaders(loop, train, reiterate=True, frozen=early)
+        if self.decision is not None:
+            self._report(trainer, loader_settings(train[0]))
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loop = trainer.fit_loop
+        if getattr(loop, "_combined_loader_states_to_load", None):  # restored after `on_fit_start` from a checkpoint
+            loop._load_combined_loader_states()
+        self.on_validation_start(trainer, pl_module)  # the validation loaders exist now, after the sanity check
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reapply(trainer.fit_loop, reiterate=False)  # `reload_dataloaders_every_n_epochs` brought new loaders
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.apply_to_val and not trainer.sanity_checking:  # first time, or reloaded
+            self._reapply(trainer.fit_loop.epoch_loop.val_loop, reiterate=trainer.validating)
+
+    def _reapply(self, loop: Any, reiterate: bool) -> None:
+        loaders = [] if loop._combined_loader is None else loop._combined_loader.flattened
+        if self.decision is not None and not all(steps.is_tuned(dl) for dl in loaders):
+            steps.swap_loaders(loop, [steps.rebuilt(dl, self.decision) for dl in loaders], reiterate=reiterate)
+
+    def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any, start: float
+                ) -> LoaderSettings | None:  # fmt: skip
+        """Rank zero's decision, from the checkpoint, the cache or trials, on every rank; its entry in `_state`."""
+        strategy = trainer.strategy
+        sync = steps.rank_sync(strategy.root_device)
+        batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        budget = max(1, read_cpu_budget().effective // max(1, trainer.num_devices))
+        facts = steps.facts(trainer, loader, batch_size, budget)
+        key = search.fingerprint(facts)
+        known = None
+        if not self.force and self.use_cache and self._state.get("fingerprint") == key:
+            known = self._state  # loaded from a checkpoint, or the previous fit of this callback
+        elif not self.force and self.use_cache and trainer.is_global_zero:
+            known = search.DecisionCache(self.cache_path).get(key)
+        known = strategy.broadcast(known, src=0)
+        if known is not None:
+            self.cache_hit, self._state = True, dict(known)
+            return LoaderSettings(**known["settings"])
+        probe, error = None, None
+        try:  # one batch, for its size in bytes; a failure on any rank stops every rank here
+            probe = next(iter(rebuild_loader(loader, LoaderSettings())))
+        except Exception as err:
+            error = err
+        if sync([float(error is not None)])[0]:
+            raise TrialError(f"the first batch failed: {error!r}" if error else "the first batch failed on another "
+                             "rank") from error  # fmt: skip
+        batch_size, batch_bytes = batch_size or steps.batch_size_of(probe), batch_nbytes(probe)
+        original = loader_settings(loader)  # as a trial runs it: persistence only matters between epochs
+        original = replace(original, persistent_workers=original.num_workers > 0)
+        shm, memory = read_shm(), steps.memory_free(trainer.num_devices)
+        shared = (budget, original, None if shm is None else shm.free_bytes // trainer.num_devices, memory)
+        budget, original, shm_free, memory_free = strategy.broadcast(shared, src=0)  # one search on every rank
+        most_bytes, fewest_batches = sync([float(batch_bytes), -float(len(loader))])
+        batch_bytes, length = int(most_bytes), int(-fewest_batches)
+        assert isinstance(batch_size, int)
+        step, self.step_mode = steps.make_step(trainer, pl_module)
+        deadline = start + self.max_tuning_time_s
+
+        def measure(settings: LoaderSettings, cut: float | None) -> Trial:
+            warmup, window = trial_window(settings.num_workers, self.warmup_steps, self.steps_per_trial, length)
+            return run_trial(lambda s: rebuild_loader(loader, replace(s, persistent_workers=False)), step, settings,
+                             warmup=warmup, steps=window, samples_per_batch=batch_size, cut_s_per_step=cut,
+                             deadline=deadline, sync=sync)  # fmt: skip
+
+        with steps.untouched(pl_module):
+            self.trials = search.search(
+                measure, budget=budget, max_workers=self.max_workers or 4 * budget,
+                prefetch_factors=self.prefetch_factors, original=original, tolerance=self.tolerance,
+                pin_memory=self.tune_pin_memory and isinstance(trainer.accelerator, CUDAAccelerator),
+                guard=lambda s: search.memory_note(s, batch_bytes, shm_free, memory_free),
+            )  # fmt: skip
+        chosen = search.choose(self.trials, self.tolerance)
+        entry = None if chosen is None else search.decision_entry(key, facts, chosen, self.trials, original)
+        entry = strategy.broadcast(entry, src=0)
+        if entry is None:
+            rank_zero_warn(f"DataLoaderTuner timed no setting to the end within `max_tuning_time_s="
+                           f"{self.max_tuning_time_s}`; raise it. The DataLoaders are left alone.",
+                           category=LightningAccelWarning)  # fmt: skip
+            return None
+        if self.use_cache and trainer.is_global_zero:
+            try:
+                search.DecisionCache(self.cache_path).put(key, entry)
+            except OSError as err:
+                rank_zero_warn(f"DataLoaderTuner could not write its cache {self.cache_path} ({err}); set "
+                               "`cache_dir` to a writable folder.", category=LightningAccelWarning)  # fmt: skip
+        self._state = entry
+        return LoaderSettings(**entry["settings"])
+
+    def _report(self, trainer: pl.Trainer, original: LoaderSettings) -> None:
+        if not trainer.is_global_zero:
+            return
+        entry, decision = self._state, self.decision
+        assert decision is not None
+        chosen = next((t for t in self.trials if t.settings == decision and t.status == "done"), None)
+        rows = search.table_rows(self.trials, chosen)
+        source = "cache" if self.cache_hit else f"{len(self.trials)} trials in {self.tuning_time_s:.1f} s"
+        changed = ", ".join(f"{k} {getattr(original, k)} -> {v}" for k, v in decision.as_dict().items()
+                            if getattr(original, k) != v) or "no change"  # fmt: skip
+        line = (f"DataLoaderTuner ({source}): {changed}; {entry.get('samples_per_s', 0.0):,.1f} samples/s per rank "
+                f"({entry.get('speedup') or float('nan'):.2f}x the loader's own settings).")
+        title = f"DataLoaderTuner: train DataLoader settings timed on {self.step_mode} steps, per rank"
+        if rows:
+            log.info("%s\n%s", title, search.table_text(rows))
+        log.info(line)  # into the run's log file (accel-train) and wherever the application sends logging
+        if self.print_table:
+            from rich.console import Console
+
+            console = Console()
+            if rows:
+                console.print(search.rich_table(rows, title))
+            console.print(line, highlight=False)
+        metrics = search.decision_metrics(entry, self.trials, self.tuning_time_s, self.cache_hit)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._state)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._state = dict(state_dict)

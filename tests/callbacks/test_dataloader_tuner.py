@@ -1,0 +1,291 @@
+"""DataLoaderTuner: the choice against an exhaustive sweep, bounded tuning time, the cache, failures, DDP agreement."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import _dataloader_tuner_cases as cases
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import IterableDataset
+
+import lightning_accel.callbacks._dataloader_steps as steps_module
+import lightning_accel.callbacks.dataloader_tuner as tuner_module
+from lightning_accel.callbacks._dataloader_search import choose, memory_note, search, worker_counts
+from lightning_accel.callbacks._dataloader_trials import LoaderSettings, Trial
+from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
+from lightning_accel.errors import LightningAccelWarning
+from lightning_accel.system import ShmInfo
+
+CPUS = 2  # every test sees a 2-CPU budget (PYTHON_CPU_COUNT), whatever the machine
+SPACE = [LoaderSettings(num_workers=w, prefetch_factor=2 if w else None) for w in range(4 * CPUS + 1)]
+
+
+@pytest.fixture(autouse=True)
+def _two_cpus_one_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """A 2-CPU budget; one intra-op thread (on a loaded machine a second one waits for a busy core and a tiny step
+    takes 40 ms instead of 0.5); a private default cache."""
+    monkeypatch.setenv("PYTHON_CPU_COUNT", str(CPUS))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tuner(**kwargs: Any) -> DataLoaderTuner:
+    return DataLoaderTuner(**{"max_tuning_time_s": 20.0, "print_table": False, **kwargs})
+
+
+def _tune_and_referee(dataset: Any, tmp_path: Path, **kwargs: Any) -> tuple[DataLoaderTuner, cases.Referee]:
+    """Fit with the tuner, then an exhaustive sweep over 0..8 workers and the choice against the sweep's best."""
+    tuner = _tuner(use_cache=False)
+    referee = cases.Referee(tuner, SPACE)
+    fitter, _ = cases.fit(dataset, [tuner, referee], str(tmp_path), val=cases.SleepyDataset(16, 0.0), max_steps=5,
+                          **kwargs)  # fmt: skip
+    print(referee.summary())  # shown by `pytest -rP`
+    assert tuner.decision is not None and fitter.global_step == 5
+    assert fitter.train_dataloader.num_workers == fitter.val_dataloaders.num_workers == tuner.decision.num_workers
+    persistent = fitter.val_dataloaders.persistent_workers
+    assert tuner.decision.persistent_workers == (tuner.decision.num_workers > 0) == persistent
+    return tuner, referee
+
+
+def test_io_bound_dataset_gets_more_workers_than_cpus(tmp_path: Path) -> None:
+    tuner, referee = _tune_and_referee(cases.SleepyDataset(delay_s=0.006), tmp_path)  # 48 ms a batch per worker
+    assert tuner.decision is not None and tuner.decision.num_workers > CPUS, referee.summary()
+    assert referee.share_of_best >= 0.9, referee.summary()
+    assert max(t.settings.num_workers for t in tuner.trials) <= 4 * CPUS  # max_workers: 4 x the CPUs by default
+
+
+def test_cpu_bound_dataset_gets_what_the_cpus_give(tmp_path: Path) -> None:
+    # ~20 ms of Python per batch and ~8 ms per step, all on the same 2 CPUs (training on the CPU)
+    tuner, referee = _tune_and_referee(cases.BusyDataset(), tmp_path, batch_size=16, step_loops=150_000)
+    assert referee.share_of_best >= 0.9, referee.summary()
+    assert {t.settings.num_workers for t in tuner.trials} >= {0, CPUS}, referee.summary()  # none assumed: both timed
+
+
+def test_tuning_time_is_bounded_and_a_fit_without_a_decision_trains_on(tmp_path: Path) -> None:
+    tuner = _tuner(max_tuning_time_s=0.5, use_cache=False)
+    with pytest.warns(LightningAccelWarning, match="max_tuning_time_s=0.5"):
+        fitter, _ = cases.fit(cases.SleepyDataset(delay_s=0.01), [tuner], str(tmp_path), max_steps=2)
+    assert tuner.tuning_time_s <= 0.5 + 1.0, tuner.trials  # over by at most one check of a trial and a shutdown
+    assert tuner.trials[-1].status == "time" and tuner.decision is None
+    assert fitter.global_step == 2 and fitter.train_dataloader.num_workers == 0
+
+
+def _count_trials(monkeypatch: pytest.MonkeyPatch) -> list[LoaderSettings]:
+    ran: list[LoaderSettings] = []
+    real = tuner_module.run_trial
+
+    def counted(make_loader: Any, step: Any, settings: LoaderSettings, **kwargs: Any) -> Trial:
+        ran.append(settings)
+        return real(make_loader, step, settings, **kwargs)
+
+    monkeypatch.setattr(tuner_module, "run_trial", counted)
+    return ran
+
+
+def test_cache_hit_skips_tuning_and_force_tunes_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran = _count_trials(monkeypatch)
+    data = cases.SleepyDataset(400, 0.002)
+    first = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache")
+    cases.fit(data, [first], str(tmp_path), max_steps=2)
+    assert ran and not first.cache_hit and first.decision is not None
+    cached = json.loads((tmp_path / "cache" / "dataloader_tuner.json").read_text())["entries"]
+    assert [entry["settings"] for entry in cached.values()] == [first.decision.as_dict()]
+    ran.clear()
+    second = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache")
+    fitter, _ = cases.fit(data, [second], str(tmp_path), max_steps=2)
+    assert ran == [] and second.trials == [] and second.cache_hit and second.decision == first.decision
+    assert fitter.train_dataloader.num_workers == first.decision.num_workers
+    resumed = _tuner(steps_per_trial=4, cache_dir=tmp_path / "empty")  # a checkpoint's state holds the decision
+    resumed.load_state_dict(pickle.loads(pickle.dumps(first.state_dict())))
+    cases.fit(data, [resumed], str(tmp_path), max_steps=2)
+    assert ran == [] and resumed.cache_hit and resumed.decision == first.decision
+    forced = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache", force=True)
+    cases.fit(data, [forced], str(tmp_path), max_steps=2)
+    assert ran and forced.trials and not forced.cache_hit
+
+
+def test_a_tuned_fit_trains_exactly_like_an_untuned_one(tmp_path: Path) -> None:
+    data = cases.SleepyDataset(200, 0.0005)  # shuffled: the trials must not move the RNG, the weights or BatchNorm
+    _, plain = cases.fit(data, [], str(tmp_path), max_steps=12, val=cases.SleepyDataset(16, 0.0))
+    tuner = _tuner(steps_per_trial=4, use_cache=False)
+    _, tuned = cases.fit(data, [tuner], str(tmp_path), max_steps=12, val=cases.SleepyDataset(16, 0.0))
+    assert tuner.decision is not None and tuner.trials
+    for (name, a), (_, b) in zip(plain.state_dict().items(), tuned.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_failure_while_tuning_restores_the_loaders_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = steps_module.make_step
+
+    def failing(trainer: Any, pl_module: Any) -> tuple[Callable[[Any, int], None], str]:
+        step, mode = real(trainer, pl_module)
+        calls = []
+
+        def step_then_fail(batch: Any, batch_idx: int) -> None:
+            calls.append(batch_idx)
+            if len(calls) == 5:
+                raise RuntimeError("injected")
+            step(batch, batch_idx)
+
+        return step_then_fail, mode
+
+    class Loaders(cases.pl.Callback):
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            self.train, self.val = trainer.train_dataloader, trainer.val_dataloaders
+
+    monkeypatch.setattr(steps_module, "make_step", failing)
+    seen, tuner = Loaders(), _tuner(use_cache=False)
+    data, val = cases.SleepyDataset(200, 0.0005), cases.SleepyDataset(16, 0.0)
+    with pytest.warns(LightningAccelWarning, match="injected"):
+        fitter, tuned = cases.fit(data, [tuner, seen], str(tmp_path), max_steps=12, val=val)
+    assert tuner.decision is None and fitter.global_step == 12
+    assert seen.train.num_workers == 0 and not hasattr(seen.train, "_lightning_accel_tuned")
+    assert seen.val.num_workers == 0 and not hasattr(seen.val, "_lightning_accel_tuned")
+    _, plain = cases.fit(data, [], str(tmp_path), max_steps=12, val=val)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), tuned.state_dict().values(), strict=True))
+
+
+def test_memory_guard_skips_what_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    batch_bytes = 8 * cases.FEATURES * 4 + 8 * 4  # x and y of one batch of 8, float32
+    shm = ShmInfo(path="/dev/shm", size_bytes=2**30, free_bytes=3 * batch_bytes)
+    monkeypatch.setattr(tuner_module, "read_shm", lambda: shm)
+    tuner = _tuner(steps_per_trial=4, use_cache=False)
+    cases.fit(cases.SleepyDataset(400, 0.002), [tuner], str(tmp_path), max_steps=2)
+    skipped = {t.settings: t.note for t in tuner.trials if t.status == "skipped"}
+    assert LoaderSettings(num_workers=CPUS, prefetch_factor=2, persistent_workers=True) in skipped, tuner.trials
+    assert all(s.num_workers * (s.prefetch_factor or 0) > 3 and "/dev/shm" in note for s, note in skipped.items())
+    assert tuner.decision is not None and tuner.decision.num_workers * (tuner.decision.prefetch_factor or 0) <= 3
+    assert memory_note(LoaderSettings(num_workers=4, prefetch_factor=4), 2**20, None, 15 * 2**20).endswith("free")
+    assert memory_note(LoaderSettings(num_workers=4, prefetch_factor=4), 2**20, 16 * 2**20, 16 * 2**20) == ""
+
+
+class _Metrics(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: dict[str, float] = {}
+
+    name, version = "metrics", 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.update(metrics)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_table_is_printed_and_settings_are_logged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logger = _Metrics()
+    tuner = _tuner(steps_per_trial=4, use_cache=False, print_table=True)
+    cases.fit(cases.SleepyDataset(400, 0.002), [tuner], str(tmp_path), max_steps=2, logger=logger)
+    assert "DataLoaderTuner" in capsys.readouterr().out
+    assert tuner.decision is not None and logger.logged["dataloader_tuner/num_workers"] == tuner.decision.num_workers
+    keys = ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "samples_per_s", "data_wait_share",
+            "speedup", "tuning_time_s", "trials", "cache_hit")
+    assert {k for k in logger.logged if k.startswith("dataloader_tuner/")} == {f"dataloader_tuner/{k}" for k in keys}
+    assert logger.logged["dataloader_tuner/speedup"] > 1.0  # over the loader's own num_workers=0
+
+
+class _Stream(IterableDataset):
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return iter([(torch.zeros(cases.FEATURES), torch.zeros(1))] * 32)
+
+
+def test_an_iterable_dataset_is_left_alone(tmp_path: Path) -> None:
+    with pytest.warns(LightningAccelWarning, match="IterableDataset"):
+        fitter, _ = cases.fit(_Stream(), [_tuner()], str(tmp_path), max_steps=2)
+    assert fitter.global_step == 2
+
+
+def test_worker_counts_and_choice() -> None:
+    assert worker_counts(1) == [1, 0] and worker_counts(2) == [2, 1, 0]
+    assert worker_counts(16) == [16, 8, 4, 3, 2, 1, 0]
+
+    def trial(workers: int, rate: float, status: str = "done") -> Trial:
+        return Trial(settings=LoaderSettings(num_workers=workers, prefetch_factor=2 if workers else None),
+                     status=status, steps=10, seconds=10 * 8 / rate, samples_per_batch=8)  # type: ignore[arg-type]
+
+    assert choose([trial(4, 100.0), trial(2, 96.0), trial(1, 90.0)], 0.05).settings.num_workers == 2
+    assert choose([trial(4, 100.0), trial(1, 99.0, "cut"), trial(0, 99.0, "skipped")], 0.05).settings.num_workers == 4
+    assert choose([trial(2, 1.0, "time")], 0.05) is None
+
+
+def _scripted(rates: Callable[[int], float], wait: float) -> tuple[Callable[..., Trial], list[int]]:
+    """A `measure` whose throughput is `rates(workers)`; a trial is cut when slower than the bar."""
+    order: list[int] = []
+
+    def measure(settings: LoaderSettings, cut: float | None) -> Trial:
+        order.append(settings.num_workers)
+        seconds = 10 * 8 / rates(settings.num_workers)
+        status = "cut" if cut is not None and seconds / 10 > cut else "done"
+        return Trial(settings=settings, status=status, steps=10, seconds=seconds, wait_s=wait * seconds,
+                     samples_per_batch=8)  # type: ignore[arg-type]  # fmt: skip
+
+    return measure, order
+
+
+def test_search_explores_above_the_budget_only_while_it_pays() -> None:
+    common = {"max_workers": 16, "prefetch_factors": [2], "pin_memory": False, "tolerance": 0.05,
+              "guard": lambda s: ""}  # fmt: skip
+    io, order = _scripted(lambda w: 100.0 * max(w, 0.5), wait=0.9)  # waits on I/O: each worker adds as much
+    assert choose(search(io, budget=4, **common), 0.05).settings.num_workers == 16
+    assert order == [4, 3, 0, 8, 16]  # 3 was cut, so 2 and 1 were not tried
+    cpu, order = _scripted(lambda w: 100.0 * min(max(w, 0.8), 4), wait=0.5)  # 4 CPUs: more workers bring nothing
+    assert choose(search(cpu, budget=4, **common), 0.05).settings.num_workers == 4
+    assert order == [4, 3, 0, 8]  # 8 brought nothing: no further doubling
+    quota, order = _scripted(lambda w: 100.0 * min(max(w, 0.8), 4) * (0.7 if w > 4 else 1.0), wait=0.5)
+    assert choose(search(quota, budget=4, **common), 0.05).settings.num_workers == 4
+    assert order == [4, 3, 0, 8]  # 8 workers on a 4-CPU quota cost: no further doubling
+    fast, order = _scripted(lambda w: 100.0 if w == 0 else 60.0, wait=0.02)  # the step is the bottleneck
+    assert choose(search(fast, budget=4, **common), 0.05).settings.num_workers == 0
+    assert 8 not in order
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tuning_time_s": 0}, "max_tuning_time_s=0"),
+        ({"steps_per_trial": 0}, "steps_per_trial=0"),
+        ({"max_workers": 0}, "max_workers=0"),
+        ({"tolerance": 1.0}, "tolerance=1.0"),
+        ({"prefetch_factors": []}, "prefetch_factors"),
+        ({"prefetch_factors": [0]}, "prefetch_factors"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DataLoaderTuner(**kwargs)
+
+
+def test_two_ddp_processes_agree(tmp_path: Path) -> None:
+    script = Path(cases.__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    proc = subprocess.run([*command, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    tuned, cached = rank0
+    assert tuned["world_size"] == 2 and tuned["decision"] is not None and not tuned["cache_hit"]
+    assert rank1[0]["decision"] == tuned["decision"] and rank1[0]["trials"] == tuned["trials"]  # lockstep, one choice
+    assert {t["num_workers"] for t in tuned["trials"]} >= {0, 1}  # the budget: 2 CPUs // 2 ranks = 1 worker per rank
+    assert max(t["num_workers"] for t in tuned["trials"]) <= 4  # max_workers: 4 x 1
+    for first, second in (rank0, rank1):
+        assert first["loader_workers"] == tuned["decision"]["num_workers"] == second["loader_workers"]
+        assert second["cache_hit"] and second["trials"] == [] and second["decision"] == tuned["decision"]
+        assert first["global_step"] == second["global_step"] == 5
+    assert rank0[0]["weight"] == rank1[0]["weight"] and rank0[1]["weight"] == rank1[1]["weight"]
+    assert cached["decision"] == tuned["decision"]
