@@ -17,7 +17,7 @@ from lightning_accel.callbacks._dataloader_trials import LoaderSettings, Trial
 
 __all__ = [
     "COLUMNS", "DecisionCache", "choose", "decision_entry", "decision_metrics", "default_cache_dir", "fingerprint",
-    "memory_note", "rich_table", "search", "table_rows", "table_text", "worker_counts",
+    "memory_note", "no_data_wait", "rich_table", "search", "table_rows", "table_text", "worker_counts",
 ]  # fmt: skip
 
 LOADER_BOUND_SHARE = 0.1
@@ -29,22 +29,38 @@ COLUMNS = ("workers", "prefetch", "pin", "samples/s", "data wait", "startup s", 
 def worker_counts(budget: int) -> list[int]:
     """Worker counts tried within the CPU budget, in the order they are tried.
 
-    The budget first (it sets the bar that cuts slower trials short), then halving towards 1 (counts up to 4 one by
-    one), then 0: without workers the main process loads batches itself, which on a small CPU quota can beat one
-    worker.
+    0 first: without workers the main process loads each batch itself, and the share of the step it waits for it
+    bounds what any number of workers can save (on a small CPU quota none can beat it). Then the budget (it sets the
+    bar that cuts slower trials short), then halving towards 1 (counts up to 4 one by one).
     """
     counts = [budget]
     while counts[-1] > 1:
         counts.append(counts[-1] - 1 if counts[-1] <= 4 else counts[-1] // 2)
-    return [*dict.fromkeys([*counts, 0])]
+    return [*dict.fromkeys([0, *counts])]
+
+
+def no_data_wait(trial: Trial, tolerance: float) -> bool:
+    """Whether `trial` is a finished one without workers whose wait for data is within `tolerance` of its step time.
+
+    Workers can at most take the loading off the step: the best any setting can reach is `samples_per_s / (1 -
+    wait_share)`, within `tolerance` of this trial's own rate when `wait_share <= tolerance`. Then no worker can pay,
+    and a faster measurement with workers is noise (or another job's load on this trial).
+    """
+    return trial.settings.num_workers == 0 and trial.status == "done" and trial.steps > 0 and (
+        trial.wait_share <= tolerance)  # fmt: skip
 
 
 def choose(trials: Sequence[Trial], tolerance: float) -> Trial | None:
     """The cheapest finished trial (fewest workers, then least prefetch, then no pinning) within `tolerance` of the
-    fastest; None when no trial finished."""
+    fastest, or the one without workers when it hardly waits for data (`no_data_wait`); None when no trial
+    finished."""
     finished = [t for t in trials if t.status == "done" and t.steps > 0]
     if not finished:
         return None
+    if tolerance > 0:
+        zero = next((t for t in finished if no_data_wait(t, tolerance)), None)
+        if zero is not None:
+            return zero
     best = max(t.samples_per_s for t in finished)
     return min((t for t in finished if t.samples_per_s >= best * (1.0 - tolerance)), key=lambda t: t.settings.cost)
 
@@ -74,7 +90,8 @@ def search(
     """Try settings in a deterministic order that depends only on the trials' (rank-synchronised) results.
 
     1. Worker counts within the CPU budget (`worker_counts`), and the loader's own settings, with the first prefetch
-       factor and no pinning.
+       factor and no pinning; when the first, without workers, hardly waits for data (`no_data_wait`), only the
+       loader's own settings after it, for the speedup figure.
     2. While the fastest setting still waits for data more than `LOADER_BOUND_SHARE` of the time, twice as many
        workers as the last count tried above the budget, up to `max_workers`, while each doubling is faster than
        the fastest before it by more than `tolerance` (on a loader that waits on I/O each doubling pays; on a
@@ -112,6 +129,10 @@ def search(
             continue  # fewer workers than a count already too slow
         trial = attempt(settings)
         if trial is None:
+            return trials
+        if no_data_wait(trial, tolerance):  # no worker can pay; the loader's own settings timed for the speedup
+            if original is not None and original != settings:
+                attempt(original)
             return trials
         if trial.status == "cut" and settings != original:
             cut_at = settings.num_workers

@@ -42,16 +42,18 @@ class DataLoaderTuner(Callback):
 
     At `on_fit_start` (before the sanity check) the train DataLoader is rebuilt with each candidate setting and the
     model's own `training_step` and backward run on its batches, timing the wait for each batch and the step. The
-    optimizer never steps; buffers (BatchNorm statistics), gradients, torchmetrics states and the RNGs are put
-    back and `self.log` is muted, so the fit trains exactly as it would have. Candidates: worker counts within the
-    CPUs of this rank (`lightning_accel.system.read_cpu_budget`: affinity, cgroup quota, divided among the node's
-    processes); more, up to `max_workers`, while the fastest count still waits for data (a loader that waits on
-    I/O) and each doubling pays; then `prefetch_factors` and, on CUDA, `pin_memory`. Settings whose batches in
-    flight do not fit /dev/shm or the memory cgroup are skipped; a trial already slower than the best by more
-    than `tolerance` is cut short. The choice is the fewest workers within `tolerance` of the fastest, with
-    `persistent_workers=True` whenever it has workers (a loader that is not persistent pays the table's startup
-    time again every epoch). The Trainer's train and validation DataLoaders are replaced by ones built with the
-    choice; the user's code does not change. If tuning fails, the loaders stay as they were and the fit goes on.
+    optimizer never steps; buffers (BatchNorm statistics), gradients, torchmetrics states and the RNGs are put back and
+    `self.log` is muted, so the fit trains exactly as it would have. First without workers: when the step then waits for
+    data less than `tolerance` of its time, no worker can save more, and only the loader's own settings are timed after
+    it (for the speedup figure). Otherwise worker counts within the CPUs of this rank
+    (`lightning_accel.system.read_cpu_budget`: affinity, cgroup quota, divided among the node's processes); more, up to
+    `max_workers`, while the fastest count still waits for data (a loader that waits on I/O) and each doubling pays;
+    then `prefetch_factors` and, on CUDA, `pin_memory`. Settings whose batches in flight do not fit /dev/shm or the
+    memory cgroup are skipped; a trial already slower than the best by more than `tolerance` is cut short. The choice is
+    the fewest workers within `tolerance` of the fastest, with `persistent_workers=True` whenever it has workers (a
+    loader that is not persistent pays the table's startup time again every epoch). The Trainer's train and validation
+    DataLoaders are replaced by ones built with the choice; the user's code does not change. If tuning fails, the
+    loaders stay as they were and the fit goes on.
 
     Under DDP every rank runs the same trial at the same time (its workers compete for the node's CPUs as they
     will), on the module itself, past the DDP wrapper (no gradient all-reduce is timed); the slowest rank's time
@@ -67,7 +69,8 @@ class DataLoaderTuner(Callback):
         max_tuning_time_s: wall-clock bound of tuning; the running trial stops at its next quarter.
         steps_per_trial: timed steps per trial (at least twice the workers, a multiple of them).
         warmup_steps: untimed steps before timing (at least one per worker, so all have started).
-        tolerance: a setting within this fraction of the fastest counts as fast as it.
+        tolerance: a setting within this fraction of the fastest counts as fast as it; 0 takes the fastest as
+            measured, however small the margin.
         max_workers: the most workers tried on a loader that waits for data; None: 4 x this rank's CPUs.
         prefetch_factors: batches loaded ahead per worker to try; the first is used while counting workers.
         tune_pin_memory: also try `pin_memory=True` (CUDA only).
