@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
-from lightning_accel.callbacks._dataloader_trials import LoaderSettings, frozen_rng, rebuild_loader
+from lightning_accel.callbacks._dataloader_trials import LoaderSettings, _shutdown, frozen_rng, rebuild_loader
 from lightning_accel.system import read_cpu_info, read_memory_limit
 
 __all__ = ["StepMode", "batch_size_of", "facts", "is_tuned", "make_step", "memory_free", "rank_sync", "rebuilt",
@@ -107,12 +107,6 @@ def rank_sync(device: torch.device) -> Callable[[Sequence[float]], list[float]]:
     return sync
 
 
-def _shutdown(iterator: Any) -> None:
-    shutdown = getattr(iterator, "_shutdown_workers", None)
-    if callable(shutdown):
-        shutdown()
-
-
 def is_tuned(loader: object) -> bool:
     return bool(getattr(loader, _TUNED, False))
 
@@ -152,6 +146,7 @@ def swap_loaders(loop: Any, loaders: list[Any], reiterate: bool, frozen: bool = 
     if reiterate and fetcher is not None:
         with frozen_rng(loaders) if frozen else contextlib.nullcontext():
             iter(fetcher)
+
 
 def untunable(trainer: pl.Trainer, loaders: list[Any]) -> str:
     """Why the fit's train loader is not tuned, or ""."""
