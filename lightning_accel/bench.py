@@ -43,39 +43,98 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Trailing Hydra overrides apply to every stage: accel-bench --quick model=classifier "
         "trainer.accelerator=cpu",
     )
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="Hydra overrides for every stage (model=..., data=..., trainer.x=...)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a few minutes on a CPU: {QUICK_STEPS} steps, 2 validations, a smaller GPT example")
-    parser.add_argument("--ladder", default=None, metavar="A,B,...",
-                        help="comma-separated presets (or built-in stages) to run in order; default: baseline,amp,"
-                        "ddp and the best model-parallel preset available (built-in `model_parallel`: ddp + "
-                        "strategy=model_parallel + accumulation=fixed + scheduler=onecycle)")
-    parser.add_argument("--steps", type=_positive(int), default=None, metavar="N",
-                        help=f"optimizer steps of the first stage (default 300, --quick {QUICK_STEPS})")
-    parser.add_argument("--match", choices=("samples", "steps"), default="samples",
-                        help="samples (default): every stage trains on as many samples as the first stage's N steps, "
-                        "so a DDP stage with 2x the global batch runs N/2 steps; steps: every stage runs N steps")
-    parser.add_argument("--time-budget", type=_positive(float), default=None, metavar="SECONDS",
-                        help="train each stage this long instead of a step count (Lightning's max_time)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="Hydra overrides for every stage (model=..., data=..., trainer.x=...)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a few minutes on a CPU: {QUICK_STEPS} steps, 2 validations, a smaller GPT example",
+    )
+    parser.add_argument(
+        "--ladder",
+        default=None,
+        metavar="A,B,...",
+        help="comma-separated presets (or built-in stages) to run in order; default: baseline,amp,"
+        "ddp and the best model-parallel preset available (built-in `model_parallel`: ddp + "
+        "strategy=model_parallel + accumulation=fixed + scheduler=onecycle)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help=f"optimizer steps of the first stage (default 300, --quick {QUICK_STEPS})",
+    )
+    parser.add_argument(
+        "--match",
+        choices=("samples", "steps"),
+        default="samples",
+        help="samples (default): every stage trains on as many samples as the first stage's N steps, "
+        "so a DDP stage with 2x the global batch runs N/2 steps; steps: every stage runs N steps",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=_positive(float),
+        default=None,
+        metavar="SECONDS",
+        help="train each stage this long instead of a step count (Lightning's max_time)",
+    )
     parser.add_argument("--metric", default="val/loss", help="validation metric for quality (default val/loss)")
-    parser.add_argument("--mode", choices=("min", "max"), default=None,
-                        help="min: lower is better; max: higher is better (default: from the metric's name)")
-    parser.add_argument("--target", type=float, default=None, metavar="VALUE",
-                        help="the metric value to reach: the table shows each stage's time to it")
+    parser.add_argument(
+        "--mode",
+        choices=("min", "max"),
+        default=None,
+        help="min: lower is better; max: higher is better (default: from the metric's name)",
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        metavar="VALUE",
+        help="the metric value to reach: the table shows each stage's time to it",
+    )
     parser.add_argument("--until-target", action="store_true", help="stop each stage when it reaches --target")
-    parser.add_argument("--tolerance", type=float, default=0.02, metavar="FRACTION",
-                        help="a stage whose metric is worse than the baseline's by more than this fraction fails "
-                        "quality (default 0.02 = 2%%)")
-    parser.add_argument("--val-checks", type=_positive(int), default=None, metavar="N",
-                        help="validation passes per stage (default 4, --quick 2)")
-    parser.add_argument("--peak-tflops", type=_positive(float), default=None, metavar="TFLOPS",
-                        help="peak dense TFLOP/s of one device for MFU, overriding the table (needed on CPUs)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        metavar="FRACTION",
+        help="a stage whose metric is worse than the baseline's by more than this fraction fails "
+        "quality (default 0.02 = 2%%)",
+    )
+    parser.add_argument(
+        "--val-checks",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help="validation passes per stage (default 4, --quick 2)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=_positive(float),
+        default=None,
+        metavar="TFLOPS",
+        help="peak dense TFLOP/s of one device for MFU, overriding the table (needed on CPUs)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of every stage (default: the config's seed)")
-    parser.add_argument("--stage-timeout", type=_positive(float), default=None, metavar="SECONDS",
-                        help="a stage running longer is stopped and shown as failed (default none, --quick 300)")
-    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
-                        help="run directory (default $ACCEL_LOG_DIR or outputs, then bench/<time>)")
+    parser.add_argument(
+        "--stage-timeout",
+        type=_positive(float),
+        default=None,
+        metavar="SECONDS",
+        help="a stage running longer is stopped and shown as failed (default none, --quick 300)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run directory (default $ACCEL_LOG_DIR or outputs, then bench/<time>)",
+    )
     return parser  # fmt: skip
 
 

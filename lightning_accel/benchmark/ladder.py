@@ -347,8 +347,15 @@ def run_stage(
     plan: StagePlan, stage_dir: Path, changes: str, timeout: float | None, launcher: Launcher = launch
 ) -> StageResult:
     """Run one planned stage and read its measurement; a stage that fails becomes a `failed` row with the reason."""
-    result = StageResult(name=plan.name, changes=changes, status=plan.status, reason=plan.reason,
-                         overrides=[*plan.overrides, *plan.extra], world_size=plan.world_size, steps=plan.steps)  # fmt: skip
+    result = StageResult(
+        name=plan.name,
+        changes=changes,
+        status=plan.status,
+        reason=plan.reason,
+        overrides=[*plan.overrides, *plan.extra],
+        world_size=plan.world_size,
+        steps=plan.steps,
+    )
     if plan.status != "ok":
         return result
     started = time.perf_counter()

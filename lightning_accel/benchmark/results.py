@@ -90,7 +90,9 @@ def speedups(results: Sequence[StageResult]) -> StageResult | None:
     return reference
 
 
-def quality_verdict(value: float | None, reference: float | None, mode: str, tolerance: float) -> tuple[str, float | None]:
+def quality_verdict(
+    value: float | None, reference: float | None, mode: str, tolerance: float
+) -> tuple[str, float | None]:
     """("pass" | "FAIL" | "n/a", signed % change) of a stage's metric against the reference stage's.
 
     The stage fails when it is worse than the reference by more than `tolerance` (a fraction of the reference's
@@ -153,7 +155,9 @@ def next_step(result: StageResult, verdict: str, num_workers: int | None, precis
             return "preset=amp (DataLoader workers), or raise `data.num_workers`"
         return f"raise `data.num_workers` (now {num_workers}), `data.pin_memory=true`"
     if verdict == "communication-bound":
-        return "accumulation=fixed (4x fewer all-reduces), `ddp_grad_compression=bf16` on CUDA, or strategy=model_parallel"
+        return (
+            "accumulation=fixed (4x fewer all-reduces), `ddp_grad_compression=bf16` on CUDA, or strategy=model_parallel"
+        )
     if verdict == "memory-bound":
         return "strategy=model_parallel (shards the model), or `callbacks.parallelize.activation_checkpointing=true`"
     if precision.startswith("32") or precision.startswith("64"):

@@ -85,8 +85,12 @@ def run_bench(
         "created": created,
         "command": list(argv) or sys.argv,
         "machine": machine,
-        "settings": {"ladder": list(ladder), "overrides": list(overrides), **settings.__dict__,
-                     "peak_tflops": peak_tflops},  # fmt: skip
+        "settings": {
+            "ladder": list(ladder),
+            "overrides": list(overrides),
+            **settings.__dict__,
+            "peak_tflops": peak_tflops,
+        },  # fmt: skip
         "reference": reference.name if reference else None,
         "total_s": total_s,
     }

@@ -175,7 +175,9 @@ class BenchMonitor(Callback):
         self._last_end = None
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         now = self._now()
         self._marks = {"start": now}
         if self._last_end is not None:
