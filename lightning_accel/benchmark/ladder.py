@@ -311,7 +311,7 @@ def monitor_overrides(plan: StagePlan, settings: BenchSettings, stage_dir: Path)
         extra += [f"{gpu}._target_=lightning_accel.callbacks.GPUMonitor", f"{gpu}.print_report=false",
                   f"{gpu}.report_dir={stage_dir}", f"{gpu}.warmup_steps=0"]  # fmt: skip
     if "model_checkpoint" in plan.callbacks:
-        extra += ["~callbacks.model_checkpoint", "trainer.enable_checkpointing=false"]
+        extra += ["~callbacks.model_checkpoint", "++trainer.enable_checkpointing=false"]
     return extra
 
 
@@ -334,7 +334,9 @@ def launch(command: list[str], stage_dir: Path, timeout: float | None) -> subpro
 
 
 def _failure_reason(stderr: str, returncode: int) -> str:
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    noise = ("HYDRA_FULL_ERROR", "full_key:", "object_type=", "reference_type=")
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not line.strip().startswith(noise)]
+    lines = [line for line in lines if "HYDRA_FULL_ERROR" not in line]
     for marker in ("accel-train: error:", "Error:", "Error", "error"):
         found = [line for line in lines if marker in line]
         if found:

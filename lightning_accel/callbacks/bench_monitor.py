@@ -253,11 +253,11 @@ class BenchMonitor(Callback):
         value = trainer.callback_metrics.get(self.metric)
         if value is None:
             return
-        value = float(value)
-        m.validations.append({"step": trainer.global_step, "train_s": self._train_clock(), "value": value})
+        value, train_s = float(value), self._train_clock()
+        m.validations.append({"step": trainer.global_step, "train_s": train_s, "value": value})
         m.final_metric = value
         if m.time_to_target_s is None and self.target is not None and _reached(value, self.target, self.mode):
-            m.time_to_target_s = self._train_clock()
+            m.time_to_target_s = train_s
             if self.stop_at_target:
                 trainer.should_stop = True
 
