@@ -295,3 +295,10 @@ def test_quick_cli_writes_the_table_csv_json_and_png(run_cli, tmp_path: Path) ->
     assert table.count("\n| ") == 4 and "| baseline |" in table and "skipped:" in table
     assert "| stage | what it changes | time | speedup |" in result.stdout
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_busy_machine_is_noted() -> None:
+    from lightning_accel.benchmark.run import busy_note
+
+    assert "load average 4.1 on 2 CPU(s)" in busy_note({"load_average_1m": 4.1, "cpus": 2})
+    assert busy_note({"load_average_1m": 1.5, "cpus": 2}) is None and busy_note({"load_average_1m": None}) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import platform
 import sys
 import time
@@ -36,8 +37,24 @@ def _machine() -> dict[str, Any]:
 
     from lightning_accel.benchmark.ladder import _effective_cpus
 
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows
+        load = None
     return {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "lightning": lightning.__version__, "cpus": _effective_cpus()}  # fmt: skip
+            "torch": torch.__version__, "lightning": lightning.__version__, "cpus": _effective_cpus(),
+            "load_average_1m": load}  # fmt: skip
+
+
+def busy_note(machine: dict[str, Any]) -> str | None:
+    """A warning when other processes kept the CPUs busy as the bench began: the times then measure contention too."""
+    load, cpus = machine.get("load_average_1m"), machine.get("cpus") or 1
+    if load is None or load <= cpus:
+        return None
+    return (
+        f"the machine was busy (1-minute load average {load:.1f} on {cpus} CPU(s)): times are noisy, and torch's "
+        "intra-op threads contend with the other processes (OMP_NUM_THREADS=1 shows how much)"
+    )
 
 
 def run_bench(
@@ -57,6 +74,7 @@ def run_bench(
         ConfigError: for an unknown stage or overrides that do not compose, before any stage runs.
     """
     started = time.perf_counter()
+    machine = _machine()  # before any stage: the load average is the others' load, not ours
     plans = plan_stages(ladder, overrides, settings, out_dir)
     changes = describe_changes(plans)
     results = []
@@ -76,7 +94,6 @@ def run_bench(
                          settings=settings_by_stage)  # fmt: skip
     table = markdown_table(results, settings.metric, settings.tolerance, settings.target)
     total_s = time.perf_counter() - started
-    machine = _machine()
     created = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     device = next((r.device for r in results if r.device), "")
     title = (f"accel-bench {created}: {device or 'no stage ran'}, torch {machine['torch']}, lightning "
@@ -97,7 +114,8 @@ def run_bench(
     files, note = write_outputs(results, out_dir, header, table, title)
     footer = (f"Speedup over `{reference.name}`" if reference else "No stage ran") + f"; total {total_s:.1f} s."
     echo(f"\n{title}\n\n{table}\n\n{footer}")
-    if note:
-        echo(f"accel-bench: {note}")
+    for line in (note, busy_note(machine)):
+        if line:
+            echo(f"accel-bench: note: {line}")
     echo(f"accel-bench: wrote {', '.join(str(f) for f in files)}")
     return BenchRun(results=results, table=table, files=files, note=note, total_s=total_s, header=header)
