@@ -302,3 +302,19 @@ def test_a_busy_machine_is_noted() -> None:
 
     assert "load average 4.1 on 2 CPU(s)" in busy_note({"load_average_1m": 4.1, "cpus": 2})
     assert busy_note({"load_average_1m": 1.5, "cpus": 2}) is None and busy_note({"load_average_1m": None}) is None
+
+
+def test_a_stage_past_its_timeout_is_stopped_with_its_children(tmp_path: Path) -> None:
+    import psutil
+
+    from lightning_accel.benchmark.ladder import StagePlan, launch, run_stage
+
+    child = "import time; time.sleep(120)"
+    code = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); print(p.pid); " \
+        "sys.stdout.flush(); time.sleep(120)"  # fmt: skip
+    plan = StagePlan(name="slow", overrides=[], command=[sys.executable, "-c", code])
+    result = run_stage(plan, tmp_path / "0-slow", "", timeout=3.0, launcher=launch)
+    assert result.status == "failed" and "--stage-timeout=3 s" in result.reason
+    grandchild = int((tmp_path / "0-slow" / "stdout.log").read_text().split()[0])
+    time.sleep(0.5)
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE

@@ -319,24 +319,48 @@ Launcher = Callable[[list[str], Path, "float | None"], "subprocess.CompletedProc
 
 
 def launch(command: list[str], stage_dir: Path, timeout: float | None) -> subprocess.CompletedProcess[str]:
-    """Run a stage's command in a fresh process; its output goes to stage_dir/stdout.log and stderr.log."""
+    """Run a stage's command in a fresh process (a session of its own, so a timeout or Ctrl-C ends its DDP ranks and
+    DataLoader workers too); its output goes to stage_dir/stdout.log and stderr.log."""
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
     env["PYTHONUNBUFFERED"] = "1"
-    try:
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:
-        out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        result = subprocess.CompletedProcess(command, 124, out, f"the stage ran past --stage-timeout={timeout:g} s")
     stage_dir.mkdir(parents=True, exist_ok=True)
-    (stage_dir / "stdout.log").write_text(result.stdout or "")
-    (stage_dir / "stderr.log").write_text(result.stderr or "")
-    return result
+    with (stage_dir / "stdout.log").open("w") as out, (stage_dir / "stderr.log").open("w") as err:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=timeout)
+            note = ""
+        except subprocess.TimeoutExpired:
+            _end_session(process)
+            returncode, note = 124, f"the stage ran past --stage-timeout={timeout:g} s and was stopped"
+        except BaseException:  # Ctrl-C: the stage's session does not get the terminal's SIGINT, so end it here
+            _end_session(process)
+            raise
+    stderr = (stage_dir / "stderr.log").read_text() + (f"\n{note}" if note else "")
+    return subprocess.CompletedProcess(command, returncode, (stage_dir / "stdout.log").read_text(), stderr)
+
+
+def _end_session(process: subprocess.Popen[str]) -> None:
+    """SIGTERM the stage's whole process group, then SIGKILL what is left after 10 s."""
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _failure_reason(stderr: str, returncode: int) -> str:
     noise = ("HYDRA_FULL_ERROR", "full_key:", "object_type=", "reference_type=")
     lines = [line.strip() for line in stderr.splitlines() if line.strip() and not line.strip().startswith(noise)]
     lines = [line for line in lines if "HYDRA_FULL_ERROR" not in line]
+    if lines and "--stage-timeout" in lines[-1]:
+        return lines[-1]
     for marker in ("accel-train: error:", "Error:", "Error", "error"):
         found = [line for line in lines if marker in line]
         if found:
