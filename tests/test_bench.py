@@ -318,3 +318,25 @@ def test_a_stage_past_its_timeout_is_stopped_with_its_children(tmp_path: Path) -
     grandchild = int((tmp_path / "0-slow" / "stdout.log").read_text().split()[0])
     time.sleep(0.5)
     assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def test_paths_become_hydra_values() -> None:
+    from lightning_accel.benchmark.ladder import hydra_value
+
+    assert hydra_value(Path("/tmp/out/0-baseline")) == "/tmp/out/0-baseline"
+    assert hydra_value(Path("/tmp/my runs/it's")) == "'/tmp/my runs/it\\'s'"
+
+
+@pytest.mark.gpu
+def test_quick_ladder_on_a_gpu_measures_mfu_and_utilisation(run_cli, tmp_path: Path) -> None:
+    """On a CUDA machine: MFU from the peak table and GPU utilisation from GPUMonitor are filled in."""
+    out = tmp_path / "bench"
+    result = run_cli(["--quick", "--ladder", "baseline,amp", "--out", str(out)], cwd=tmp_path, timeout=600,
+                     module="lightning_accel.bench")  # fmt: skip
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    stages = json.loads((out / "bench.json").read_text())["stages"]
+    for stage in stages:
+        assert stage["status"] == "ok", stage["reason"]
+        assert stage["device"] != "cpu" and stage["peak_memory_bytes"] > 0
+        assert stage["mfu"] is None or 0 < stage["mfu"] < 1, stage["mfu_note"]
+        assert stage["gpu_utilization_pct"] is not None

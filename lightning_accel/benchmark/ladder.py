@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -277,6 +278,14 @@ def describe_changes(plans: Sequence[StagePlan]) -> dict[str, str]:
     return described
 
 
+def hydra_value(path: Path) -> str:
+    """A path as a Hydra override value: quoted when it holds characters the override grammar reads (space, =, ...)."""
+    text = str(path)
+    if re.fullmatch(r"[\w/.\-]+", text):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def budget_overrides(plan: StagePlan, settings: BenchSettings, reference_batch: int | None) -> list[str]:
     """Steps (or time), validation cadence, seed and the measuring callback for one stage."""
     extra = ["test=false", "++trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"]
@@ -302,14 +311,18 @@ def budget_overrides(plan: StagePlan, settings: BenchSettings, reference_batch: 
 def monitor_overrides(plan: StagePlan, settings: BenchSettings, stage_dir: Path) -> list[str]:
     """The BenchMonitor (and, on CUDA, GPUMonitor) callbacks; checkpoints off, they are not what is measured."""
     key = "++callbacks.bench_monitor"
-    extra = [f"{key}._target_=lightning_accel.callbacks.BenchMonitor", f"{key}.output_path={stage_dir}/stage.json",
-             f"{key}.metric={settings.metric}", f"{key}.mode={settings.mode}"]  # fmt: skip
+    extra = [
+        f"{key}._target_=lightning_accel.callbacks.BenchMonitor",
+        f"{key}.output_path={hydra_value(stage_dir / 'stage.json')}",
+        f"{key}.metric={settings.metric}",
+        f"{key}.mode={settings.mode}",
+    ]
     if settings.target is not None:
         extra += [f"{key}.target={settings.target}", f"{key}.stop_at_target={str(settings.until_target).lower()}"]
     if plan.on_cuda:
         gpu = "++callbacks.gpu_monitor"
         extra += [f"{gpu}._target_=lightning_accel.callbacks.GPUMonitor", f"{gpu}.print_report=false",
-                  f"{gpu}.report_dir={stage_dir}", f"{gpu}.warmup_steps=0"]  # fmt: skip
+                  f"{gpu}.report_dir={hydra_value(stage_dir)}", f"{gpu}.warmup_steps=0"]  # fmt: skip
     if "model_checkpoint" in plan.callbacks:
         extra += ["~callbacks.model_checkpoint", "++trainer.enable_checkpointing=false"]
     return extra
@@ -430,5 +443,5 @@ def plan_stages(
         stage_dir = out_dir / "stages" / f"{index}-{plan.name}"
         bench = budget_overrides(plan, settings, reference_batch) + monitor_overrides(plan, settings, stage_dir)
         plan.command = [sys.executable, "-m", "lightning_accel.train", *plan.overrides, *plan.extra, *bench,
-                        f"hydra.run.dir={stage_dir}"]  # fmt: skip
+                        f"hydra.run.dir={hydra_value(stage_dir)}"]  # fmt: skip
     return plans

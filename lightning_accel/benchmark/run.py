@@ -8,7 +8,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +105,7 @@ def run_bench(
         "settings": {
             "ladder": list(ladder),
             "overrides": list(overrides),
-            **settings.__dict__,
+            **asdict(settings),
             "peak_tflops": peak_tflops,
         },  # fmt: skip
         "reference": reference.name if reference else None,
