@@ -229,7 +229,10 @@ def plan_stage(name: str, overrides: list[str], run_dir: str, visible_cuda: int 
         return plan
     if distributed and plan.world_size < 2:
         where = f"{visible} visible CUDA device(s)" if plan.on_cuda else f"{_effective_cpus()} CPU(s)"
-        plan.status, plan.reason = "skipped", f"`{family}` with one device ({where}); it needs 2 or more"
+        plan.status, plan.reason = (
+            "skipped",
+            (f"`{family}` with one device (`trainer.devices={devices}`, {where}); it needs 2 or more"),
+        )
         return plan
     try:
         with open_dict(cfg):
