@@ -340,3 +340,20 @@ def test_quick_ladder_on_a_gpu_measures_mfu_and_utilisation(run_cli, tmp_path: P
         assert stage["device"] != "cpu" and stage["peak_memory_bytes"] > 0
         assert stage["mfu"] is None or 0 < stage["mfu"] < 1, stage["mfu_note"]
         assert stage["gpu_utilization_pct"] is not None
+
+
+def test_your_own_model_from_your_own_config_directory(tmp_path: Path) -> None:
+    """A model config of the user's, found through `hydra.searchpath`, is planned for every stage; --quick's GPT
+    shrinking is left out for it."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "tiny_mlp.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /data: digits\nmodel:\n"
+        "  _target_: lightning_accel.examples.DigitsClassifier\n  hidden_dim: 32\n"
+    )
+    overrides = [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=tiny_mlp", "trainer.accelerator=cpu"]
+    plans = plan_stages(["baseline", "amp"], overrides, BenchSettings(steps=10, quick=True), tmp_path / "out",
+                        visible_cuda=0)  # fmt: skip
+    assert [p.status for p in plans] == ["ok", "ok"], [p.reason for p in plans]
+    assert [p.global_batch for p in plans] == [64, 64]  # data=digits' batch size
+    for plan in plans:
+        assert "model=tiny_mlp" in plan.command and not any(c.startswith("model.n_embd") for c in plan.command)
