@@ -204,10 +204,8 @@ def finalize(
             result.split, result.gpu_utilization_pct, memory_fraction, result.world_size
         )
         stage = settings.get(result.name, {})
-        result.next_step = next_step(
-            result, result.bottleneck, stage.get("num_workers"), str(stage.get("precision", result.measurement.get(
-                "precision", ""))),
-        )  # fmt: skip
+        precision = str(stage.get("precision") or result.measurement.get("precision", ""))
+        result.next_step = next_step(result, result.bottleneck, stage.get("num_workers"), precision)
     return reference
 
 

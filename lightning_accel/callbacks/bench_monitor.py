@@ -138,6 +138,7 @@ class BenchMonitor(Callback):
         self._last_end: float | None = None
         self._marks: dict[str, float] = {}
         self._flop_counter: Any = None
+        self._flops_tried = False
 
     def _now(self) -> float:
         if self._cuda and self.sync_cuda:
@@ -183,19 +184,28 @@ class BenchMonitor(Callback):
         if self._last_end is not None:
             self._marks["data"] = now - self._last_end
         m = self.measurement
-        if m.flops_per_batch is None and not m.flops_source:
+        if not self._flops_tried:
+            self._flops_tried = True
             self._declared_flops(pl_module, batch)
             if m.flops_per_batch is None and self.count_flops:
                 from torch.utils.flop_counter import FlopCounterMode
 
-                self._flop_counter = FlopCounterMode(display=False)
-                self._flop_counter.__enter__()
+                counter = FlopCounterMode(display=False)
+                try:
+                    counter.__enter__()
+                    self._flop_counter = counter
+                except Exception as err:  # MFU becomes n/a; training goes on
+                    m.flops_source = f"not counted: {type(err).__name__}: {err}"
 
     def _declared_flops(self, pl_module: pl.LightningModule, batch: Any) -> None:
         declared = getattr(pl_module, "flops_per_batch", None)
-        if callable(declared):
+        if not callable(declared):
+            return
+        try:
             self.measurement.flops_per_batch = float(declared(_batch_size(batch)))
             self.measurement.flops_source = f"{type(pl_module).__name__}.flops_per_batch"
+        except Exception:  # another signature than flops_per_batch(batch_size): count instead
+            self.measurement.flops_per_batch = None
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -212,10 +222,13 @@ class BenchMonitor(Callback):
         now = self._now()
         m = self.measurement
         if self._flop_counter is not None:
-            self._flop_counter.__exit__(None, None, None)
-            m.flops_per_batch = float(self._flop_counter.get_total_flops()) or None
-            m.flops_source = "torch.utils.flop_counter (first batch)"
-            self._flop_counter = None
+            counter, self._flop_counter = self._flop_counter, None
+            try:
+                counter.__exit__(None, None, None)
+                m.flops_per_batch = float(counter.get_total_flops()) or None
+                m.flops_source = "torch.utils.flop_counter (first batch)"
+            except Exception as err:
+                m.flops_source = f"not counted: {type(err).__name__}: {err}"
         samples = _batch_size(batch) * trainer.world_size
         tokens = _batch_tokens(batch) * trainer.world_size
         m.batches += 1

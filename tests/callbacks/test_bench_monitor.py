@@ -72,9 +72,13 @@ def test_measurement_adds_up_and_is_written(tmp_path) -> None:
     assert m.peak_memory_bytes and m.memory_total_bytes and m.device == "cpu"
 
 
-def test_stop_at_target_stops_the_fit_and_flops_are_counted_without_a_declaration(tmp_path) -> None:
+@pytest.mark.parametrize("declaration", ["none", "another signature"])
+def test_stop_at_target_stops_the_fit_and_flops_are_counted_without_a_declaration(tmp_path, declaration) -> None:
+    model = _TokenModel(declare_flops=False)
+    if declaration == "another signature":
+        model.flops_per_batch = lambda batch_size, seq_len: 0  # type: ignore[assignment]
     monitor = BenchMonitor(metric="val/score", target=9.0, stop_at_target=True)
-    trainer = _fit(monitor, _TokenModel(declare_flops=False), tmp_path, max_steps=30)
+    trainer = _fit(monitor, model, tmp_path, max_steps=30)
     assert trainer.global_step == 6  # second validation (step 6) reached 9.0
     assert monitor.measurement.flops_source.startswith("torch.utils.flop_counter")
     assert monitor.measurement.flops_per_batch and monitor.measurement.flops_per_batch > 0
