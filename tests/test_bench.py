@@ -357,3 +357,11 @@ def test_your_own_model_from_your_own_config_directory(tmp_path: Path) -> None:
     assert [p.global_batch for p in plans] == [64, 64]  # data=digits' batch size
     for plan in plans:
         assert "model=tiny_mlp" in plan.command and not any(c.startswith("model.n_embd") for c in plan.command)
+
+
+def test_quick_bounds_a_dataloader_tuner_search() -> None:
+    from lightning_accel.benchmark.ladder import StagePlan, budget_overrides
+
+    plan = StagePlan(name="amp", overrides=["preset=amp"], callbacks=["dataloader_tuner", "lr_monitor"])
+    assert "callbacks.dataloader_tuner.max_tuning_time_s=10" in budget_overrides(plan, BenchSettings(quick=True), 32)
+    assert not any("dataloader_tuner" in o for o in budget_overrides(plan, BenchSettings(), 32))

@@ -43,6 +43,8 @@ _DISTRIBUTED_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK
                     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")  # fmt: skip
 # --quick on the default GPT example: a smaller corpus and model, short validation.
 QUICK_GPT = ["data.max_chars=300000", "model.n_embd=64", "trainer.limit_val_batches=4"]
+QUICK_TUNING_S = 10.0
+"""--quick bounds a DataLoaderTuner's search (at the start of the fit, outside the measured training time) to this."""
 
 
 @dataclass(kw_only=True)
@@ -294,6 +296,8 @@ def budget_overrides(plan: StagePlan, settings: BenchSettings, reference_batch: 
     extra = ["test=false", "++trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"]
     if settings.seed is not None:
         extra.append(f"seed={settings.seed}")
+    if settings.quick and "dataloader_tuner" in plan.callbacks:  # its search (up to 60 s) would dwarf a quick stage
+        extra.append(f"callbacks.dataloader_tuner.max_tuning_time_s={QUICK_TUNING_S:g}")
     if settings.time_budget_s is not None:
         seconds = int(math.ceil(settings.time_budget_s))
         days, rest = divmod(seconds, 86400)
