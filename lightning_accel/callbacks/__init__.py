@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_accel.callbacks.accumulation import AccumulationScheduler
+from lightning_accel.callbacks.bench_monitor import BenchMonitor
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.callbacks.float8 import Float8Training
 from lightning_accel.callbacks.gpu_monitor import GPUMonitor
@@ -13,6 +14,7 @@ from lightning_accel.callbacks.skipped_steps import SkippedStepGuard
 
 __all__ = [
     "AccumulationScheduler",
+    "BenchMonitor",
     "DataLoaderTuner",
     "Float8Training",
     "GPUMonitor",

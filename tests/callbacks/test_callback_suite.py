@@ -20,6 +20,7 @@ import lightning_accel.callbacks as callbacks
 # entry here fails `test_every_exported_callback_is_in_the_suite`.
 FACTORIES: dict[str, Callable[[pytest.MonkeyPatch], pl.Callback]] = {
     "AccumulationScheduler": lambda mp: callbacks.AccumulationScheduler({0: 1, 2: 2}, unit="step"),
+    "BenchMonitor": lambda mp: callbacks.BenchMonitor(metric="train/loss", target=1e9, warmup_batches=1),
     "DataLoaderTuner": lambda mp: callbacks.DataLoaderTuner(steps_per_trial=2, use_cache=False, print_table=False),
     "Float8Training": lambda mp: (FakeTorchao().install(mp), callbacks.Float8Training())[1],
     "GPUMonitor": lambda mp: (

@@ -1,0 +1,195 @@
+"""accel-bench: the article's staged speedup table, measured on your model and machine, with the quality it kept."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_accel.errors import ConfigError
+
+__all__ = ["QUICK_STEPS", "build_parser", "main"]
+
+QUICK_STEPS = 40
+"""--quick: optimizer steps of the first stage (the default ladder finishes in a few minutes on 2 CPU cores)."""
+
+
+def _positive(kind: type) -> object:
+    def parse(text: str) -> float | int:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} > 0, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} > 0, got {value}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `accel-bench`; argparse exits 2 on a usage error."""
+    parser = argparse.ArgumentParser(
+        prog="accel-bench",
+        description="Run a ladder of presets (default baseline -> amp -> ddp -> model parallel) on a model and data "
+        "config, each stage in a fresh accel-train process with the same seed and budget, and print the staged "
+        "speedup table with throughput, time to target, peak memory, MFU, GPU utilisation, the validation metric, "
+        "a quality verdict and a bottleneck verdict per stage. Writes bench.md, bench.csv, bench.json and "
+        "bench.png into --out. Exit code: 0 when every stage that ran kept quality, 1 when one failed quality "
+        "or crashed, 2 for a usage error.",
+        epilog="Trailing Hydra overrides apply to every stage: accel-bench --quick model=classifier "
+        "trainer.accelerator=cpu",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="Hydra overrides for every stage (model=..., data=..., trainer.x=...)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a few minutes on a CPU: {QUICK_STEPS} steps, 2 validations, a smaller GPT example",
+    )
+    parser.add_argument(
+        "--ladder",
+        default=None,
+        metavar="A,B,...",
+        help="comma-separated presets (or built-in stages) to run in order; default: baseline,amp,"
+        "ddp and the best model-parallel preset available (built-in `model_parallel`: ddp + "
+        "strategy=model_parallel + accumulation=fixed + scheduler=onecycle)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help=f"optimizer steps of the first stage (default 300, --quick {QUICK_STEPS})",
+    )
+    parser.add_argument(
+        "--match",
+        choices=("samples", "steps"),
+        default="samples",
+        help="samples (default): every stage trains on as many samples as the first stage's N steps, "
+        "so a DDP stage with 2x the global batch runs N/2 steps; steps: every stage runs N steps",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=_positive(float),
+        default=None,
+        metavar="SECONDS",
+        help="train each stage this long instead of a step count (Lightning's max_time)",
+    )
+    parser.add_argument("--metric", default="val/loss", help="validation metric for quality (default val/loss)")
+    parser.add_argument(
+        "--mode",
+        choices=("min", "max"),
+        default=None,
+        help="min: lower is better; max: higher is better (default: from the metric's name)",
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        metavar="VALUE",
+        help="the metric value to reach: the table shows each stage's time to it",
+    )
+    parser.add_argument("--until-target", action="store_true", help="stop each stage when it reaches --target")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        metavar="FRACTION",
+        help="a stage whose metric is worse than the baseline's by more than this fraction fails "
+        "quality (default 0.02 = 2%%)",
+    )
+    parser.add_argument(
+        "--val-checks",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help="validation passes per stage (default 4, --quick 2)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=_positive(float),
+        default=None,
+        metavar="TFLOPS",
+        help="peak dense TFLOP/s of one device for MFU, overriding the table (needed on CPUs)",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed of every stage (default: the config's seed)")
+    parser.add_argument(
+        "--stage-timeout",
+        type=_positive(float),
+        default=None,
+        metavar="SECONDS",
+        help="a stage running longer is stopped and shown as failed (default none, --quick 300)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run directory (default $ACCEL_LOG_DIR or outputs, then bench/<time>)",
+    )
+    return parser  # fmt: skip
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 <= args.tolerance < 1:
+        raise ConfigError(f"`--tolerance={args.tolerance}` must be a fraction within [0, 1), e.g. 0.02 for 2%.")
+    if args.until_target and args.target is None:
+        raise ConfigError("`--until-target` needs `--target VALUE`, the metric value to stop at.")
+    if args.time_budget is not None and args.steps is not None:
+        raise ConfigError("`--time-budget` and `--steps` both set the budget; pass one of them.")
+    if not args.metric.startswith("val"):
+        raise ConfigError(f"`--metric={args.metric}` should be a validation metric (`val/...`), e.g. `val/loss`.")
+    for override in args.overrides:
+        if "=" not in override:
+            raise ConfigError(f"`{override}` is not a Hydra override; write KEY=VALUE (e.g. `model=classifier`).")
+        if override.split("=", 1)[0].lstrip("+~") in ("preset", "hydra.run.dir", "trainer.max_steps"):
+            raise ConfigError(f"`{override}` is set by accel-bench for each stage; use `--ladder`, `--out` or "
+                              "`--steps` instead.")  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point of `accel-bench` (also `python -m lightning_accel.bench`); returns the exit code."""
+    from lightning_accel.benchmark import BenchSettings, default_ladder, higher_is_better, run_bench
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _check(args)
+        ladder = [s.strip() for s in args.ladder.split(",") if s.strip()] if args.ladder else default_ladder()
+        if not ladder:
+            raise ConfigError(f"`--ladder={args.ladder!r}` names no stage; e.g. `--ladder baseline,amp`.")
+        settings = BenchSettings(
+            steps=args.steps or (QUICK_STEPS if args.quick else 300),
+            match=args.match,
+            time_budget_s=args.time_budget,
+            metric=args.metric,
+            mode=args.mode or ("max" if higher_is_better(args.metric) else "min"),
+            target=args.target,
+            until_target=args.until_target,
+            tolerance=args.tolerance,
+            val_checks=args.val_checks or (2 if args.quick else 4),
+            seed=args.seed,
+            quick=args.quick,
+            stage_timeout_s=args.stage_timeout or (300.0 if args.quick else None),
+        )
+        stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        out = args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "bench" / stamp
+        run = run_bench(ladder, args.overrides, settings, out.resolve(), peak_tflops=args.peak_tflops,
+                        argv=sys.argv if argv is None else ["accel-bench", *argv])  # fmt: skip
+    except ConfigError as err:
+        print(f"accel-bench: error: {err}", file=sys.stderr)
+        return 2
+    bad = [r for r in run.results if r.status == "failed" or r.quality == "FAIL"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

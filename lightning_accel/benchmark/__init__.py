@@ -1,0 +1,22 @@
+"""accel-bench's machinery: the ladder of stages, the table's arithmetic and the outputs (bench.py is the CLI)."""
+
+from __future__ import annotations
+
+from lightning_accel.benchmark.ladder import BUILTIN_STAGES, BenchSettings, StagePlan, available_presets, default_ladder
+from lightning_accel.benchmark.report import JSON_SCHEMA_VERSION, markdown_table
+from lightning_accel.benchmark.results import (
+    StageResult,
+    bottleneck,
+    finalize,
+    higher_is_better,
+    model_flops_utilization,
+    quality_verdict,
+    speedups,
+)
+from lightning_accel.benchmark.run import BenchRun, run_bench
+
+__all__ = [
+    "BUILTIN_STAGES", "JSON_SCHEMA_VERSION", "BenchRun", "BenchSettings", "StagePlan", "StageResult",
+    "available_presets", "bottleneck", "default_ladder", "finalize", "higher_is_better", "markdown_table",
+    "model_flops_utilization", "quality_verdict", "run_bench", "speedups",
+]  # fmt: skip

@@ -1,0 +1,343 @@
+"""Measures one benchmark stage: step-time split, throughput, FLOPs, peak memory and the validation metric over time."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+__all__ = ["BenchMonitor", "StageMeasurement"]
+
+MODES = ("min", "max")
+
+
+@dataclass(kw_only=True)
+class StageMeasurement:
+    """What `BenchMonitor` writes for `accel-bench` (global rank zero's view; step times are rank zero's)."""
+
+    world_size: int = 1
+    device: str = "cpu"
+    """`torch.cuda.get_device_name` of rank zero's device, or "cpu"."""
+    precision: str = ""
+    float32_matmul_precision: str = ""
+    optimizer_steps: int = 0
+    batches: int = 0
+    """Training micro-batches on rank zero."""
+    samples: int = 0
+    """Training samples over all ranks."""
+    tokens: int = 0
+    """Training tokens over all ranks (batches whose first tensor is 2-D integer ids); 0 when not token data."""
+    train_s: float = 0.0
+    """Training time from the first batch to the end of the fit, validation passes excluded."""
+    validation_s: float = 0.0
+    steady_batches: int = 0
+    """Batches after the warm-up, over which the split and the rates below are measured."""
+    steady_s: float = 0.0
+    steady_samples: int = 0
+    steady_tokens: int = 0
+    data_s: float = 0.0
+    """Of steady_s: waiting for the next batch (previous batch end to this batch start)."""
+    forward_s: float = 0.0
+    """Of steady_s: batch start to the loss (the forward pass, with the step's hooks)."""
+    backward_s: float = 0.0
+    """Of steady_s: backward, including DDP's gradient all-reduce where it does not overlap."""
+    optimizer_s: float = 0.0
+    """Of steady_s: after backward to the batch end: clipping, the optimizer step, zeroing gradients."""
+    flops_per_batch: float | None = None
+    """FLOPs of one forward + backward over rank zero's batch (model-declared or counted); None if unknown."""
+    flops_source: str = ""
+    peak_memory_bytes: int | None = None
+    """CUDA: `max_memory_allocated`; CPU: the process's peak resident set (`ru_maxrss`)."""
+    memory_total_bytes: int | None = None
+    """The device's memory (CUDA), or the host's (CPU)."""
+    memory_kind: str = ""
+    gpu_utilization_pct: float | None = None
+    """Mean NVML utilisation over the fit from a `GPUMonitor` in the same Trainer; None without one or a GPU."""
+    metric: str = ""
+    mode: str = "min"
+    validations: list[dict[str, float]] = field(default_factory=list)
+    """One entry per validation pass: `{"step", "train_s", "value"}`."""
+    final_metric: float | None = None
+    target: float | None = None
+    time_to_target_s: float | None = None
+    """train_s when the metric first reached `target`; None when it never did (or no target)."""
+
+
+class BenchMonitor(Callback):
+    """Times each training batch by phase and records what `accel-bench` puts in its table, then writes it as JSON.
+
+    Per training micro-batch after `warmup_batches`: the wait for data (previous batch end to this batch start),
+    forward (batch start to backward), backward (all-reduce included where it does not overlap) and the optimizer
+    part (after backward to batch end). On CUDA each boundary synchronises the device (`sync_cuda`), so the split
+    is real rather than launch time, at a small cost. It also records samples and tokens, FLOPs per batch (the
+    model's `flops_per_batch(batch_size)` when it has one, else counted once with `torch.utils.flop_counter`),
+    peak memory, the validation metric after each validation pass (and the time it first reached `target`), and
+    GPU utilisation from a `GPUMonitor` in the same Trainer. Global rank zero writes `output_path` at the end of
+    the fit. It logs nothing.
+
+    Args:
+        output_path: where the JSON goes (`StageMeasurement` as a dict); None: keep it in `measurement` only.
+        metric: the validation metric to follow (a key of `trainer.callback_metrics`).
+        mode: `min` when lower is better, `max` when higher is.
+        target: the metric value that counts as reached; None: no target.
+        stop_at_target: stop the fit when the target is reached.
+        warmup_batches: first batches left out of the split and the rates (allocation, caches, worker start-up).
+        sync_cuda: synchronise the CUDA device at each phase boundary.
+        count_flops: count the FLOPs of the first batch when the model declares none.
+
+    Raises:
+        ValueError: for an unknown `mode` or a negative `warmup_batches`.
+
+    Example::
+
+        trainer = Trainer(callbacks=[BenchMonitor("stage.json", metric="val/loss", target=2.0, stop_at_target=True)])
+    """
+
+    def __init__(
+        self,
+        output_path: str | Path | None = None,
+        metric: str = "val/loss",
+        mode: str = "min",
+        target: float | None = None,
+        stop_at_target: bool = False,
+        warmup_batches: int = 2,
+        sync_cuda: bool = True,
+        count_flops: bool = True,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"`mode={mode!r}` must be 'min' (lower is better) or 'max' (higher is better).")
+        if isinstance(warmup_batches, bool) or not isinstance(warmup_batches, int) or warmup_batches < 0:
+            raise ValueError(f"`warmup_batches={warmup_batches!r}` must be an integer >= 0.")
+        if stop_at_target and target is None:
+            raise ValueError("`stop_at_target=True` needs a `target` value of the metric.")
+        self.output_path = None if output_path is None else str(output_path)
+        self.metric = metric
+        self.mode = mode
+        self.target = None if target is None else float(target)
+        self.stop_at_target = stop_at_target
+        self.warmup_batches = warmup_batches
+        self.sync_cuda = sync_cuda
+        self.count_flops = count_flops
+        self._reset()
+
+    def _reset(self) -> None:
+        self.measurement = StageMeasurement(metric=self.metric, mode=self.mode, target=self.target)
+        self._cuda = False
+        self._start: float | None = None
+        self._validation_started: float | None = None
+        self._last_end: float | None = None
+        self._marks: dict[str, float] = {}
+        self._flop_counter: Any = None
+        self._flops_tried = False
+
+    def _now(self) -> float:
+        if self._cuda and self.sync_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _train_clock(self) -> float:
+        assert self._start is not None
+        return time.perf_counter() - self._start - self.measurement.validation_s
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset()
+        m = self.measurement
+        m.world_size = trainer.world_size
+        m.precision = str(trainer.precision)
+        m.float32_matmul_precision = torch.get_float32_matmul_precision()
+        self._cuda = pl_module.device.type == "cuda"
+        if self._cuda:
+            index = pl_module.device.index or 0
+            m.device = torch.cuda.get_device_name(index)
+            m.memory_total_bytes = int(torch.cuda.get_device_properties(index).total_memory)
+            m.memory_kind = "CUDA max_memory_allocated"
+            torch.cuda.reset_peak_memory_stats(index)
+        else:
+            import psutil
+
+            m.device = "cpu"
+            m.memory_total_bytes = int(psutil.virtual_memory().total)
+            m.memory_kind = "peak RSS of rank 0"
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+        self._last_end = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        now = self._now()
+        self._marks = {"start": now}
+        if self._last_end is not None:
+            self._marks["data"] = now - self._last_end
+        m = self.measurement
+        if not self._flops_tried:
+            self._flops_tried = True
+            self._declared_flops(pl_module, batch)
+            if m.flops_per_batch is None and self.count_flops:
+                from torch.utils.flop_counter import FlopCounterMode
+
+                counter = FlopCounterMode(display=False)
+                try:
+                    counter.__enter__()
+                    self._flop_counter = counter
+                except Exception as err:  # MFU becomes n/a; training goes on
+                    m.flops_source = f"not counted: {type(err).__name__}: {err}"
+
+    def _declared_flops(self, pl_module: pl.LightningModule, batch: Any) -> None:
+        declared = getattr(pl_module, "flops_per_batch", None)
+        if not callable(declared):
+            return
+        try:
+            self.measurement.flops_per_batch = float(declared(_batch_size(batch)))
+            self.measurement.flops_source = f"{type(pl_module).__name__}.flops_per_batch"
+        except Exception:  # another signature than flops_per_batch(batch_size): count instead
+            self.measurement.flops_per_batch = None
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._marks["forward_end"] = self._now()
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._marks["backward_end"] = self._now()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = self._now()
+        m = self.measurement
+        if self._flop_counter is not None:
+            counter, self._flop_counter = self._flop_counter, None
+            try:
+                counter.__exit__(None, None, None)
+                m.flops_per_batch = float(counter.get_total_flops()) or None
+                m.flops_source = "torch.utils.flop_counter (first batch)"
+            except Exception as err:
+                m.flops_source = f"not counted: {type(err).__name__}: {err}"
+        samples = _batch_size(batch) * trainer.world_size
+        tokens = _batch_tokens(batch) * trainer.world_size
+        m.batches += 1
+        m.samples += samples
+        m.tokens += tokens
+        m.optimizer_steps = trainer.global_step
+        marks, self._last_end = self._marks, now
+        if m.batches <= self.warmup_batches or "data" not in marks:
+            return
+        start = marks["start"]
+        forward_end = marks.get("forward_end", start)  # no backward: manual optimization or a skipped batch
+        backward_end = marks.get("backward_end", forward_end)
+        m.steady_batches += 1
+        m.steady_samples += samples
+        m.steady_tokens += tokens
+        m.data_s += marks["data"]
+        m.forward_s += forward_end - start
+        m.backward_s += backward_end - forward_end
+        m.optimizer_s += now - backward_end
+        m.steady_s += marks["data"] + now - start
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._start is not None and not trainer.sanity_checking:
+            self._validation_started = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._validation_started is None:
+            return
+        m = self.measurement
+        m.validation_s += time.perf_counter() - self._validation_started
+        self._validation_started = None
+        self._last_end = None  # the next batch's wait is not a data wait
+        value = trainer.callback_metrics.get(self.metric)
+        if value is None:
+            return
+        value, train_s = float(value), self._train_clock()
+        m.validations.append({"step": trainer.global_step, "train_s": train_s, "value": value})
+        m.final_metric = value
+        if m.time_to_target_s is None and self.target is not None and _reached(value, self.target, self.mode):
+            m.time_to_target_s = train_s
+            if self.stop_at_target:
+                trainer.should_stop = True
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        m = self.measurement
+        if self._start is not None:
+            m.train_s = self._train_clock()
+        m.optimizer_steps = trainer.global_step
+        if self._cuda:
+            m.peak_memory_bytes = int(torch.cuda.max_memory_allocated(pl_module.device))
+        else:
+            m.peak_memory_bytes = _peak_rss_bytes()
+        m.gpu_utilization_pct = _gpu_utilization(trainer)
+        if self.output_path and trainer.is_global_zero:
+            path = Path(self.output_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(json.dumps(asdict(m), indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._flop_counter is not None:
+            self._flop_counter.__exit__(None, None, None)
+            self._flop_counter = None
+
+
+def _reached(value: float, target: float, mode: str) -> bool:
+    return value <= target if mode == "min" else value >= target
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else 1
+    if isinstance(batch, dict):
+        return _batch_size(next(iter(batch.values()))) if batch else 0
+    if isinstance(batch, (list, tuple)):
+        return _batch_size(batch[0]) if batch else 0
+    return 0
+
+
+def _batch_tokens(batch: Any) -> int:
+    """Tokens of a batch whose first tensor holds integer ids of shape (batch, seq); 0 otherwise."""
+    first = batch
+    while isinstance(first, (list, tuple, dict)) and first:
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+        return int(first.numel())
+    return 0
+
+
+def _peak_rss_bytes() -> int | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _gpu_utilization(trainer: pl.Trainer) -> float | None:
+    from lightning_accel.callbacks.gpu_monitor import GPUMonitor
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, GPUMonitor):
+            values = [row["utilization_mean_pct"] for row in callback.report.gpu_rows()]
+            values = [v for v in values if not math.isnan(v)]
+            return sum(values) / len(values) if values else None
+    return None

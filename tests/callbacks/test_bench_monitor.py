@@ -1,0 +1,93 @@
+"""BenchMonitor: the step-time split adds up, samples, tokens and FLOPs are counted, the target stops the fit."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel.callbacks import BenchMonitor
+
+
+class _TokenModel(pl.LightningModule):
+    """Integer token batches (batch, seq); the validation metric falls by 1 on every validation pass."""
+
+    def __init__(self, declare_flops: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+        self.passes = 0
+        if declare_flops:
+            self.flops_per_batch = lambda batch_size: 1000 * batch_size
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        (x,) = batch
+        return nn.functional.cross_entropy(self.head(self.emb(x)).reshape(-1, 16), x.reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/score", 10.0 - self.passes)
+
+    def on_validation_epoch_end(self) -> None:
+        self.passes += 1
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(monitor: BenchMonitor, model: pl.LightningModule, tmp_path, max_steps: int = 12) -> pl.Trainer:
+    data = TensorDataset(torch.randint(0, 16, (64, 5), generator=torch.Generator().manual_seed(0)))
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=max_steps, val_check_interval=3, limit_val_batches=1, num_sanity_val_steps=0,
+        callbacks=[monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    return trainer
+
+
+def test_measurement_adds_up_and_is_written(tmp_path) -> None:
+    path = tmp_path / "stage.json"
+    monitor = BenchMonitor(path, metric="val/score", mode="min", target=8.0, warmup_batches=2)
+    _fit(monitor, _TokenModel(), tmp_path)
+    written = json.loads(path.read_text())
+    m = monitor.measurement
+    assert written["batches"] == m.batches == 12 and m.optimizer_steps == 12
+    assert m.samples == 48 and m.tokens == 48 * 5
+    assert m.flops_per_batch == 4000 and m.flops_source.endswith("flops_per_batch")
+    # batches after the warm-up that followed another training batch (not the first, not right after validation)
+    assert 0 < m.steady_batches <= 10
+    parts = m.data_s + m.forward_s + m.backward_s + m.optimizer_s
+    assert parts == pytest.approx(m.steady_s) and min(m.forward_s, m.backward_s, m.optimizer_s) > 0
+    assert [v["value"] for v in m.validations] == [10.0, 9.0, 8.0, 7.0]
+    assert m.final_metric == 7.0
+    assert m.time_to_target_s == m.validations[2]["train_s"] and 0 < m.time_to_target_s <= m.train_s
+    assert m.peak_memory_bytes and m.memory_total_bytes and m.device == "cpu"
+
+
+@pytest.mark.parametrize("declaration", ["none", "another signature"])
+def test_stop_at_target_stops_the_fit_and_flops_are_counted_without_a_declaration(tmp_path, declaration) -> None:
+    model = _TokenModel(declare_flops=False)
+    if declaration == "another signature":
+        model.flops_per_batch = lambda batch_size, seq_len: 0  # type: ignore[assignment]
+    monitor = BenchMonitor(metric="val/score", target=9.0, stop_at_target=True)
+    trainer = _fit(monitor, model, tmp_path, max_steps=30)
+    assert trainer.global_step == 6  # second validation (step 6) reached 9.0
+    assert monitor.measurement.flops_source.startswith("torch.utils.flop_counter")
+    assert monitor.measurement.flops_per_batch and monitor.measurement.flops_per_batch > 0
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="mode='low'"):
+        BenchMonitor(mode="low")
+    with pytest.raises(ValueError, match="stop_at_target"):
+        BenchMonitor(stop_at_target=True)
+    with pytest.raises(ValueError, match="warmup_batches"):
+        BenchMonitor(warmup_batches=-1)

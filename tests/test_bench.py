@@ -1,0 +1,367 @@
+"""accel-bench: table arithmetic, MFU peaks, bottleneck verdicts, bad input, a failing stage, --quick end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_accel import bench
+from lightning_accel.benchmark import (
+    BenchSettings,
+    StageResult,
+    bottleneck,
+    default_ladder,
+    finalize,
+    higher_is_better,
+    markdown_table,
+    model_flops_utilization,
+    quality_verdict,
+    run_bench,
+    speedups,
+)
+from lightning_accel.benchmark.ladder import plan_stages
+from lightning_accel.telemetry.peak_flops import compute_dtype, lookup_peak_flops
+
+
+def _measurement(train_s: float, metric: float, *, world: int = 1, data_s: float = 0.1, backward_s: float = 0.5,
+                 device: str = "cpu", precision: str = "32-true") -> dict:  # fmt: skip
+    return {"world_size": world, "train_s": train_s, "steady_s": 1.0, "steady_batches": 10, "steady_samples": 320,
+            "steady_tokens": 20480, "data_s": data_s, "forward_s": 0.3, "backward_s": backward_s,
+            "optimizer_s": 0.6 - data_s - backward_s + 0.5, "final_metric": metric, "device": device,
+            "precision": precision, "float32_matmul_precision": "highest", "flops_per_batch": 1e9,
+            "peak_memory_bytes": 2**30, "memory_total_bytes": 2**34}  # fmt: skip
+
+
+def _row(name: str, train_s: float, metric: float, **kwargs) -> StageResult:
+    return StageResult(name=name, measurement=_measurement(train_s, metric, **kwargs))
+
+
+# --- the table's arithmetic ------------------------------------------------------------------------------------------
+
+
+def test_speedup_is_reference_time_over_stage_time_from_the_recorded_json() -> None:
+    rows = [_row("baseline", 120.0, 2.0), _row("amp", 80.0, 2.01), _row("ddp", 30.0, 2.02)]
+    reference = finalize(rows, mode="min", tolerance=0.02)
+    assert reference is rows[0]
+    assert [r.time_s for r in rows] == [120.0, 80.0, 30.0]
+    assert [r.speedup for r in rows] == [1.0, 1.5, 4.0]
+    assert rows[1].samples_per_s == 320.0 and rows[1].tokens_per_s == 20480.0
+
+
+def test_a_skipped_baseline_makes_the_first_stage_that_ran_the_reference() -> None:
+    rows = [StageResult(name="baseline", status="skipped", reason="no"), StageResult(name="amp", time_s=10.0),
+            StageResult(name="ddp", status="failed", reason="boom"), StageResult(name="mp", time_s=4.0)]  # fmt: skip
+    assert speedups(rows) is rows[1]
+    assert [r.speedup for r in rows] == [None, 1.0, None, 2.5]
+
+
+@pytest.mark.parametrize(
+    ("value", "mode", "expected"),
+    [
+        (2.04, "min", "pass"),  # exactly 2% worse (lower is better): on the boundary passes
+        (2.0401, "min", "FAIL"),
+        (1.5, "min", "pass"),  # better
+        (0.882, "max", "pass"),  # exactly 2% worse (higher is better)
+        (0.8819, "max", "FAIL"),
+        (0.95, "max", "pass"),
+        (None, "min", "n/a"),
+        (math.nan, "min", "n/a"),
+    ],
+)
+def test_quality_verdict_at_the_tolerance_boundaries(value, mode, expected) -> None:
+    reference = 2.0 if mode == "min" else 0.9
+    verdict, delta = quality_verdict(value, reference, mode, 0.02)
+    assert verdict == expected
+    if expected != "n/a":
+        assert delta == pytest.approx(100 * (value - reference) / reference)
+
+
+def test_quality_fails_a_stage_worse_than_baseline_and_the_table_shows_it() -> None:
+    rows = [_row("baseline", 10.0, 2.0), _row("amp", 5.0, 2.1), StageResult(name="ddp", status="skipped",
+            reason="`ddp` with one device (1 CPU(s)); it needs 2 or more")]  # fmt: skip
+    finalize(rows, mode="min", tolerance=0.02)
+    assert [r.quality for r in rows] == ["pass", "FAIL", "n/a"]
+    table = markdown_table(rows, "val/loss", 0.02, None).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert table[0].startswith("| stage | what it changes | time | speedup |")
+    assert "| 2.00x |" in table[3] and "FAIL (+5.0%)" in table[3]
+    assert "skipped: `ddp` with one device" in table[4]
+
+
+def test_metric_direction_from_its_name() -> None:
+    assert higher_is_better("val/acc") and higher_is_better("val/f1_macro")
+    assert not higher_is_better("val/loss") and not higher_is_better("val/bpc") and not higher_is_better("val/ppl")
+
+
+# --- MFU -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "tflops"),
+    [
+        ("NVIDIA H200", "bf16", 989.4),  # what NVML and torch call it; Lightning's ThroughputMonitor finds no peak
+        ("NVIDIA H200 NVL", "bf16", 835.5),
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 PCIe", "fp8", 1513.0),
+        ("NVIDIA A100-SXM4-80GB", "tf32", 156.0),
+        ("NVIDIA A100 80GB PCIe", "bf16", 312.0),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("NVIDIA L40S", "fp16", 362.1),
+        ("NVIDIA A10G", "bf16", 125.0),
+        ("Tesla V100-SXM2-16GB", "fp16", 125.0),
+        ("Tesla T4", "fp16", 65.0),
+        ("NVIDIA GeForce RTX 4090", "bf16", 165.2),
+    ],
+)
+def test_peak_flops_lookup_by_device_name(name: str, dtype: str, tflops: float) -> None:
+    assert lookup_peak_flops(name, dtype).flops == pytest.approx(tflops * 1e12)
+
+
+def test_peak_flops_unknown_cpu_missing_dtype_and_override() -> None:
+    assert lookup_peak_flops("cpu", "fp32").flops is None
+    assert "--peak-tflops" in lookup_peak_flops("cpu", "fp32").reason
+    assert lookup_peak_flops("Tesla T4", "bf16").flops is None  # no bf16 tensor cores
+    assert lookup_peak_flops("Imaginary GPU 9000", "bf16").flops is None
+    assert lookup_peak_flops("cpu", "fp32", override_tflops=2.0).flops == 2e12
+    assert compute_dtype("bf16-mixed") == "bf16" and compute_dtype("16-mixed") == "fp16"
+    assert compute_dtype("32-true", "high") == "tf32" and compute_dtype("32-true", "highest") == "fp32"
+    assert compute_dtype("32-true", "high", tf32_capable=False) == "fp32"
+
+
+def test_mfu_from_measured_flops_and_the_peak() -> None:
+    assert model_flops_utilization(1e12, 100, 10.0, 1e14) == pytest.approx(0.1)
+    assert model_flops_utilization(None, 100, 10.0, 1e14) is None
+    rows = [_row("baseline", 10.0, 2.0, device="NVIDIA H200", precision="bf16-mixed")]
+    finalize(rows, mode="min", tolerance=0.02)
+    assert rows[0].mfu == pytest.approx(1e9 * 10 / 1.0 / 989.4e12)
+    cpu = [_row("baseline", 10.0, 2.0)]
+    finalize(cpu, mode="min", tolerance=0.02, peak_tflops=1.0)
+    assert cpu[0].mfu == pytest.approx(1e10 / 1e12)
+
+
+# --- bottleneck verdicts -----------------------------------------------------------------------------------------
+
+
+def test_bottleneck_rules() -> None:
+    compute = {"data": 0.05, "forward": 0.35, "backward": 0.5, "optimizer": 0.1}
+    assert bottleneck({**compute, "data": 0.2}, None, None, 1)[0] == "input-bound"
+    assert bottleneck({**compute, "data": 0.12}, 40.0, None, 1)[0] == "input-bound"  # idle GPU and some waiting
+    assert bottleneck({**compute, "data": 0.12}, 90.0, None, 1)[0] == "compute-bound"
+    assert bottleneck({**compute, "communication": 0.3}, None, None, 2)[0] == "communication-bound"
+    assert bottleneck({**compute, "communication": 0.3}, None, None, 1)[0] == "compute-bound"
+    assert bottleneck(compute, 95.0, 0.95, 1)[0] == "memory-bound"
+    assert bottleneck(compute, 95.0, 0.5, 1) == ("compute-bound", "95% of the step computes, GPU busy 95%")
+
+
+def test_communication_is_the_backward_time_beyond_the_single_process_stage_and_advice_follows() -> None:
+    rows = [_row("amp", 10.0, 2.0, precision="bf16-mixed", backward_s=0.3),
+            _row("ddp", 6.0, 2.0, world=2, precision="bf16-mixed", backward_s=0.6)]  # fmt: skip
+    finalize(rows, mode="min", tolerance=0.02, settings={"amp": {"num_workers": 2, "precision": "bf16-mixed"}})
+    assert rows[1].split["communication"] == pytest.approx(0.3)
+    assert rows[1].bottleneck == "communication-bound" and "accumulation=fixed" in rows[1].next_step
+    assert rows[0].bottleneck == "compute-bound" and rows[0].next_step == "preset=ddp"
+    slow_input = [_row("baseline", 10.0, 2.0, data_s=0.4)]
+    finalize(slow_input, mode="min", tolerance=0.02, settings={"baseline": {"num_workers": 0}})
+    assert slow_input[0].bottleneck == "input-bound" and slow_input[0].next_step.startswith("preset=amp")
+
+
+# --- planning and bad input ----------------------------------------------------------------------------------------
+
+
+def test_default_ladder_ends_with_the_best_model_parallel_stage() -> None:
+    assert default_ladder(["amp", "baseline", "ddp"]) == ["baseline", "amp", "ddp", "model_parallel"]
+    assert default_ladder(["amp", "baseline", "ddp", "pipeline"])[-1] == "pipeline"
+
+
+def test_plan_skips_what_cannot_run_here_and_budgets_the_rest(tmp_path: Path) -> None:
+    ladder = ["baseline", "ddp", "model_parallel"]
+    overrides = ["trainer.accelerator=cpu", "trainer.devices=1", "precision=fp16_mixed"]
+    plans = plan_stages(ladder, overrides, BenchSettings(steps=8), tmp_path, visible_cuda=0)
+    assert [p.status for p in plans] == ["skipped"] * 3
+    assert "fp16" in plans[0].reason and "CUDA" in plans[0].reason
+    plans = plan_stages(ladder, ["trainer.accelerator=cpu", "trainer.devices=1"], BenchSettings(steps=8), tmp_path,
+                        visible_cuda=0)  # fmt: skip
+    assert [p.status for p in plans] == ["ok", "skipped", "skipped"]
+    assert "with one device" in plans[1].reason
+    command = plans[0].command
+    assert "preset=baseline" in command and "trainer.max_steps=8" in command and "test=false" in command
+    assert any(c.endswith("_target_=lightning_accel.callbacks.BenchMonitor") for c in command)
+
+
+def test_plan_matches_samples_across_stages_with_bigger_global_batches(tmp_path: Path) -> None:
+    plans = plan_stages(["baseline", "ddp", "model_parallel"], ["trainer.accelerator=cpu"], BenchSettings(steps=40),
+                        tmp_path, visible_cuda=0)  # fmt: skip
+    if plans[1].status != "ok":
+        pytest.skip(plans[1].reason)  # a 1-CPU machine
+    assert [p.world_size for p in plans] == [1, 2, 2]
+    assert [p.global_batch for p in plans] == [32, 64, 256]  # model_parallel: 2 ranks x accumulate 4
+    assert [p.steps for p in plans] == [40, 20, 5]
+    assert "trainer.devices=2" in plans[1].command
+    same_steps = plan_stages(["baseline", "ddp"], ["trainer.accelerator=cpu"], BenchSettings(steps=40, match="steps"),
+                             tmp_path, visible_cuda=0)  # fmt: skip
+    assert [p.steps for p in same_steps] == [40, 40]
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--ladder", "baseline,nope"], ["`nope`", "amp", "baseline", "ddp", "model_parallel"]),
+        (["trainer.devices=abc"], ["trainer.devices", "abc"]),
+        (["model=nope"], ["model=nope"]),
+        (["--tolerance", "2"], ["--tolerance", "fraction"]),
+        (["--until-target"], ["--target"]),
+        (["preset=amp"], ["--ladder"]),
+        (["--metric", "train/loss"], ["val/"]),
+    ],
+)
+def test_bad_input_is_named_before_any_stage_runs(argv, words, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("lightning_accel.benchmark.run.run_stage", lambda *a: pytest.fail("a stage ran"))
+    assert bench.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("accel-bench: error:")
+    for word in words:
+        assert word in err
+
+
+# --- a failing stage and the outputs, without training ------------------------------------------------------------
+
+
+def test_a_failing_stage_is_a_failed_row_and_the_ladder_goes_on(tmp_path: Path) -> None:
+    """The middle stage's process raises; the stages around it still run and the outputs are written."""
+    times = {"baseline": 12.0, "model_parallel": 3.0}
+
+    def launcher(command: list[str], stage_dir: Path, timeout: float | None) -> subprocess.CompletedProcess[str]:
+        name = stage_dir.name.split("-", 1)[1]
+        if name == "amp":
+            code = "raise RuntimeError('rank 0 failed at global step 3: out of memory')"
+            return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        (stage_dir / "stage.json").write_text(json.dumps(_measurement(times[name], 2.0)))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    lines: list[str] = []
+    run = run_bench(["baseline", "amp", "model_parallel"], ["trainer.accelerator=cpu"], BenchSettings(steps=4),
+                    tmp_path, launcher=launcher, echo=lines.append)  # fmt: skip
+    statuses = {r.name: r.status for r in run.results}
+    if statuses["model_parallel"] == "skipped":  # a 1-CPU machine
+        assert "one device" in run.results[2].reason
+    else:
+        assert run.results[2].speedup == 4.0
+    assert statuses["baseline"] == "ok" and statuses["amp"] == "failed"
+    assert "RuntimeError" in run.results[1].reason and "out of memory" in run.results[1].reason
+    assert "failed: exit 1: RuntimeError" in run.table
+    assert {p.name for p in run.files} >= {"bench.md", "bench.csv", "bench.json"}
+
+
+# --- end to end ------------------------------------------------------------------------------------------------------
+
+
+def test_quick_cli_writes_the_table_csv_json_and_png(run_cli, tmp_path: Path) -> None:
+    """`accel-bench --quick` for real, at the tiniest settings: two stages train, ddp on one device is skipped."""
+    out = tmp_path / "bench"
+    args = ["--quick", "--ladder", "baseline,amp,ddp", "--steps", "6", "--out", str(out), "trainer.devices=1",
+            "data.max_chars=120000", "model.n_layer=1"]  # fmt: skip
+    started = time.perf_counter()
+    result = run_cli(args, cwd=tmp_path, timeout=300, module="lightning_accel.bench")
+    print(f"accel-bench --quick (2 stages): {time.perf_counter() - started:.1f} s")
+    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: amp's loss may move > 2% in 6 steps
+    report = json.loads((out / "bench.json").read_text())
+    assert report["schema_version"] == 1 and report["reference"] == "baseline"
+    assert set(report["machine"]) >= {"torch", "lightning", "python", "cpus"}
+    stages = {s["name"]: s for s in report["stages"]}
+    assert [s["name"] for s in report["stages"]] == ["baseline", "amp", "ddp"]
+    assert stages["ddp"]["status"] == "skipped" and "one device" in stages["ddp"]["reason"]
+    for name in ("baseline", "amp"):
+        stage = stages[name]
+        assert stage["status"] == "ok", stage["reason"]
+        measured = stage["measurement"]
+        assert stage["time_s"] == measured["train_s"] > 0
+        assert stage["speedup"] == pytest.approx(stages["baseline"]["measurement"]["train_s"] / measured["train_s"])
+        assert measured["optimizer_steps"] == 6 and measured["flops_per_batch"] > 0
+        assert measured["final_metric"] is not None and len(measured["validations"]) == 2
+        assert stage["bottleneck"] in ("input-bound", "compute-bound") and stage["next_step"]
+        assert stage["mfu"] is None and "CPU" in stage["mfu_note"]
+    rows = list(csv.DictReader((out / "bench.csv").open()))
+    assert [r["stage"] for r in rows] == ["baseline", "amp", "ddp"]
+    assert float(rows[1]["speedup"]) == pytest.approx(stages["amp"]["speedup"])
+    table = (out / "bench.md").read_text()
+    assert table.count("\n| ") == 4 and "| baseline |" in table and "skipped:" in table
+    assert "| stage | what it changes | time | speedup |" in result.stdout
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_busy_machine_is_noted() -> None:
+    from lightning_accel.benchmark.run import busy_note
+
+    assert "load average 4.1 on 2 CPU(s)" in busy_note({"load_average_1m": 4.1, "cpus": 2})
+    assert busy_note({"load_average_1m": 1.5, "cpus": 2}) is None and busy_note({"load_average_1m": None}) is None
+
+
+def test_a_stage_past_its_timeout_is_stopped_with_its_children(tmp_path: Path) -> None:
+    import psutil
+
+    from lightning_accel.benchmark.ladder import StagePlan, launch, run_stage
+
+    child = "import time; time.sleep(120)"
+    code = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); print(p.pid); " \
+        "sys.stdout.flush(); time.sleep(120)"  # fmt: skip
+    plan = StagePlan(name="slow", overrides=[], command=[sys.executable, "-c", code])
+    result = run_stage(plan, tmp_path / "0-slow", "", timeout=3.0, launcher=launch)
+    assert result.status == "failed" and "--stage-timeout=3 s" in result.reason
+    grandchild = int((tmp_path / "0-slow" / "stdout.log").read_text().split()[0])
+    time.sleep(0.5)
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def test_paths_become_hydra_values() -> None:
+    from lightning_accel.benchmark.ladder import hydra_value
+
+    assert hydra_value(Path("/tmp/out/0-baseline")) == "/tmp/out/0-baseline"
+    assert hydra_value(Path("/tmp/my runs/it's")) == "'/tmp/my runs/it\\'s'"
+
+
+@pytest.mark.gpu
+def test_quick_ladder_on_a_gpu_measures_mfu_and_utilisation(run_cli, tmp_path: Path) -> None:
+    """On a CUDA machine: MFU from the peak table and GPU utilisation from GPUMonitor are filled in."""
+    out = tmp_path / "bench"
+    result = run_cli(["--quick", "--ladder", "baseline,amp", "--out", str(out)], cwd=tmp_path, timeout=600,
+                     module="lightning_accel.bench")  # fmt: skip
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    stages = json.loads((out / "bench.json").read_text())["stages"]
+    for stage in stages:
+        assert stage["status"] == "ok", stage["reason"]
+        assert stage["device"] != "cpu" and stage["peak_memory_bytes"] > 0
+        assert stage["mfu"] is None or 0 < stage["mfu"] < 1, stage["mfu_note"]
+        assert stage["gpu_utilization_pct"] is not None
+
+
+def test_your_own_model_from_your_own_config_directory(tmp_path: Path) -> None:
+    """A model config of the user's, found through `hydra.searchpath`, is planned for every stage; --quick's GPT
+    shrinking is left out for it."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "tiny_mlp.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /data: digits\nmodel:\n"
+        "  _target_: lightning_accel.examples.DigitsClassifier\n  hidden_dim: 32\n"
+    )
+    overrides = [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=tiny_mlp", "trainer.accelerator=cpu"]
+    plans = plan_stages(["baseline", "amp"], overrides, BenchSettings(steps=10, quick=True), tmp_path / "out",
+                        visible_cuda=0)  # fmt: skip
+    assert [p.status for p in plans] == ["ok", "ok"], [p.reason for p in plans]
+    assert [p.global_batch for p in plans] == [64, 64]  # data=digits' batch size
+    for plan in plans:
+        assert "model=tiny_mlp" in plan.command and not any(c.startswith("model.n_embd") for c in plan.command)
+
+
+def test_quick_bounds_a_dataloader_tuner_search() -> None:
+    from lightning_accel.benchmark.ladder import StagePlan, budget_overrides
+
+    plan = StagePlan(name="amp", overrides=["preset=amp"], callbacks=["dataloader_tuner", "lr_monitor"])
+    assert "callbacks.dataloader_tuner.max_tuning_time_s=10" in budget_overrides(plan, BenchSettings(quick=True), 32)
+    assert not any("dataloader_tuner" in o for o in budget_overrides(plan, BenchSettings(), 32))
