@@ -14,6 +14,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
+from lightning_accel.launch import register_resolvers
+
 CONF_MODULE = "lightning_accel.conf"
 
 # Set by an in-process distributed fit (Lightning's launcher writes them into os.environ); a subprocess that inherits
@@ -35,6 +37,7 @@ def _restore_environment() -> Iterator[None]:
 def compose_train(tmp_path: Path) -> Iterator:
     """compose_train(overrides) -> the resolved-ready `train` config, with HydraConfig set to a run in tmp_path."""
     GlobalHydra.instance().clear()
+    register_resolvers()  # `${accel_job_name:}` & co, as accel-train registers them before composing
     with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
 
         def _compose(overrides: Sequence[str] = ()) -> DictConfig:

@@ -256,15 +256,18 @@ def plan_stage(name: str, overrides: list[str], run_dir: str, visible_cuda: int 
     plan.accumulate = _accumulation(cfg, micro_global)
     plan.global_batch = micro_global * plan.accumulate if micro_global else None
     scheduler = str(OmegaConf.select(cfg, "scheduler._target_", default="") or "none").rsplit(".", 1)[-1]
+    plan.callbacks = sorted(name for name, node in (cfg.get("callbacks") or {}).items() if node is not None)
+    workers = f"num_workers={plan.num_workers}" if plan.num_workers is not None else ""
+    if "dataloader_tuner" in plan.callbacks:  # the fit starts from `data.num_workers`; the tuner may change it
+        workers = f"DataLoaderTuner (from {workers})" if workers else "DataLoaderTuner"
     plan.settings = {
         "precision": resolved.value,
-        "workers": f"num_workers={plan.num_workers}" if plan.num_workers is not None else "",
+        "workers": workers,
         "processes": f"{plan.world_size} {accelerator} process{'es' if plan.world_size > 1 else ''}"
         + (f" ({family})" if family not in ("auto", "single_device") else ""),
         "accumulation": f"accumulate {plan.accumulate}",
         "scheduler": scheduler.replace("_schedule", ""),
     }
-    plan.callbacks = sorted(name for name, node in (cfg.get("callbacks") or {}).items() if node is not None)
     return plan
 
 
