@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import math
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing_extensions import override
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.strategies.pipeline_stages import (
     StagePlan,
+    microbatches_for,
     plan_stages,
     prune_to_stages,
     schedule_class,
@@ -223,48 +226,43 @@ class PipelineStrategy(_LightningModelParallelStrategy):
                 f"`trainer.strategy.schedule={self.schedule}` needs at least 2 stages per pipeline rank "
                 f"({2 * self.pp_size}), got {plan.n_stages}; raise `n_stages` or use gpipe/1f1b."
             )
-        n_micro = self.n_microbatches or plan.n_stages
-        if n_micro < plan.n_stages:
-            rank_zero_warn(
-                f"`trainer.strategy.n_microbatches={n_micro}` is fewer than the {plan.n_stages} pipeline stages: "
-                "some stages idle through every step; use at least as many micro-batches as stages.",
-                category=LightningAccelWarning,
-            )
-        self.n_microbatches = n_micro
+        self.n_microbatches = microbatches_for(self.n_microbatches, plan.n_stages)
         self.local_stages = [s for s, r in enumerate(ranks) if r == self.pp_rank]
         self._stage_modules = prune_to_stages(module, plan, self.local_stages)
         self.plan = plan
         if self.data_parallel == "fsdp" and self.device_mesh["data_parallel"].size() > 1:
-            self._shard_stages(module, plan)
+            self._shard_stages(plan)
 
-    def _shard_stages(self, module: nn.Module, plan: StagePlan) -> None:
-        """FSDP2 over the data-parallel ranks: each block, then each remaining top-level module with parameters."""
+    def _shard_stages(self, plan: StagePlan) -> None:
+        """FSDP2 over the data-parallel ranks: each block, then each stage module as the root of what is left.
+
+        `reshard_after_forward=False`: a stage's parameters stay gathered between the forward and the backward of its
+        micro-batches, so each is all-gathered once per step rather than once per micro-batch.
+        """
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
-        blocks = getattr(module, plan.block_list)
-        for block in blocks:
-            if any(True for _ in block.parameters()):
-                fully_shard(block, mesh=mesh, reshard_after_forward=False)
-        for name, child in module.named_children():
-            if name != plan.block_list and child is not None and any(True for _ in child.parameters()):
-                fully_shard(child, mesh=mesh, reshard_after_forward=False)
+        for stage, view in zip(self.local_stages, self._stage_modules, strict=True):
+            blocks = getattr(view, plan.block_list)
+            for index in plan.blocks[stage]:
+                fully_shard(blocks[index], mesh=mesh, reshard_after_forward=False)
+            fully_shard(view, mesh=mesh, reshard_after_forward=False)
 
-    def _pipeline(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, train: bool) -> Any:
+    def _pipeline(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, train: bool, n_micro: int) -> Any:
         """The schedule (with its stages) for this batch shape; stages infer their buffers' shapes on first use."""
         from torch.distributed.pipelining import PipelineStage
 
-        key = (train, *(tuple(t.shape) for t in inputs), tuple(target.shape), *(t.dtype for t in inputs))
+        key = (train, n_micro, *(tuple(t.shape) for t in inputs), tuple(target.shape), *(t.dtype for t in inputs))
         if key in self._schedules:
             return self._schedules[key]
-        assert self.plan is not None and self.n_microbatches is not None
+        assert self.plan is not None
         cls, per_rank, _ = schedule_class(self.schedule)
         group = self.device_mesh["pipeline_parallel"].get_group()
         stages = [
             PipelineStage(view, stage, self.plan.n_stages, self.root_device, group=group)
             for stage, view in zip(self.local_stages, self._stage_modules, strict=True)
         ]
-        kwargs: dict[str, Any] = {"n_microbatches": self.n_microbatches, "loss_fn": self._loss_fn}
+        kwargs: dict[str, Any] = {"n_microbatches": n_micro, "loss_fn": self._loss_fn}
         if "scale_grads" in inspect.signature(cls.__init__).parameters:
             kwargs["scale_grads"] = False  # _loss_fn scales each micro-batch's loss itself
         built = cls(stages[0] if per_rank == 1 else stages, **kwargs)
@@ -279,26 +277,35 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         accumulate = module.trainer.accumulate_grad_batches if module.training else 1
         return loss / (self.n_microbatches * accumulate)
 
-    def _split_batch(self, batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    def _split_batch(self, batch: Any, train: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, int]:
+        """The stage inputs, the target and the number of micro-batches of a batch.
+
+        A training batch must divide into `n_microbatches`; an evaluation batch that does not (the last, smaller batch
+        of a validation set) runs as the largest number of equal micro-batches that divides it, so its loss is still
+        the batch mean.
+        """
         module = self.lightning_module
         hook = getattr(module, "pipeline_inputs", None)
         args, target = hook(batch) if callable(hook) else ((batch[0],), batch[1])
         args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
         assert self.n_microbatches is not None
         size = target.shape[0]
-        if size % self.n_microbatches:
+        if size % self.n_microbatches == 0:
+            return args, target, self.n_microbatches
+        if train:
             raise ConfigError(
-                f"A batch of {size} samples does not divide into `trainer.strategy.n_microbatches="
-                f"{self.n_microbatches}` micro-batches; make the batch size (and the last batch: drop_last=True) "
-                f"a multiple of {self.n_microbatches}, or change `n_microbatches`."
+                f"A training batch of {size} samples does not divide into `trainer.strategy.n_microbatches="
+                f"{self.n_microbatches}` micro-batches; make the batch size a multiple of {self.n_microbatches} "
+                "(and drop a smaller last batch: DataLoader(drop_last=True)), or change `n_microbatches`."
             )
-        return args, target
+        return args, target, math.gcd(size, self.n_microbatches)
 
     def _run(self, batch: Any, train: bool) -> torch.Tensor:
         """One pass of the batch through the pipeline; returns the batch's mean loss on every pipeline rank."""
-        inputs, target = self._split_batch(batch)
-        schedule = self._pipeline(inputs, target, train)
-        first, last = 0 in self.local_stages, self.plan is not None and self.plan.n_stages - 1 in self.local_stages
+        inputs, target, n_micro = self._split_batch(batch, train)
+        schedule = self._pipeline(inputs, target, train, n_micro)
+        assert self.plan is not None
+        first, last = 0 in self.local_stages, self.plan.n_stages - 1 in self.local_stages
         args = inputs if first else ()
         self._micro_losses = []
         if train:
@@ -312,12 +319,11 @@ class PipelineStrategy(_LightningModelParallelStrategy):
             finally:
                 schedule._has_backward = True
         # The stages' shape inference (first use) calls the loss on uninitialized tensors: keep the real ones.
-        real = self._micro_losses[-self.n_microbatches :] if self.n_microbatches else []
+        real = self._micro_losses[-n_micro:]
         loss = torch.stack(real).mean() if last else torch.zeros((), device=self.root_device)
         self._micro_losses = []
         loss = loss.float().detach().clone()
         group = self.device_mesh["pipeline_parallel"].get_group()
-        assert self.plan is not None
         _, _, placement = schedule_class(self.schedule)
         last_rank = stage_ranks(self.plan.n_stages, self.pp_size, placement)[-1]
         dist.broadcast(loss, src=dist.get_global_rank(group, last_rank), group=group)
@@ -456,8 +462,9 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("`PipelineStrategy.save_checkpoint(..., storage_options=...)` is not supported.")
         path = Path(self.broadcast(filepath))
-        if path.is_file():
-            path.unlink()
+        if self.global_rank == 0 and path.exists():  # no stale shards of an earlier save (last.ckpt)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        self.barrier()
         path.mkdir(parents=True, exist_ok=True)
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})

@@ -7,7 +7,8 @@ the cases are held to: the same model, data, AdamW, cosine schedule and gradient
 Cases: `gpipe`, `1f1b`, `interleaved_1f1b` (20 steps, validation after each epoch); `resume` (1f1b with a checkpoint
 after epoch 1, step 10, then a second Trainer resumed from it; rank 0 also consolidates the step-20 checkpoint into
 the plain GPT's state dict and measures its validation loss); `accumulate` (1f1b, 2 batches per optimizer step).
-With 4 ranks every case runs as pp=2 x dp=2 (`data_parallel_size=2`), `fsdp` as pp=2 x dp=2 with FSDP2 per stage.
+With 4 ranks every case runs as pp=2 x dp=2 (`data_parallel_size=2`, gradients all-reduced); `fsdp_resume` and
+`fsdp_interleaved` shard each stage with FSDP2 instead.
 """
 
 from __future__ import annotations
@@ -149,14 +150,16 @@ def run_case(root: str, *, schedule: str, dp: int = 1, data_parallel: str = "rep
         "global_step": trainer.global_step,
         "local_stages": strategy.local_stages,
         "n_params": sum(p.numel() for p in model.parameters()),
+        "dtensor_params": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
     }
 
 
-def run_resume(root: str, dp: int) -> dict[str, Any]:
-    results = {"full": run_case(f"{root}/full", schedule="1f1b", dp=dp, checkpoint=True)}
+def run_resume(root: str, dp: int, data_parallel: str = "replicate") -> dict[str, Any]:
+    results = {"full": run_case(f"{root}/full", schedule="1f1b", dp=dp, data_parallel=data_parallel, checkpoint=True)}
     results["checkpoint_is_directory"] = Path(f"{root}/full/ckpt/epoch0.ckpt").is_dir()
     checkpoint = f"{root}/full/ckpt/epoch0.ckpt"
-    results["resumed"] = run_case(f"{root}/resumed", schedule="1f1b", dp=dp, resume_from=checkpoint)
+    results["resumed"] = run_case(f"{root}/resumed", schedule="1f1b", dp=dp, data_parallel=data_parallel,
+                                  resume_from=checkpoint)  # fmt: skip
     torch.distributed.barrier()
     if int(os.environ["RANK"]) == 0:
         state = consolidate_checkpoint(f"{root}/full/ckpt/epoch1.ckpt", out=f"{root}/consolidated.pt")
@@ -177,8 +180,10 @@ def main(out: Path, cases: list[str]) -> None:
             results[case] = run_resume(f"{root}/resume", dp)
         elif case == "accumulate":
             results[case] = run_case(f"{root}/acc", schedule="1f1b", dp=dp, accumulate=2)
-        elif case == "fsdp":
-            results[case] = run_case(f"{root}/fsdp", schedule="1f1b", dp=dp, data_parallel="fsdp")
+        elif case == "fsdp_resume":
+            results[case] = run_resume(f"{root}/fsdp", dp, data_parallel="fsdp")
+        elif case == "fsdp_interleaved":
+            results[case] = run_case(f"{root}/fsdp_il", schedule="interleaved_1f1b", dp=dp, data_parallel="fsdp")
         else:
             results[case] = run_case(f"{root}/{case}", schedule=case, dp=dp)
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
