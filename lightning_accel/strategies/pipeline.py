@@ -308,7 +308,11 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         first, last = 0 in self.local_stages, self.plan.n_stages - 1 in self.local_stages
         args = inputs if first else ()
         self._micro_losses = []
-        if train:
+        _, _, placement = schedule_class(self.schedule)
+        if not train and placement == "v":  # torch's V schedules cannot run forward only: the stages, in order
+            n_micro = 1
+            self._forward_in_order(inputs, target)
+        elif train:
             schedule.step(*args, target=target if last else None)
         elif hasattr(schedule, "eval"):
             schedule.eval(*args, target=target if last else None)
@@ -324,10 +328,32 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         self._micro_losses = []
         loss = loss.float().detach().clone()
         group = self.device_mesh["pipeline_parallel"].get_group()
-        _, _, placement = schedule_class(self.schedule)
         last_rank = stage_ranks(self.plan.n_stages, self.pp_size, placement)[-1]
         dist.broadcast(loss, src=dist.get_global_rank(group, last_rank), group=group)
         return loss
+
+    def _forward_in_order(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> None:
+        """Forward only, the whole batch through stage 0, 1, ... in turn, activations sent between ranks.
+
+        For evaluation under the V-shaped schedules (ZBV, DualPipeV), whose torch implementations need a backward.
+        One micro-batch of the whole batch: its loss is the batch mean, as with equal micro-batches.
+        """
+        assert self.plan is not None
+        group = self.device_mesh["pipeline_parallel"].get_group()
+        ranks = stage_ranks(self.plan.n_stages, self.pp_size, "v")
+        views = dict(zip(self.local_stages, self._stage_modules, strict=True))
+        hidden: Any = inputs
+        for stage in range(self.plan.n_stages):
+            if ranks[stage] != self.pp_rank:
+                continue
+            if stage > 0 and ranks[stage - 1] != self.pp_rank:
+                hidden = (_recv_tensor(dist.get_global_rank(group, ranks[stage - 1]), group, self.root_device),)
+            output = views[stage](*hidden)
+            if stage == self.plan.n_stages - 1:
+                self._micro_losses.append(self.lightning_module.pipeline_loss(output, target).detach())
+            elif ranks[stage + 1] != self.pp_rank:
+                _send_tensor(output, dist.get_global_rank(group, ranks[stage + 1]), group)
+            hidden = (output,)
 
     # -- the Lightning loop -----------------------------------------------------------------------------------------
 
@@ -520,3 +546,25 @@ def check_pipeline_config(strategy: Mapping[str, Any], precision: str, world: in
     points = strategy.get("split_points")
     if points is not None and any(not isinstance(p, str) for p in points):
         raise ConfigError(f"`trainer.strategy.split_points={list(points)}` must be module names such as 'blocks.2'.")
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _send_tensor(tensor: torch.Tensor, dst: int, group: Any) -> None:
+    """Send a tensor of up to 6 dimensions with a header (rank, shape, dtype) so the receiver can allocate it."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() > 6 or tensor.dtype not in _DTYPES:
+        raise TypeError(f"A pipeline stage's output must be one floating tensor of <= 6 dimensions; got {tensor!r}.")
+    shape = list(tensor.shape) + [0] * (6 - tensor.dim())
+    header = torch.tensor([tensor.dim(), *shape, _DTYPES.index(tensor.dtype)], dtype=torch.int64, device=tensor.device)
+    dist.send(header, dst=dst, group=group)
+    dist.send(tensor.contiguous(), dst=dst, group=group)
+
+
+def _recv_tensor(src: int, group: Any, device: torch.device) -> torch.Tensor:
+    header = torch.empty(8, dtype=torch.int64, device=device)
+    dist.recv(header, src=src, group=group)
+    ndim, *shape, dtype = header.tolist()
+    tensor = torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device)
+    dist.recv(tensor, src=src, group=group)
+    return tensor
