@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +25,7 @@ from typing_extensions import override
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.strategies.pipeline_stages import (
     StagePlan,
+    check_torch_pipelining,
     microbatches_for,
     plan_stages,
     prune_to_stages,
@@ -110,6 +110,7 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        check_torch_pipelining()
         schedule_class(schedule)  # an unknown name or one this torch lacks fails here
         for name, value in (("n_microbatches", n_microbatches), ("n_stages", n_stages),
                             ("data_parallel_size", data_parallel_size)):  # fmt: skip
@@ -263,8 +264,7 @@ class PipelineStrategy(_LightningModelParallelStrategy):
             for stage, view in zip(self.local_stages, self._stage_modules, strict=True)
         ]
         kwargs: dict[str, Any] = {"n_microbatches": n_micro, "loss_fn": self._loss_fn}
-        if "scale_grads" in inspect.signature(cls.__init__).parameters:
-            kwargs["scale_grads"] = False  # _loss_fn scales each micro-batch's loss itself
+        kwargs["scale_grads"] = False  # _loss_fn scales each micro-batch's loss itself
         built = cls(stages[0] if per_rank == 1 else stages, **kwargs)
         self._schedules[key] = built
         return built

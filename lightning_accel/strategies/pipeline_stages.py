@@ -10,6 +10,7 @@ plain model (a stage's state dict is a slice of the plain model's, and checkpoin
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from lightning_accel.errors import ConfigError
 
 __all__ = [
     "SCHEDULES",
+    "check_torch_pipelining",
     "StagePlan",
     "consolidate_checkpoint",
     "microbatches_for",
@@ -82,6 +84,28 @@ def schedule_class(name: str) -> tuple[type, int, Literal["loop", "v"]]:
             f"{torch.__version__} does not have; use one of {available}, or upgrade torch."
         )
     return cls, per_rank, placement
+
+
+def check_torch_pipelining() -> None:
+    """The installed torch's pipelining must infer stage shapes at run time and take `scale_grads`.
+
+    Raises:
+        ConfigError: naming the installed torch version and what it lacks.
+    """
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    missing = []
+    input_args = inspect.signature(PipelineStage.__init__).parameters.get("input_args")
+    if input_args is not None and input_args.default is inspect.Parameter.empty:
+        missing.append("stages that infer their shapes at run time (PipelineStage without input_args)")
+    if "scale_grads" not in inspect.signature(PipelineScheduleSingle.__init__).parameters:
+        missing.append("schedules that leave gradient scaling to the loss (scale_grads=False)")
+    if missing:
+        raise ConfigError(
+            f"`strategy=pipeline` needs {' and '.join(missing)}, which torch {torch.__version__} lacks; upgrade "
+            "torch (2.7 or newer has both), or use `strategy=model_parallel` or `strategy=ddp`."
+        )
 
 
 def plan_stages(

@@ -2,11 +2,12 @@
 
 `python -m torch.distributed.run --standalone --nproc-per-node N _pipeline_cases.py OUT_DIR CASE...` runs the named
 cases on every rank; each rank writes OUT_DIR/rank<k>.json. `reference()` is the single-process run in plain PyTorch
-the cases are held to: the same model, data, AdamW, cosine schedule and gradient clipping, one step per batch.
+the cases are held to: the same model, data, AdamW, cosine schedule and gradient clipping, one step per batch, in fp32.
 
 Cases: `gpipe`, `1f1b`, `interleaved_1f1b` (20 steps, validation after each epoch); `resume` (1f1b with a checkpoint
 after epoch 1, step 10, then a second Trainer resumed from it; rank 0 also consolidates the step-20 checkpoint into
-the plain GPT's state dict and measures its validation loss); `accumulate` (1f1b, 2 batches per optimizer step).
+the plain GPT's state dict and measures its validation loss); `accumulate` (1f1b, 2 batches per optimizer step);
+`bf16-mixed`, `bf16-true` (1f1b under those precisions); any other schedule name (zero-bubble ones).
 With 4 ranks every case runs as pp=2 x dp=2 (`data_parallel_size=2`, gradients all-reduced); `fsdp_resume` and
 `fsdp_interleaved` shard each stage with FSDP2 instead.
 """
@@ -116,7 +117,8 @@ class Recorder(pl.Callback):
 
 
 def run_case(root: str, *, schedule: str, dp: int = 1, data_parallel: str = "replicate", accumulate: int = 1,
-             checkpoint: bool = False, resume_from: str | None = None) -> dict[str, Any]:  # fmt: skip
+             checkpoint: bool = False, resume_from: str | None = None,
+             precision: str = "32-true") -> dict[str, Any]:  # fmt: skip
     world = int(os.environ["WORLD_SIZE"])
     recorder = Recorder()
     callbacks: list[pl.Callback] = [recorder]
@@ -128,7 +130,7 @@ def run_case(root: str, *, schedule: str, dp: int = 1, data_parallel: str = "rep
     strategy = PipelineStrategy(schedule=schedule, n_microbatches=MICRO, data_parallel_size=dp,
                                 data_parallel=data_parallel)  # type: ignore[arg-type]  # fmt: skip
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_epochs=EPOCHS,
+        accelerator="cpu", devices=world, strategy=strategy, max_epochs=EPOCHS, precision=precision,
         accumulate_grad_batches=accumulate, gradient_clip_val=CLIP, callbacks=callbacks, logger=False,
         enable_checkpointing=checkpoint, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=root, num_sanity_val_steps=0, use_distributed_sampler=False,
@@ -180,6 +182,8 @@ def main(out: Path, cases: list[str]) -> None:
             results[case] = run_resume(f"{root}/resume", dp)
         elif case == "accumulate":
             results[case] = run_case(f"{root}/acc", schedule="1f1b", dp=dp, accumulate=2)
+        elif case in ("bf16-mixed", "bf16-true"):
+            results[case] = run_case(f"{root}/{case}", schedule="1f1b", dp=dp, precision=case)
         elif case == "fsdp_resume":
             results[case] = run_resume(f"{root}/fsdp", dp, data_parallel="fsdp")
         elif case == "fsdp_interleaved":

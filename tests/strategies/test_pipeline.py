@@ -51,7 +51,8 @@ def _torchrun(out: Path, ranks: int, *names: str) -> list[dict[str, Any]]:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every 2-rank case of _pipeline_cases.py in one torchrun launch (~10 s on 2 cores)."""
     available = [name for name in ZERO_BUBBLE if _available(name)]
-    return _torchrun(tmp_path_factory.mktemp("pipeline"), 2, *SCHEDULES, *available, "accumulate", "resume")
+    return _torchrun(tmp_path_factory.mktemp("pipeline"), 2, *SCHEDULES, *available, "accumulate", "resume",
+                     "bf16-mixed", "bf16-true")  # fmt: skip
 
 
 def _available(schedule: str) -> bool:
@@ -98,6 +99,16 @@ def test_accumulation_adds_batches_after_micro_batches(two_ranks: list[dict[str,
     per_step = [(a + b) / 2 for a, b in zip(run["losses"][::2], run["losses"][1::2], strict=True)]
     assert _relative(per_step, reference["losses"]) < TOLERANCE
     assert _relative(run["val"], reference["val"]) < TOLERANCE
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("bf16-mixed", 2e-3), ("bf16-true", 2e-2)])
+def test_bf16_presets_follow_the_fp32_curve(two_ranks: list[dict[str, Any]], reference: Any, precision: str,
+                                             tolerance: float) -> None:  # fmt: skip
+    run = two_ranks[0][precision]
+    print(f"{precision}, pp=2: max relative difference from fp32 over {STEPS} steps "
+          f"{_relative(run['losses'], reference['losses']):.1e}")  # fmt: skip
+    assert run["global_step"] == STEPS and two_ranks[1][precision]["losses"] == run["losses"]
+    assert _relative(run["losses"], reference["losses"]) < tolerance
 
 
 def test_checkpoint_resumes_and_consolidates(two_ranks: list[dict[str, Any]], reference: Any) -> None:
@@ -190,6 +201,16 @@ def test_schedule_lookup_names_the_torch_version(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delattr(schedules, "ScheduleZBVZeroBubble")
     with pytest.raises(ConfigError, match=re.escape(f"which torch {torch.__version__} does not have; use one of")):
         PipelineStrategy(schedule="zbv_zero_bubble")
+
+
+def test_an_old_torch_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.pipelining import schedules
+
+    def old_init(self: Any, stage: Any, n_microbatches: int, loss_fn: Any = None) -> None: ...
+
+    monkeypatch.setattr(schedules.PipelineScheduleSingle, "__init__", old_init)
+    with pytest.raises(ConfigError, match=re.escape(f"(scale_grads=False), which torch {torch.__version__} lacks")):
+        PipelineStrategy()
 
 
 def test_fewer_micro_batches_than_stages_warns() -> None:
