@@ -6,7 +6,8 @@ the cases are held to: the same model, data, AdamW, cosine schedule and gradient
 
 Cases: `gpipe`, `1f1b`, `interleaved_1f1b` (20 steps, validation after each epoch); `resume` (1f1b with a checkpoint
 after epoch 1, step 10, then a second Trainer resumed from it; rank 0 also consolidates the step-20 checkpoint into
-the plain GPT's state dict and measures its validation loss); `accumulate` (1f1b, 2 batches per optimizer step);
+the plain GPT's state dict and measures its validation loss); `accumulate` (1f1b, 2 batches per optimizer step),
+`accumulation_scheduler` (the same through AccumulationScheduler, interleaved 1F1B);
 `bf16-mixed`, `bf16-true` (1f1b under those precisions); any other schedule name (zero-bubble ones).
 With 4 ranks every case runs as pp=2 x dp=2 (`data_parallel_size=2`, gradients all-reduced); `fsdp_resume` and
 `fsdp_interleaved` shard each stage with FSDP2 instead.
@@ -27,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_accel import examples, schedules
+from lightning_accel.callbacks import AccumulationScheduler
 from lightning_accel.strategies import PipelineStrategy, consolidate_checkpoint
 
 SEED = 0
@@ -118,10 +120,12 @@ class Recorder(pl.Callback):
 
 def run_case(root: str, *, schedule: str, dp: int = 1, data_parallel: str = "replicate", accumulate: int = 1,
              checkpoint: bool = False, resume_from: str | None = None,
-             precision: str = "32-true") -> dict[str, Any]:  # fmt: skip
+             precision: str = "32-true", scheduler: bool = False) -> dict[str, Any]:  # fmt: skip
     world = int(os.environ["WORLD_SIZE"])
     recorder = Recorder()
     callbacks: list[pl.Callback] = [recorder]
+    if scheduler:  # the project's callback sets the accumulation per window instead of the Trainer
+        callbacks.append(AccumulationScheduler({0: accumulate}))
     if checkpoint:
         callbacks.append(pl.callbacks.ModelCheckpoint(
             dirpath=f"{root}/ckpt", filename="epoch{epoch}", save_top_k=-1, every_n_epochs=1,
@@ -131,8 +135,8 @@ def run_case(root: str, *, schedule: str, dp: int = 1, data_parallel: str = "rep
                                 data_parallel=data_parallel)  # type: ignore[arg-type]  # fmt: skip
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_epochs=EPOCHS, precision=precision,
-        accumulate_grad_batches=accumulate, gradient_clip_val=CLIP, callbacks=callbacks, logger=False,
-        enable_checkpointing=checkpoint, enable_progress_bar=False, enable_model_summary=False,
+        accumulate_grad_batches=1 if scheduler else accumulate, gradient_clip_val=CLIP, callbacks=callbacks,
+        logger=False, enable_checkpointing=checkpoint, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=root, num_sanity_val_steps=0, use_distributed_sampler=False,
     )  # fmt: skip
     dp_rank = int(os.environ["RANK"]) % dp  # the mesh is (pipeline_parallel, data_parallel), row-major
@@ -182,6 +186,8 @@ def main(out: Path, cases: list[str]) -> None:
             results[case] = run_resume(f"{root}/resume", dp)
         elif case == "accumulate":
             results[case] = run_case(f"{root}/acc", schedule="1f1b", dp=dp, accumulate=2)
+        elif case == "accumulation_scheduler":
+            results[case] = run_case(f"{root}/acc_s", schedule="interleaved_1f1b", dp=dp, accumulate=2, scheduler=True)
         elif case in ("bf16-mixed", "bf16-true"):
             results[case] = run_case(f"{root}/{case}", schedule="1f1b", dp=dp, precision=case)
         elif case == "fsdp_resume":

@@ -49,10 +49,10 @@ def _torchrun(out: Path, ranks: int, *names: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Every 2-rank case of _pipeline_cases.py in one torchrun launch (~10 s on 2 cores)."""
+    """Every 2-rank case of _pipeline_cases.py in one torchrun launch (~20 s on 2 idle cores)."""
     available = [name for name in ZERO_BUBBLE if _available(name)]
-    return _torchrun(tmp_path_factory.mktemp("pipeline"), 2, *SCHEDULES, *available, "accumulate", "resume",
-                     "bf16-mixed", "bf16-true")  # fmt: skip
+    names = [*SCHEDULES, *available, "accumulate", "accumulation_scheduler", "resume", "bf16-mixed", "bf16-true"]
+    return _torchrun(tmp_path_factory.mktemp("pipeline"), 2, *names)
 
 
 def _available(schedule: str) -> bool:
@@ -92,9 +92,12 @@ def test_two_stages_match_one_process(two_ranks: list[dict[str, Any]], reference
     assert rank0["n_params"] + rank1["n_params"] == full and 0 < rank0["n_params"] < full
 
 
-def test_accumulation_adds_batches_after_micro_batches(two_ranks: list[dict[str, Any]], reference: Any) -> None:
-    """2 batches of 4 (each 4 micro-batches of 1) per optimizer step train as one batch of 8."""
-    run = two_ranks[0]["accumulate"]
+@pytest.mark.parametrize("case", ["accumulate", "accumulation_scheduler"])
+def test_accumulation_adds_batches_after_micro_batches(two_ranks: list[dict[str, Any]], reference: Any,
+                                                       case: str) -> None:  # fmt: skip
+    """2 batches of 4 (each 4 micro-batches of 1) per optimizer step train as one batch of 8, whether
+    `accumulate_grad_batches=2` or `AccumulationScheduler({0: 2})` sets the window."""
+    run = two_ranks[0][case]
     assert run["global_step"] == STEPS and len(run["losses"]) == 2 * STEPS
     per_step = [(a + b) / 2 for a, b in zip(run["losses"][::2], run["losses"][1::2], strict=True)]
     assert _relative(per_step, reference["losses"]) < TOLERANCE
