@@ -75,6 +75,11 @@ class PipelineStrategy(_LightningModelParallelStrategy):
     plain model's names. `lightning_accel.strategies.consolidate_checkpoint` joins them into the plain model's
     state dict.
 
+    Differences from a plain run: `on_before_backward` and `on_after_backward` run after the schedule's backward
+    (gradients are in place by `on_after_backward`, as usual); the V-shaped schedules (zbv_zero_bubble, dualpipev)
+    evaluate the whole batch stage after stage, as torch's cannot run them forward only; `trainer.predict` is not
+    supported (consolidate the checkpoint and predict with the plain model).
+
     Args:
         schedule: one of gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv_zero_bubble,
             dualpipev (the last four where the installed torch has them).
