@@ -7,10 +7,11 @@ the cases are held to: the same model, data, AdamW, cosine schedule and gradient
 Cases: `gpipe`, `1f1b`, `interleaved_1f1b` (20 steps, validation after each epoch); `resume` (1f1b with a checkpoint
 after epoch 1, step 10, then a second Trainer resumed from it; rank 0 also consolidates the step-20 checkpoint into
 the plain GPT's state dict and measures its validation loss); `accumulate` (1f1b, 2 batches per optimizer step),
-`accumulation_scheduler` (the same through AccumulationScheduler, interleaved 1F1B);
-`bf16-mixed`, `bf16-true` (1f1b under those precisions); any other schedule name (zero-bubble ones).
-With 4 ranks every case runs as pp=2 x dp=2 (`data_parallel_size=2`, gradients all-reduced); `fsdp_resume` and
-`fsdp_interleaved` shard each stage with FSDP2 instead.
+`accumulation_scheduler` (the same through AccumulationScheduler, interleaved 1F1B); `bf16-mixed`, `bf16-true`
+(1f1b under those precisions); `split_points` (gpipe, stages of 1 and 3 blocks); any other schedule name (the
+zero-bubble ones). With 4 ranks every case runs as pp=2 x dp=2 (`data_parallel_size=2`, gradients all-reduced);
+`fsdp_resume`, `fsdp_interleaved` and `fsdp_accumulation_scheduler` (2 micro-batches of the replica's 2 samples)
+shard each stage with FSDP2 instead.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class Recorder(pl.Callback):
 
 def run_case(root: str, *, schedule: str, dp: int = 1, data_parallel: str = "replicate", accumulate: int = 1,
              checkpoint: bool = False, resume_from: str | None = None,
-             precision: str = "32-true", scheduler: bool = False) -> dict[str, Any]:  # fmt: skip
+             precision: str = "32-true", scheduler: bool = False,
+             split_points: list[str] | None = None, micro: int = MICRO) -> dict[str, Any]:  # fmt: skip
     world = int(os.environ["WORLD_SIZE"])
     recorder = Recorder()
     callbacks: list[pl.Callback] = [recorder]
@@ -131,8 +133,8 @@ def run_case(root: str, *, schedule: str, dp: int = 1, data_parallel: str = "rep
             dirpath=f"{root}/ckpt", filename="epoch{epoch}", save_top_k=-1, every_n_epochs=1,
             save_on_train_epoch_end=True, auto_insert_metric_name=False,
         ))  # fmt: skip
-    strategy = PipelineStrategy(schedule=schedule, n_microbatches=MICRO, data_parallel_size=dp,
-                                data_parallel=data_parallel)  # type: ignore[arg-type]  # fmt: skip
+    strategy = PipelineStrategy(schedule=schedule, n_microbatches=micro, data_parallel_size=dp,
+                                data_parallel=data_parallel, split_points=split_points)  # type: ignore[arg-type]  # fmt: skip
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_epochs=EPOCHS, precision=precision,
         accumulate_grad_batches=1 if scheduler else accumulate, gradient_clip_val=CLIP, callbacks=callbacks,
@@ -188,6 +190,11 @@ def main(out: Path, cases: list[str]) -> None:
             results[case] = run_case(f"{root}/acc", schedule="1f1b", dp=dp, accumulate=2)
         elif case == "accumulation_scheduler":
             results[case] = run_case(f"{root}/acc_s", schedule="interleaved_1f1b", dp=dp, accumulate=2, scheduler=True)
+        elif case == "split_points":  # uneven: 1 block, then 3
+            results[case] = run_case(f"{root}/split", schedule="gpipe", dp=dp, split_points=["blocks.1"])
+        elif case == "fsdp_accumulation_scheduler":
+            results[case] = run_case(f"{root}/fsdp_acc", schedule="1f1b", dp=dp, data_parallel="fsdp", accumulate=2,
+                                     scheduler=True, micro=2)  # fmt: skip
         elif case in ("bf16-mixed", "bf16-true"):
             results[case] = run_case(f"{root}/{case}", schedule="1f1b", dp=dp, precision=case)
         elif case == "fsdp_resume":

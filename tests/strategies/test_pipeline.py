@@ -51,7 +51,8 @@ def _torchrun(out: Path, ranks: int, *names: str) -> list[dict[str, Any]]:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every 2-rank case of _pipeline_cases.py in one torchrun launch (~20 s on 2 idle cores)."""
     available = [name for name in ZERO_BUBBLE if _available(name)]
-    names = [*SCHEDULES, *available, "accumulate", "accumulation_scheduler", "resume", "bf16-mixed", "bf16-true"]
+    names = [*SCHEDULES, *available, "accumulate", "accumulation_scheduler", "resume", "bf16-mixed", "bf16-true",
+             "split_points"]  # fmt: skip
     return _torchrun(tmp_path_factory.mktemp("pipeline"), 2, *names)
 
 
@@ -90,6 +91,15 @@ def test_two_stages_match_one_process(two_ranks: list[dict[str, Any]], reference
     assert (rank0["local_stages"], rank1["local_stages"]) == expected
     full = sum(p.numel() for p in cases.make_model().parameters())
     assert rank0["n_params"] + rank1["n_params"] == full and 0 < rank0["n_params"] < full
+
+
+def test_split_points_make_uneven_stages(two_ranks: list[dict[str, Any]], reference: Any) -> None:
+    """`split_points=["blocks.1"]`: stage 0 runs the embeddings and 1 block, stage 1 the other 3 and the head."""
+    rank0, rank1 = (r["split_points"] for r in two_ranks)
+    block = sum(p.numel() for p in cases.make_model().blocks[0].parameters())
+    assert rank1["n_params"] - rank0["n_params"] > block  # 3 blocks + the head outweigh 1 block + the embeddings
+    assert _relative(rank0["losses"], reference["losses"]) < TOLERANCE
+    assert _relative(rank0["val"], reference["val"]) < TOLERANCE
 
 
 @pytest.mark.parametrize("case", ["accumulate", "accumulation_scheduler"])
@@ -134,7 +144,8 @@ def test_checkpoint_resumes_and_consolidates(two_ranks: list[dict[str, Any]], re
 @pytest.mark.slow
 def test_pp2_x_dp2_on_four_ranks(tmp_path: Path, reference: dict[str, Any]) -> None:
     """pp=2 x dp=2: replicated and FSDP2-sharded stages; 4 CPU processes (~60 s on 2 cores), so `-m slow` only."""
-    ranks = _torchrun(tmp_path, 4, *SCHEDULES, "resume", "fsdp_resume", "fsdp_interleaved")
+    ranks = _torchrun(tmp_path, 4, *SCHEDULES, "resume", "fsdp_resume", "fsdp_interleaved",
+                      "fsdp_accumulation_scheduler")  # fmt: skip
     for results in ranks:
         for case in [*SCHEDULES, "fsdp_interleaved"]:
             run = results[case]
@@ -144,6 +155,9 @@ def test_pp2_x_dp2_on_four_ranks(tmp_path: Path, reference: dict[str, Any]) -> N
             full, resumed = results[case]["full"], results[case]["resumed"]
             assert _relative(full["losses"], reference["losses"]) < TOLERANCE
             assert _relative(resumed["losses"], full["losses"][STEPS // 2 :]) < 1e-6
+        windows = results["fsdp_accumulation_scheduler"]["losses"]
+        per_step = [(a + b) / 2 for a, b in zip(windows[::2], windows[1::2], strict=True)]
+        assert _relative(per_step, reference["losses"]) < TOLERANCE
     assert sum(r["fsdp_interleaved"]["dtensor_params"] for r in ranks) == 2 * N_PARAMS  # every tensor sharded
     for case in ("resume", "fsdp_resume"):
         assert abs(ranks[0][case]["consolidated_val"] - reference["val"][-1]) < TOLERANCE * reference["val"][-1]
