@@ -160,41 +160,60 @@ class GPTLanguageModel(pl.LightningModule):
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits of shape `(batch, seq, vocab_size)` for token ids `idx` of shape `(batch, seq)`."""
+        """Logits of shape `(batch, seq, vocab_size)` for token ids `idx` of shape `(batch, seq)`.
+
+        On a pipeline stage (`strategy=pipeline`) the modules of other stages are None: without `tok_emb` the input is
+        the residual stream `(batch, seq, n_embd)`, and without `lm_head` the residual stream is returned.
+        """
         seq = idx.shape[1]
         if seq > self.block_size:
             raise ValueError(
                 f"A sequence of {seq} tokens is longer than `model.block_size={self.block_size}`; "
                 "crop the input or raise `model.block_size`."
             )
-        pos = torch.arange(seq, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        x = idx
+        if self.tok_emb is not None:
+            pos = torch.arange(seq, device=idx.device)
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
+        if self.lm_head is None:
+            return x
         return self.lm_head(self.ln_f(x))
+
+    # The block list strategy=pipeline splits into stages (modules registered before it go to the first stage).
+    pipeline_blocks = "blocks"
+
+    @staticmethod
+    def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats per token) of `logits` against `targets`; the pipeline's loss_fn."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        return self.pipeline_loss(self(x), y)
+
+    def log_loss(self, stage: str, loss: torch.Tensor) -> None:
+        """Log a step's loss as `{stage}/loss` (and `{stage}/bpc` for val and test); strategy=pipeline calls it too."""
+        if stage == "train":
+            self.log("train/loss", loss, on_step=True, prog_bar=True)
+            return
+        self.log(f"{stage}/loss", loss, on_epoch=True, sync_dist=True, prog_bar=stage == "val")
+        self.log(f"{stage}/bpc", loss / math.log(2), on_epoch=True, sync_dist=True)
 
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        self.log_loss("train", loss)
         return loss
 
     @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        loss = self._loss(batch)
-        self.log("val/loss", loss, on_epoch=True, sync_dist=True, prog_bar=True)
-        self.log("val/bpc", loss / math.log(2), on_epoch=True, sync_dist=True)
+        self.log_loss("val", self._loss(batch))
 
     @override
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        loss = self._loss(batch)
-        self.log("test/loss", loss, on_epoch=True, sync_dist=True)
-        self.log("test/bpc", loss / math.log(2), on_epoch=True, sync_dist=True)
+        self.log_loss("test", self._loss(batch))
 
     def flops_per_batch(self, batch_size: int) -> int:
         """Estimated FLOPs of one forward and backward pass over `batch_size` sequences of `block_size` tokens.

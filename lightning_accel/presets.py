@@ -172,7 +172,8 @@ def _strategy_name(strategy: Any) -> str:
     if isinstance(strategy, (DictConfig, Mapping)):
         target = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
         names = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "ModelParallelStrategy": "model_parallel",
-                 "DeepSpeedStrategy": "deepspeed", "SingleDeviceStrategy": "single_device"}  # fmt: skip
+                 "DeepSpeedStrategy": "deepspeed", "SingleDeviceStrategy": "single_device",
+                 "PipelineStrategy": "pipeline"}  # fmt: skip
         return names.get(target, target)
     name = str(strategy)
     for family in ("fsdp", "deepspeed", "ddp"):
@@ -243,7 +244,8 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
 
     Checked: the accelerator against the CUDA devices visible, `trainer.devices` against them, the strategy against
     the accelerator (FSDP and DeepSpeed need CUDA), the precision against the strategy (ModelParallelStrategy) and
-    the accelerator (Transformer Engine needs CUDA), and DDP communication hooks on CPU (Lightning drops them).
+    the accelerator (Transformer Engine needs CUDA), DDP communication hooks on CPU (Lightning drops them), and
+    `strategy=pipeline`'s schedule, precision and data-parallel size against the world size.
 
     Args:
         cfg: the composed config.
@@ -281,6 +283,10 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
             f"`trainer.precision={precision}` is not supported by `strategy=model_parallel` (ModelParallelStrategy "
             "takes 32-true, bf16-mixed, bf16-true or 16-true); use `precision=bf16_mixed`."
         )
+    if name == "pipeline" and isinstance(strategy, (DictConfig, Mapping)):
+        from lightning_accel.strategies.pipeline import check_pipeline_config
+
+        check_pipeline_config(strategy, precision, _world_size(trainer))
     if not on_cuda and precision.startswith("transformer-engine"):
         raise ConfigError(
             f"`trainer.precision={precision}` needs a CUDA GPU (Transformer Engine), but this run is on the CPU; "

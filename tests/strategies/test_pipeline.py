@@ -1,0 +1,293 @@
+"""PipelineStrategy on 2 CPU ranks (gloo): GPipe, 1F1B and interleaved 1F1B train and validate as one process does,
+checkpoints resume the same curve and consolidate into the plain GPT, `accel-train preset=pipeline` runs; the stage
+planning and the errors, without ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+from typing import Any
+
+import _pipeline_cases as cases
+import pytest
+import torch
+
+from lightning_accel import examples
+from lightning_accel.errors import ConfigError, LightningAccelWarning
+from lightning_accel.presets import check_config
+from lightning_accel.strategies import PipelineStrategy, consolidate_checkpoint, plan_stages, stage_ranks
+from lightning_accel.strategies import pipeline_stages as stages_module
+from lightning_accel.strategies.pipeline_stages import microbatches_for, prune_to_stages, schedule_class
+
+STEPS = cases.EPOCHS * cases.BATCHES_PER_EPOCH
+TOLERANCE = 1e-4  # relative, fp32: micro-batch losses are scaled so that they sum to the batch mean
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]  # the issue's three, also run on 4 ranks
+ZERO_BUBBLE = ["looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"]  # torch 2.13 has them all
+N_PARAMS = 69  # tensors in GPT-tiny with 4 blocks
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    return cases.reference()
+
+
+def _torchrun(out: Path, ranks: int, *names: str) -> list[dict[str, Any]]:
+    script = Path(cases.__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)]
+    proc = subprocess.run([*command, str(out), *names], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every 2-rank case of _pipeline_cases.py in one torchrun launch (~20 s on 2 idle cores)."""
+    available = [name for name in ZERO_BUBBLE if _available(name)]
+    names = [*SCHEDULES, *available, "accumulate", "accumulation_scheduler", "resume", "bf16-mixed", "bf16-true",
+             "split_points"]  # fmt: skip
+    return _torchrun(tmp_path_factory.mktemp("pipeline"), 2, *names)
+
+
+def _available(schedule: str) -> bool:
+    try:
+        schedule_class(schedule)
+    except ConfigError:
+        return False
+    return True
+
+
+def _relative(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_reference_learns_and_clips(reference: dict[str, Any]) -> None:
+    losses = reference["losses"]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5
+    assert reference["clipped"] > STEPS // 2  # clipping acts, so its norm must span both stages
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES + ZERO_BUBBLE)
+def test_two_stages_match_one_process(two_ranks: list[dict[str, Any]], reference: Any, schedule: str) -> None:
+    if schedule in ZERO_BUBBLE and not _available(schedule):
+        pytest.skip(f"torch {torch.__version__} has no {schedule} schedule")  # the error for it is tested below
+    rank0, rank1 = (r[schedule] for r in two_ranks)
+    train, val = _relative(rank0["losses"], reference["losses"]), _relative(rank0["val"], reference["val"])
+    print(f"{schedule}, pp=2: max relative difference over {STEPS} steps: train loss {train:.1e}, val loss {val:.1e}")
+    assert rank0["global_step"] == rank1["global_step"] == STEPS
+    assert _relative(rank0["losses"], reference["losses"]) < TOLERANCE
+    assert _relative(rank0["val"], reference["val"]) < TOLERANCE and len(rank0["val"]) == cases.EPOCHS
+    assert rank1["losses"] == rank0["losses"] and rank1["val"] == rank0["val"]  # the broadcast loss, on every rank
+    # each rank holds only its stages: together the whole model, apart nothing in common
+    expected = {"gpipe": ([0], [1]), "1f1b": ([0], [1]), "zbv_zero_bubble": ([0, 3], [1, 2]),
+                "dualpipev": ([0, 3], [1, 2])}.get(schedule, ([0, 2], [1, 3]))  # fmt: skip
+    assert (rank0["local_stages"], rank1["local_stages"]) == expected
+    full = sum(p.numel() for p in cases.make_model().parameters())
+    assert rank0["n_params"] + rank1["n_params"] == full and 0 < rank0["n_params"] < full
+
+
+def test_split_points_make_uneven_stages(two_ranks: list[dict[str, Any]], reference: Any) -> None:
+    """`split_points=["blocks.1"]`: stage 0 runs the embeddings and 1 block, stage 1 the other 3 and the head."""
+    rank0, rank1 = (r["split_points"] for r in two_ranks)
+    block = sum(p.numel() for p in cases.make_model().blocks[0].parameters())
+    assert rank1["n_params"] - rank0["n_params"] > block  # 3 blocks + the head outweigh 1 block + the embeddings
+    assert _relative(rank0["losses"], reference["losses"]) < TOLERANCE
+    assert _relative(rank0["val"], reference["val"]) < TOLERANCE
+
+
+@pytest.mark.parametrize("case", ["accumulate", "accumulation_scheduler"])
+def test_accumulation_adds_batches_after_micro_batches(two_ranks: list[dict[str, Any]], reference: Any,
+                                                       case: str) -> None:  # fmt: skip
+    """2 batches of 4 (each 4 micro-batches of 1) per optimizer step train as one batch of 8, whether
+    `accumulate_grad_batches=2` or `AccumulationScheduler({0: 2})` sets the window."""
+    run = two_ranks[0][case]
+    assert run["global_step"] == STEPS and len(run["losses"]) == 2 * STEPS
+    per_step = [(a + b) / 2 for a, b in zip(run["losses"][::2], run["losses"][1::2], strict=True)]
+    assert _relative(per_step, reference["losses"]) < TOLERANCE
+    assert _relative(run["val"], reference["val"]) < TOLERANCE
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("bf16-mixed", 2e-3), ("bf16-true", 2e-2)])
+def test_bf16_presets_follow_the_fp32_curve(two_ranks: list[dict[str, Any]], reference: Any, precision: str,
+                                             tolerance: float) -> None:  # fmt: skip
+    run = two_ranks[0][precision]
+    print(f"{precision}, pp=2: max relative difference from fp32 over {STEPS} steps "
+          f"{_relative(run['losses'], reference['losses']):.1e}")  # fmt: skip
+    assert run["global_step"] == STEPS and two_ranks[1][precision]["losses"] == run["losses"]
+    assert _relative(run["losses"], reference["losses"]) < tolerance
+
+
+def test_checkpoint_resumes_and_consolidates(two_ranks: list[dict[str, Any]], reference: Any) -> None:
+    for results in two_ranks:
+        resume = results["resume"]
+        full, resumed = resume["full"], resume["resumed"]
+        assert resume["checkpoint_is_directory"]
+        assert resumed["global_step"] == STEPS and len(resumed["losses"]) == STEPS // 2
+        print(f"resume from step 10: max relative difference over steps 11-20 "
+              f"{_relative(resumed['losses'], full['losses'][STEPS // 2 :]):.1e}")  # fmt: skip
+        assert _relative(resumed["losses"], full["losses"][STEPS // 2 :]) < 1e-6
+        assert _relative(resumed["val"], full["val"][1:]) < 1e-6
+    consolidated = two_ranks[0]["resume"]
+    assert consolidated["consolidated_keys_match"]
+    print(f"consolidated checkpoint, plain GPT: val loss {consolidated['consolidated_val']:.6f}, "
+          f"pipeline {consolidated['full']['val'][-1]:.6f}")  # fmt: skip
+    assert abs(consolidated["consolidated_val"] - consolidated["full"]["val"][-1]) < TOLERANCE * reference["val"][-1]
+
+
+@pytest.mark.slow
+def test_pp2_x_dp2_on_four_ranks(tmp_path: Path, reference: dict[str, Any]) -> None:
+    """pp=2 x dp=2: replicated and FSDP2-sharded stages; 4 CPU processes (~60 s on 2 cores), so `-m slow` only."""
+    ranks = _torchrun(tmp_path, 4, *SCHEDULES, "resume", "fsdp_resume", "fsdp_interleaved",
+                      "fsdp_accumulation_scheduler")  # fmt: skip
+    for results in ranks:
+        for case in [*SCHEDULES, "fsdp_interleaved"]:
+            run = results[case]
+            assert _relative(run["losses"], reference["losses"]) < TOLERANCE, case
+            assert _relative(run["val"], reference["val"]) < TOLERANCE, case
+        for case in ("resume", "fsdp_resume"):
+            full, resumed = results[case]["full"], results[case]["resumed"]
+            assert _relative(full["losses"], reference["losses"]) < TOLERANCE
+            assert _relative(resumed["losses"], full["losses"][STEPS // 2 :]) < 1e-6
+        windows = results["fsdp_accumulation_scheduler"]["losses"]
+        per_step = [(a + b) / 2 for a, b in zip(windows[::2], windows[1::2], strict=True)]
+        assert _relative(per_step, reference["losses"]) < TOLERANCE
+    assert sum(r["fsdp_interleaved"]["dtensor_params"] for r in ranks) == 2 * N_PARAMS  # every tensor sharded
+    for case in ("resume", "fsdp_resume"):
+        assert abs(ranks[0][case]["consolidated_val"] - reference["val"][-1]) < TOLERANCE * reference["val"][-1]
+
+
+# -- stage planning, without ranks -------------------------------------------------------------------------------
+
+
+def test_even_split_and_split_points() -> None:
+    assert plan_stages(5, block_list="blocks", n_stages=2).blocks == [[0, 1, 2], [3, 4]]
+    plan = plan_stages(6, block_list="layers", split_points=["layers.1", "layers.4"])
+    assert plan.blocks == [[0], [1, 2, 3], [4, 5]] and plan.split_points() == ["layers.1", "layers.4"]
+    assert stage_ranks(4, 2, "loop") == [0, 1, 0, 1]
+    assert stage_ranks(4, 2, "v") == [0, 1, 1, 0]  # ZBV / DualPipeV: rank 0 holds the first and the last stage
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"split_points": ["blocks.9"]}, r"names 'blocks.9', which is not a block of the model"),
+        ({"split_points": ["blocks.2", "blocks.1"]}, r"must be distinct, in increasing order"),
+        ({"n_stages": 5}, r"`trainer.strategy.n_stages=5` is more stages than the model's 4 blocks"),
+        ({"split_points": ["blocks.2"], "n_stages": 3}, r"`trainer.strategy.n_stages=3` disagrees"),
+    ],
+)
+def test_bad_splits_name_the_setting(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        plan_stages(4, block_list="blocks", **kwargs)
+
+
+def test_stages_keep_plain_names_and_compose_to_the_plain_forward() -> None:
+    torch.manual_seed(0)
+    model = examples.GPTLanguageModel(block_size=8, n_layer=4, n_head=2, n_embd=16)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    idx = torch.randint(0, 256, (3, 8))
+    expected = model(idx)
+    plan = plan_stages(4, block_list="blocks", n_stages=4)
+    views = prune_to_stages(model, plan, [0, 1, 2, 3])  # every stage on one rank: the chain is the whole model
+    hidden = idx
+    for view in views:
+        hidden = view(hidden)
+    torch.testing.assert_close(hidden, expected)
+    assert set(model.state_dict()) == set(reference)  # nothing renamed
+    first = prune_to_stages(examples.GPTLanguageModel(block_size=8, n_layer=4, n_head=2, n_embd=16), plan, [1, 3])
+    assert len(first) == 2
+    owner = first[0]
+    assert owner.tok_emb is None and owner.lm_head is None and isinstance(owner.blocks[0], torch.nn.Identity)
+    assert {k.split(".")[1] for k in owner.state_dict() if k.startswith("blocks.")} == {"1"}
+
+
+def test_schedule_lookup_names_the_torch_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.pipelining import schedules
+
+    assert schedule_class("1f1b")[0] is schedules.Schedule1F1B
+    assert schedule_class("interleaved_1f1b")[1:] == (2, "loop")
+    with pytest.raises(ConfigError, match=r"`trainer.strategy.schedule='pipedream'` is not a pipeline schedule"):
+        schedule_class("pipedream")
+    monkeypatch.delattr(schedules, "ScheduleZBVZeroBubble")
+    with pytest.raises(ConfigError, match=re.escape(f"which torch {torch.__version__} does not have; use one of")):
+        PipelineStrategy(schedule="zbv_zero_bubble")
+
+
+def test_an_old_torch_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.pipelining import schedules
+
+    def old_init(self: Any, stage: Any, n_microbatches: int, loss_fn: Any = None) -> None: ...
+
+    monkeypatch.setattr(schedules.PipelineScheduleSingle, "__init__", old_init)
+    with pytest.raises(ConfigError, match=re.escape(f"(scale_grads=False), which torch {torch.__version__} lacks")):
+        PipelineStrategy()
+
+
+def test_fewer_micro_batches_than_stages_warns() -> None:
+    with pytest.warns(LightningAccelWarning, match=r"`trainer.strategy.n_microbatches=2` is fewer than the 4"):
+        assert microbatches_for(2, 4) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert microbatches_for(None, 4) == 4 and microbatches_for(8, 4) == 8
+
+
+def test_trainer_level_errors() -> None:
+    strategy = PipelineStrategy(n_microbatches=4)
+    with pytest.raises(ConfigError, match=r"A training batch of 6 samples does not divide into .*n_microbatches=4"):
+        strategy._split_batch((torch.zeros(6, 8), torch.zeros(6, 8)), train=True)
+    # the last, smaller evaluation batch runs as fewer equal micro-batches instead
+    assert strategy._split_batch((torch.zeros(6, 8), torch.zeros(6, 8)), train=False)[2] == 2
+    model = examples.GPTLanguageModel(n_layer=2)
+    model.automatic_optimization = False
+    trainer = types.SimpleNamespace(precision="32-true")
+    with pytest.raises(ConfigError, match=r"`automatic_optimization=False`, which `strategy=pipeline` does not"):
+        strategy._check_trainer(trainer, model)  # type: ignore[arg-type]
+    model.automatic_optimization = True
+    trainer.precision = "16-mixed"
+    with pytest.raises(ConfigError, match=r"`trainer.precision=16-mixed` is not supported by `strategy=pipeline`"):
+        strategy._check_trainer(trainer, model)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"`trainer.strategy.n_microbatches=0` must be a positive integer"):
+        PipelineStrategy(n_microbatches=0)
+
+
+def test_config_errors_before_launch(compose_train) -> None:
+    cfg = compose_train(["preset=pipeline", "trainer.accelerator=cpu"])
+    check_config(cfg)
+    assert cfg.trainer.strategy._target_.endswith("PipelineStrategy") and cfg.model.n_layer == 4
+    with pytest.raises(ConfigError, match=r"`trainer.precision=16-mixed` is not supported by `strategy=pipeline`"):
+        check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.precision=16-mixed"]))
+    with pytest.raises(ConfigError, match=r"`trainer.strategy.data_parallel_size=3` does not divide the world size 2"):
+        check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu",
+                                    "trainer.strategy.data_parallel_size=3"]))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"`trainer.strategy.schedule='zigzag'` is not a pipeline schedule"):
+        check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.schedule=zigzag"]))
+
+
+def test_accel_train_preset_pipeline_on_two_cpu_processes(run_cli, tmp_path: Path) -> None:
+    """`accel-train preset=pipeline trainer.devices=2`, tiny: fit with validation, checkpoint, test on the best one."""
+    smoke = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000", "trainer.devices=2"]
+    result = run_cli(["preset=pipeline", *smoke], cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = next((tmp_path / "outputs" / "runs").iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["tested_weights"] == "best"
+    best = Path(summary["best_checkpoint"])
+    assert best.is_dir() and (best / ".metadata").is_file()  # a distributed checkpoint: one slice per stage
+    metrics = summary["metrics"]
+    assert metrics["test/bpc"] < summary["baselines"]["uniform_bpc"]
+    state = consolidate_checkpoint(best)
+    plain = examples.GPTLanguageModel(n_layer=4)
+    assert set(state) == set(plain.state_dict())
+
+
+def test_consolidating_a_non_checkpoint_fails(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is not a distributed checkpoint directory"):
+        consolidate_checkpoint(tmp_path)
+    assert stages_module.SCHEDULES["gpipe"][0] == "ScheduleGPipe"
