@@ -27,6 +27,7 @@ from lightning_accel.benchmark import (
     speedups,
 )
 from lightning_accel.benchmark.ladder import plan_stages
+from lightning_accel.benchmark.results import next_step
 from lightning_accel.telemetry.peak_flops import compute_dtype, lookup_peak_flops
 
 
@@ -172,12 +173,21 @@ def test_communication_is_the_backward_time_beyond_the_single_process_stage_and_
     assert slow_input[0].bottleneck == "input-bound" and slow_input[0].next_step.startswith("preset=amp")
 
 
+def test_advice_never_names_what_the_stage_already_has() -> None:
+    row = _row("model_parallel", 6.0, 2.0, world=2)
+    ddp = next_step(row, "communication-bound", 2, "bf16-mixed", accumulate=1, family="ddp")
+    assert "accumulation=fixed" in ddp and "ddp_grad_compression" in ddp and "strategy=model_parallel" in ddp
+    sharded = next_step(row, "communication-bound", 2, "bf16-mixed", accumulate=4, family="model_parallel")
+    assert "accumulation" not in sharded and "model_parallel" not in sharded and "ddp_grad_compression" not in sharded
+    assert "nccl=ib" in sharded
+
+
 # --- planning and bad input ----------------------------------------------------------------------------------------
 
 
 def test_default_ladder_ends_with_the_best_model_parallel_stage() -> None:
     assert default_ladder(["amp", "baseline", "ddp"]) == ["baseline", "amp", "ddp", "model_parallel"]
-    assert default_ladder(["amp", "baseline", "ddp", "pipeline"])[-1] == "pipeline"
+    assert default_ladder(["amp", "baseline", "ddp", "pipeline"])[-1] == "model_parallel"  # pipeline: by name only
 
 
 def test_plan_skips_what_cannot_run_here_and_budgets_the_rest(tmp_path: Path) -> None:

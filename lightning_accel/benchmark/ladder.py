@@ -36,7 +36,7 @@ CONF_MODULE = "lightning_accel.conf"
 BUILTIN_STAGES: dict[str, list[str]] = {
     "model_parallel": ["preset=ddp", "strategy=model_parallel", "accumulation=fixed", "scheduler=onecycle"],
 }
-_MODEL_PARALLEL_PRESETS = ("model_parallel", "pipeline")  # the best first
+_MODEL_PARALLEL_PRESETS = ("model_parallel",)  # a preset of this name replaces the built-in stage
 _DISTRIBUTED = ("ddp", "fsdp", "model_parallel", "deepspeed", "pipeline")
 # Variables an in-process distributed run leaves behind; a child that inherits LOCAL_RANK waits for ranks forever.
 _DISTRIBUTED_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -86,6 +86,8 @@ class StagePlan:
     num_workers: int | None = None
     global_batch: int | None = None
     accumulate: int = 1
+    family: str = ""
+    """The strategy's family: auto, single_device, ddp, fsdp, model_parallel, pipeline, deepspeed."""
     settings: dict[str, str] = field(default_factory=dict)
     """What the stage sets, in words, for the "what it changes" column."""
     callbacks: list[str] = field(default_factory=list)
@@ -100,7 +102,9 @@ def available_presets() -> list[str]:
 
 
 def default_ladder(presets: Sequence[str] | None = None) -> list[str]:
-    """baseline -> amp -> ddp -> the best model-parallel preset available (else the built-in `model_parallel`)."""
+    """baseline -> amp -> ddp -> the article's last rung: model parallel + accumulation + OneCycleLR (a `model_parallel`
+    preset when the config tree has one, else the built-in stage). `pipeline` is a rung to ask for by name
+    (`--ladder baseline,amp,ddp,pipeline`): it pays for deep models on slow interconnects, not in general."""
     presets = available_presets() if presets is None else presets
     last = next((p for p in _MODEL_PARALLEL_PRESETS if p in presets), "model_parallel")
     return ["baseline", "amp", "ddp", last]
@@ -212,7 +216,7 @@ def plan_stage(name: str, overrides: list[str], run_dir: str, visible_cuda: int 
     visible = _visible_cuda_devices() if visible_cuda is None else visible_cuda
     trainer = cfg.trainer
     plan.on_cuda = runs_on_cuda(cfg, visible_cuda=visible)
-    family = _strategy_family(trainer.get("strategy", "auto"))
+    family = plan.family = _strategy_family(trainer.get("strategy", "auto"))
     devices = trainer.get("devices", "auto")
     distributed = family in _DISTRIBUTED
     if plan.on_cuda:

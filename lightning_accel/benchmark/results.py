@@ -148,16 +148,21 @@ def bottleneck(
 _NEXT_RUNG = {"baseline": "amp", "amp": "ddp", "ddp": "model_parallel", "fsdp": "model_parallel"}
 
 
-def next_step(result: StageResult, verdict: str, num_workers: int | None, precision: str) -> str:
-    """What to try after a stage with this verdict, as a preset or a setting."""
+def next_step(result: StageResult, verdict: str, num_workers: int | None, precision: str, accumulate: int = 1,
+              family: str = "") -> str:  # fmt: skip
+    """What to try after a stage with this verdict, as a preset or a setting; none the stage already has."""
     if verdict == "input-bound":
         if not num_workers:
             return "preset=amp (DataLoader workers), or raise `data.num_workers`"
         return f"raise `data.num_workers` (now {num_workers}), `data.pin_memory=true`"
     if verdict == "communication-bound":
-        return (
-            "accumulation=fixed (4x fewer all-reduces), `ddp_grad_compression=bf16` on CUDA, or strategy=model_parallel"
-        )
+        options = [] if accumulate > 1 else ["accumulation=fixed (4x fewer gradient reductions)"]
+        if family == "ddp":
+            options.append("`ddp_grad_compression=bf16` on CUDA")
+        if family not in ("model_parallel", "fsdp"):
+            options.append("strategy=model_parallel")
+        options.append("a faster interconnect (`nccl=ib`) or fewer, larger processes")
+        return ", or ".join(options)
     if verdict == "memory-bound":
         return "strategy=model_parallel (shards the model), or `callbacks.parallelize.activation_checkpointing=true`"
     if precision.startswith("32") or precision.startswith("64"):
@@ -205,7 +210,9 @@ def finalize(
         )
         stage = settings.get(result.name, {})
         precision = str(stage.get("precision") or result.measurement.get("precision", ""))
-        result.next_step = next_step(result, result.bottleneck, stage.get("num_workers"), precision)
+        accumulate, family = int(stage.get("accumulate") or 1), str(stage.get("family") or "")
+        result.next_step = next_step(result, result.bottleneck, stage.get("num_workers"), precision,
+                                     accumulate=accumulate, family=family)  # fmt: skip
     return reference
 
 

@@ -89,7 +89,8 @@ def run_bench(
         else:
             echo(f"accel-bench: stage `{plan.name}` done in {result.process_s:.1f} s")
         results.append(result)
-    settings_by_stage = {p.name: {"num_workers": p.num_workers, "precision": p.precision} for p in plans}
+    settings_by_stage = {p.name: {"num_workers": p.num_workers, "precision": p.precision, "accumulate": p.accumulate,
+                                  "family": p.family} for p in plans}  # fmt: skip
     reference = finalize(results, mode=settings.mode, tolerance=settings.tolerance, peak_tflops=peak_tflops,
                          settings=settings_by_stage)  # fmt: skip
     table = markdown_table(results, settings.metric, settings.tolerance, settings.target)
