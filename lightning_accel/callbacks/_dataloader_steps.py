@@ -16,7 +16,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
-from lightning_accel.callbacks._dataloader_trials import LoaderSettings, _shutdown, frozen_rng, rebuild_loader
+from lightning_accel.callbacks._dataloader_trials import (
+    LoaderSettings,
+    _shutdown,
+    frozen_rng,
+    loader_settings,
+    rebuild_loader,
+)
 from lightning_accel.system import read_cpu_info, read_memory_limit
 
 __all__ = ["StepMode", "batch_size_of", "facts", "is_tuned", "make_step", "memory_free", "rank_sync", "rebuilt",
@@ -67,9 +73,11 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
 
 @contextlib.contextmanager
 def untouched(pl_module: pl.LightningModule) -> Iterator[None]:
-    """Put back what trial steps change in the module: buffers (BatchNorm statistics), gradients, torchmetrics
-    states, train/eval mode; `self.log` and `self.log_dict` do nothing meanwhile. Parameters are never stepped."""
+    """Put back what trial steps change in the module: buffers (BatchNorm statistics), parameters that do not train
+    (a momentum encoder or EMA updated in `training_step`), gradients, torchmetrics states, train/eval mode;
+    `self.log` and `self.log_dict` do nothing meanwhile. Trained parameters are never stepped."""
     buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
+    buffers += [(p, p.detach().clone()) for p in pl_module.parameters() if not p.requires_grad]
     grads = [(p, p.grad) for p in pl_module.parameters()]
     metrics = [(m, copy.deepcopy({k: getattr(m, k) for k in m._defaults}), m._update_count, m._computed)
                for m in pl_module.modules() if isinstance(m, Metric)]  # fmt: skip
@@ -170,8 +178,13 @@ def facts(trainer: pl.Trainer, loader: Any, batch_size: int | None, cpus: int) -
 
     cuda = isinstance(trainer.accelerator, CUDAAccelerator)
     device = torch.cuda.get_device_name(trainer.strategy.root_device) if cuda else read_cpu_info().model_name
+    module = trainer.lightning_module
+    sampler = loader.batch_sampler if loader.batch_size is None else loader.sampler
     return {"dataset": name(loader.dataset), "length": len(loader.dataset), "batch_size": batch_size,
-            "batches": len(loader), "model": name(trainer.lightning_module), "precision": str(trainer.precision),
+            "batches": len(loader), "drop_last": bool(loader.drop_last), "sampler": name(sampler),
+            "collate_fn": getattr(loader.collate_fn, "__qualname__", name(loader.collate_fn)),
+            "loader": loader_settings(loader).as_dict(), "model": name(module),
+            "parameters": sum(p.numel() for p in module.parameters()), "precision": str(trainer.precision),
             "accelerator": name(trainer.accelerator), "device": device, "cpus_per_rank": cpus,
             "world_size": trainer.world_size, "processes_per_node": trainer.num_devices}  # fmt: skip
 

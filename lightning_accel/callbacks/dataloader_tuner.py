@@ -140,6 +140,11 @@ class DataLoaderTuner(Callback):
         """What a trial step ran: "train", "forward" or "data" (see `_dataloader_steps.make_step`)."""
         self._state: dict[str, Any] = {}
 
+    def _search_settings(self) -> dict[str, Any]:
+        """The options that change what the search can find: part of the cache's fingerprint."""
+        return {"max_workers": self.max_workers, "prefetch_factors": list(self.prefetch_factors),
+                "tune_pin_memory": self.tune_pin_memory, "tolerance": self.tolerance}  # fmt: skip
+
     @property
     def cache_path(self) -> Path:
         return Path(self.cache_dir or search.default_cache_dir()) / "dataloader_tuner.json"
@@ -185,13 +190,19 @@ class DataLoaderTuner(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loop = trainer.fit_loop
+        # A resumed fit with `reload_dataloaders_every_n_epochs` requested the user's loader again after the
+        # checkpoint set the epoch (the fit loop's own `setup_data`, after `on_fit_start`): tune it too.
+        self._reapply(loop, reiterate=True)
         if getattr(loop, "_combined_loader_states_to_load", None):  # restored after `on_fit_start` from a checkpoint
             loop._load_combined_loader_states()
         self.on_validation_start(trainer, pl_module)  # the validation loaders exist now, after the sanity check
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._reapply(trainer.fit_loop, reiterate=False)  # `reload_dataloaders_every_n_epochs` brought new loaders
+        loop = trainer.fit_loop  # `reload_dataloaders_every_n_epochs` brought new loaders; the epoch loop makes
+        # their iterator itself only past the first epoch and when not resuming (`_TrainingEpochLoop.on_run_start`)
+        makes_iterator = trainer.current_epoch > 0 and not loop.is_resuming and not loop.epoch_loop.restarting
+        self._reapply(loop, reiterate=not makes_iterator)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -209,9 +220,18 @@ class DataLoaderTuner(Callback):
         strategy = trainer.strategy
         sync = steps.rank_sync(strategy.root_device)
         batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
-        budget = max(1, read_cpu_budget().effective // max(1, trainer.num_devices))
-        facts = steps.facts(trainer, loader, batch_size, budget)
-        key = search.fingerprint(facts)
+        local_error: Exception | None = None
+        try:  # what each rank reads by itself; a failure on one rank must stop all of them before a collective
+            budget = max(1, read_cpu_budget().effective // max(1, trainer.num_devices))
+            facts = {**steps.facts(trainer, loader, batch_size, budget), "tuner": self._search_settings()}
+            key = search.fingerprint(facts)
+            shm, memory = read_shm(), steps.memory_free(trainer.num_devices)
+            step, self.step_mode = steps.make_step(trainer, pl_module)
+        except Exception as err:
+            local_error = err
+        if sync([float(local_error is not None)])[0]:
+            raise TrialError(f"reading this rank's facts failed: {local_error!r}" if local_error else
+                             "reading its facts failed on another rank") from local_error  # fmt: skip
         known = None
         if not self.force and self.use_cache and self._state.get("fingerprint") == key:
             known = self._state  # loaded from a checkpoint, or the previous fit of this callback
@@ -232,13 +252,11 @@ class DataLoaderTuner(Callback):
         batch_size, batch_bytes = batch_size or steps.batch_size_of(probe), batch_nbytes(probe)
         original = loader_settings(loader)  # as a trial runs it: persistence only matters between epochs
         original = replace(original, persistent_workers=original.num_workers > 0)
-        shm, memory = read_shm(), steps.memory_free(trainer.num_devices)
         shared = (budget, original, None if shm is None else shm.free_bytes // trainer.num_devices, memory)
         budget, original, shm_free, memory_free = strategy.broadcast(shared, src=0)  # one search on every rank
         most_bytes, fewest_batches = sync([float(batch_bytes), -float(len(loader))])
         batch_bytes, length = int(most_bytes), int(-fewest_batches)
         assert isinstance(batch_size, int)
-        step, self.step_mode = steps.make_step(trainer, pl_module)
         deadline = start + self.max_tuning_time_s
 
         def measure(settings: LoaderSettings, cut: float | None) -> Trial:

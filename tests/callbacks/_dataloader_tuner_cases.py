@@ -160,9 +160,11 @@ def trainer(callbacks: list[pl.Callback], root: str, max_steps: int = 20, **kwar
 
 
 def fit(dataset: Dataset, callbacks: list[pl.Callback], root: str, batch_size: int = 8, val: Dataset | None = None,
-        step_loops: int = 0, **kwargs: Any) -> tuple[pl.Trainer, Regression]:  # fmt: skip
-    """Fit `Regression` on shuffled batches of `dataset` (and validate on `val`); warnings other than ours muted."""
-    model = Regression(step_loops)
+        step_loops: int = 0, model: Regression | None = None, **kwargs: Any
+        ) -> tuple[pl.Trainer, Regression]:  # fmt: skip
+    """Fit `model` (a new `Regression`) on shuffled batches of `dataset` (and validate on `val`); warnings other than
+    ours muted."""
+    model = Regression(step_loops) if model is None else model
     fitter = trainer(callbacks, root, **kwargs)
     val_loader = None if val is None else DataLoader(val, batch_size=batch_size)
     with warnings.catch_warnings():

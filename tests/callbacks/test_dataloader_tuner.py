@@ -126,6 +126,41 @@ def test_a_tuned_fit_trains_exactly_like_an_untuned_one(tmp_path: Path) -> None:
         assert torch.equal(a, b), name
 
 
+class _MomentumEncoder(cases.Regression):
+    """Updates a parameter that does not train inside `training_step` (a momentum encoder, an EMA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ema = torch.nn.Parameter(torch.zeros(cases.FEATURES), requires_grad=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * batch[0].mean(0))
+        return super().training_step(batch, batch_idx)
+
+
+def test_trials_put_back_parameters_the_step_updates_itself(tmp_path: Path) -> None:
+    data = cases.SleepyDataset(200, 0.0005)
+    _, plain = cases.fit(data, [], str(tmp_path), max_steps=6, model=_MomentumEncoder())
+    tuner = _tuner(steps_per_trial=4, use_cache=False)
+    _, tuned = cases.fit(data, [tuner], str(tmp_path), max_steps=6, model=_MomentumEncoder())
+    assert tuner.trials and torch.count_nonzero(plain.ema) > 0
+    assert torch.equal(plain.ema, tuned.ema) and torch.equal(plain.layer.weight, tuned.layer.weight)
+
+
+def test_a_cached_decision_is_not_reused_by_a_search_with_other_bounds(tmp_path: Path) -> None:
+    data = cases.SleepyDataset(400, 0.002)
+    first = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache")
+    cases.fit(data, [first], str(tmp_path), max_steps=2)
+    capped = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache", max_workers=1)
+    cases.fit(data, [capped], str(tmp_path), max_steps=2)
+    assert not capped.cache_hit and capped.trials and capped.decision is not None
+    assert max(t.settings.num_workers for t in capped.trials) <= 2  # the budget (2 CPUs), nothing above max_workers
+    again = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache", max_workers=1)
+    cases.fit(data, [again], str(tmp_path), max_steps=2)
+    assert again.cache_hit and again.decision == capped.decision
+
+
 def test_a_failure_while_tuning_restores_the_loaders_and_training_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
