@@ -160,7 +160,7 @@ def trainer(callbacks: list[pl.Callback], root: str, max_steps: int = 20, **kwar
 
 
 def fit(dataset: Dataset, callbacks: list[pl.Callback], root: str, batch_size: int = 8, val: Dataset | None = None,
-        step_loops: int = 0, model: Regression | None = None, **kwargs: Any
+        step_loops: int = 0, model: Regression | None = None, ckpt_path: str | None = None, **kwargs: Any
         ) -> tuple[pl.Trainer, Regression]:  # fmt: skip
     """Fit `model` (a new `Regression`) on shuffled batches of `dataset` (and validate on `val`); warnings other than
     ours muted."""
@@ -171,7 +171,7 @@ def fit(dataset: Dataset, callbacks: list[pl.Callback], root: str, batch_size: i
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", LightningAccelWarning)
         shuffle = not isinstance(dataset, IterableDataset)
-        fitter.fit(model, DataLoader(dataset, batch_size=batch_size, shuffle=shuffle), val_loader)
+        fitter.fit(model, DataLoader(dataset, batch_size=batch_size, shuffle=shuffle), val_loader, ckpt_path=ckpt_path)
     return fitter, model
 
 

@@ -161,6 +161,28 @@ def test_a_cached_decision_is_not_reused_by_a_search_with_other_bounds(tmp_path:
     assert again.cache_hit and again.decision == capped.decision
 
 
+class _LoaderSeen(cases.pl.Callback):
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.workers = trainer.train_dataloader.num_workers
+
+
+def test_a_resumed_fit_that_reloads_its_loaders_trains_with_the_decision(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data, cache = cases.SleepyDataset(96, 0.004), tmp_path / "cache"  # 12 batches an epoch
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=16, save_top_k=-1)
+    first = _tuner(steps_per_trial=4, cache_dir=cache)
+    cases.fit(data, [first, saver], str(tmp_path), max_steps=16, enable_checkpointing=True,
+              reload_dataloaders_every_n_epochs=1)  # fmt: skip
+    assert first.decision is not None and first.decision.num_workers > 0  # the loader's own: 0 workers
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")  # in the middle of the second epoch
+    seen, resumed = _LoaderSeen(), _tuner(steps_per_trial=4, cache_dir=cache)
+    fitter, _ = cases.fit(data, [resumed, seen], str(tmp_path), max_steps=20, reload_dataloaders_every_n_epochs=1,
+                          ckpt_path=str(checkpoint))  # fmt: skip
+    assert fitter.global_step == 20 and resumed.decision == first.decision
+    assert seen.workers == first.decision.num_workers
+
+
 def test_a_failure_while_tuning_restores_the_loaders_and_training_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
