@@ -375,3 +375,45 @@ def test_quick_bounds_a_dataloader_tuner_search() -> None:
     plan = StagePlan(name="amp", overrides=["preset=amp"], callbacks=["dataloader_tuner", "lr_monitor"])
     assert "callbacks.dataloader_tuner.max_tuning_time_s=10" in budget_overrides(plan, BenchSettings(quick=True), 32)
     assert not any("dataloader_tuner" in o for o in budget_overrides(plan, BenchSettings(), 32))
+
+
+@pytest.mark.parametrize(
+    ("metric", "higher"),
+    [("val/acc", True), ("val/top1_acc", True), ("val/map_50", True), ("val/f1", True), ("val/loss", False),
+     ("val/bpc", False), ("val/mape", False), ("val/smape", False), ("val/acc_error", False), ("val/wer", False)],
+)  # fmt: skip
+def test_metric_direction_from_whole_words(metric: str, higher: bool) -> None:
+    assert higher_is_better(metric) is higher
+
+
+@pytest.mark.parametrize("path", ["/tmp/plain/dir", "/tmp/a b", "/tmp/a\\b c", "/tmp/it's", "/tmp/end\\", "/tmp/x=y"])
+def test_run_directories_survive_hydra_override_parsing(path: str) -> None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from lightning_accel.benchmark.ladder import hydra_value
+
+    parsed = OverridesParser.create().parse_override(f"hydra.run.dir={hydra_value(Path(path))}")
+    assert parsed.value() == path
+
+
+def test_pipeline_and_tensor_parallel_ranks_count_their_shared_batches_once() -> None:
+    from lightning_accel.benchmark.ladder import _data_parallel_size
+
+    assert _data_parallel_size({"_target_": "x.DDPStrategy"}, 4) == 4
+    assert _data_parallel_size({"data_parallel_size": 1, "n_microbatches": 4}, 2) == 1  # pp=2
+    assert _data_parallel_size({"data_parallel_size": "auto", "tensor_parallel_size": 2}, 4) == 2
+    assert _data_parallel_size("ddp", 2) == 2
+
+
+
+def test_fp32_on_a_gpu_without_tf32_is_measured_against_its_fp32_peak() -> None:
+    from lightning_accel.benchmark.results import _derive
+
+    row = StageResult(name="baseline", measurement={**_measurement(10.0, 2.0, device="Tesla V100-SXM2-32GB"),
+                                                    "float32_matmul_precision": "high", "compute_capability": [7, 0]})
+    _derive(row, None)
+    assert row.dtype == "fp32" and row.mfu is not None
+    ampere = StageResult(name="baseline", measurement={**row.measurement, "device": "NVIDIA A100-SXM4-80GB",
+                                                       "compute_capability": [8, 0]})  # fmt: skip
+    _derive(ampere, None)
+    assert ampere.dtype == "tf32"

@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -256,7 +256,8 @@ def plan_stage(name: str, overrides: list[str], run_dir: str, visible_cuda: int 
     workers = OmegaConf.select(cfg, "data.num_workers", default=None)
     plan.num_workers = workers if isinstance(workers, int) else None
     batch = OmegaConf.select(cfg, "data.batch_size", default=None)
-    micro_global = batch * plan.world_size if isinstance(batch, int) else 0
+    replicas = _data_parallel_size(trainer.get("strategy"), plan.world_size)  # pipeline/TP ranks share batches
+    micro_global = batch * replicas if isinstance(batch, int) else 0
     plan.accumulate = _accumulation(cfg, micro_global)
     plan.global_batch = micro_global * plan.accumulate if micro_global else None
     scheduler = str(OmegaConf.select(cfg, "scheduler._target_", default="") or "none").rsplit(".", 1)[-1]
@@ -273,6 +274,20 @@ def plan_stage(name: str, overrides: list[str], run_dir: str, visible_cuda: int 
         "scheduler": scheduler.replace("_schedule", ""),
     }
     return plan
+
+
+def _data_parallel_size(strategy: Any, world_size: int) -> int:
+    """Ranks that load batches of their own: `data_parallel_size` of a pipeline or model-parallel strategy config
+    (`auto`: the world over `tensor_parallel_size`), else the world size."""
+    if not isinstance(strategy, Mapping) and not OmegaConf.is_dict(strategy):
+        return world_size
+    dp = strategy.get("data_parallel_size")
+    if isinstance(dp, int) and dp > 0:
+        return dp
+    if dp is None and "tensor_parallel_size" not in strategy:
+        return world_size
+    tp = strategy.get("tensor_parallel_size", 1)
+    return max(1, world_size // tp) if isinstance(tp, int) and tp > 0 else world_size
 
 
 def describe_changes(plans: Sequence[StagePlan]) -> dict[str, str]:
@@ -295,7 +310,9 @@ def hydra_value(path: Path) -> str:
     text = str(path)
     if re.fullmatch(r"[\w/.\-]+", text):
         return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    # Hydra's quoted strings read a backslash as an escape only before a quote or at the end of the string
+    escaped = re.sub(r"(\\+)(?='|$)", r"\1\1", text).replace("'", "\\'")
+    return "'" + escaped + "'"
 
 
 def budget_overrides(plan: StagePlan, settings: BenchSettings, reference_batch: int | None) -> list[str]:
@@ -356,6 +373,7 @@ def launch(command: list[str], stage_dir: Path, timeout: float | None) -> subpro
         try:
             returncode = process.wait(timeout=timeout)
             note = ""
+            _kill_group(process.pid)  # what the stage left behind (a rank or a worker) must not load the next one
         except subprocess.TimeoutExpired:
             _end_session(process)
             returncode, note = 124, f"the stage ran past --stage-timeout={timeout:g} s and was stopped"
@@ -366,20 +384,33 @@ def launch(command: list[str], stage_dir: Path, timeout: float | None) -> subpro
     return subprocess.CompletedProcess(command, returncode, (stage_dir / "stdout.log").read_text(), stderr)
 
 
-def _end_session(process: subprocess.Popen[str]) -> None:
-    """SIGTERM the stage's whole process group, then SIGKILL what is left after 10 s."""
+def _kill_group(pgid: int) -> None:
+    """SIGKILL every process left in a stage's process group (none, normally)."""
     import signal
 
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            process.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _end_session(process: subprocess.Popen[str]) -> None:
+    """SIGTERM the stage's whole process group, give the leader 10 s, then SIGKILL the whole group."""
+    import signal
+
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    try:
+        process.wait(timeout=10.0)
+    except subprocess.TimeoutExpired:
+        pass
+    _kill_group(process.pid)  # the leader may be gone while ranks or workers of its group live on
+    try:
+        process.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _failure_reason(stderr: str, returncode: int) -> str:

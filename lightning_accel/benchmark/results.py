@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,10 @@ COMMUNICATION_SHARE = 0.25
 """Communication-bound: the estimated all-reduce wait is at least this share of the step."""
 MEMORY_FRACTION = 0.90
 """Memory-bound: the peak memory is at least this fraction of the device's (the host's on a CPU)."""
-_HIGHER_IS_BETTER = ("acc", "f1", "auc", "precision", "recall", "iou", "map", "bleu", "rouge", "score", "r2")
+_HIGHER_IS_BETTER = ("acc", "accuracy", "f1", "auc", "auroc", "precision", "recall", "iou", "miou", "map", "bleu",
+                     "rouge", "score", "r2", "dice", "psnr", "ssim")
+_LOWER_IS_BETTER = ("loss", "error", "err", "mae", "mse", "rmse", "mape", "smape", "ppl", "perplexity", "bpc", "wer",
+                    "cer", "nll")
 
 
 @dataclass(kw_only=True)
@@ -75,9 +79,13 @@ class StageResult:
 
 
 def higher_is_better(metric: str) -> bool:
-    """Whether a metric's name says higher is better (accuracy, F1, AUC, ...); losses, perplexity, bpc are lower."""
-    leaf = metric.rsplit("/", 1)[-1].lower()
-    return any(word in leaf for word in _HIGHER_IS_BETTER)
+    """Whether a metric's name says higher is better (accuracy, F1, AUC, ...); losses, errors, perplexity, bpc are
+    lower. Whole words of the name's last part count (`val/top1_acc`, `map_50`), and an error word wins
+    (`val/mape`, `acc_error`)."""
+    words = [w for w in re.split(r"[^a-z0-9]+", metric.rsplit("/", 1)[-1].lower()) if w]
+    if any(w in _LOWER_IS_BETTER for w in words):
+        return False
+    return any(w in _HIGHER_IS_BETTER or w.startswith(("acc", "top")) for w in words)
 
 
 def speedups(results: Sequence[StageResult]) -> StageResult | None:
@@ -233,9 +241,9 @@ def _derive(result: StageResult, peak_tflops: float | None) -> None:
     result.device = m.get("device", "")
     result.gpu_utilization_pct = m.get("gpu_utilization_pct")
     result.metric_value = m.get("final_metric")
-    result.dtype = compute_dtype(
-        m.get("precision", ""), m.get("float32_matmul_precision"), tf32_capable=result.device != "cpu"
-    )
+    capability = m.get("compute_capability")  # TF32 from Ampere (8.0) on; a record without it: assume a GPU has it
+    tf32 = result.device != "cpu" and (not capability or tuple(capability) >= (8, 0))
+    result.dtype = compute_dtype(m.get("precision", ""), m.get("float32_matmul_precision"), tf32_capable=tf32)
     peak = lookup_peak_flops(result.device, result.dtype, peak_tflops)
     result.mfu = model_flops_utilization(
         m.get("flops_per_batch"), int(m.get("steady_batches", 0)), steady_s, peak.flops

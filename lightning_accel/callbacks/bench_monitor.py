@@ -28,6 +28,8 @@ class StageMeasurement:
     world_size: int = 1
     device: str = "cpu"
     """`torch.cuda.get_device_name` of rank zero's device, or "cpu"."""
+    compute_capability: list[int] | None = None
+    """CUDA compute capability of that device ([8, 0] and up have TF32); None on a CPU."""
     precision: str = ""
     float32_matmul_precision: str = ""
     optimizer_steps: int = 0
@@ -160,6 +162,7 @@ class BenchMonitor(Callback):
         if self._cuda:
             index = pl_module.device.index or 0
             m.device = torch.cuda.get_device_name(index)
+            m.compute_capability = list(torch.cuda.get_device_capability(index))
             m.memory_total_bytes = int(torch.cuda.get_device_properties(index).total_memory)
             m.memory_kind = "CUDA max_memory_allocated"
             torch.cuda.reset_peak_memory_stats(index)
@@ -229,8 +232,9 @@ class BenchMonitor(Callback):
                 m.flops_source = "torch.utils.flop_counter (first batch)"
             except Exception as err:
                 m.flops_source = f"not counted: {type(err).__name__}: {err}"
-        samples = _batch_size(batch) * trainer.world_size
-        tokens = _batch_tokens(batch) * trainer.world_size
+        replicas = _data_parallel_replicas(trainer)  # pipeline and tensor-parallel ranks share their batches
+        samples = _batch_size(batch) * replicas
+        tokens = _batch_tokens(batch) * replicas
         m.batches += 1
         m.samples += samples
         m.tokens += tokens
@@ -341,3 +345,13 @@ def _gpu_utilization(trainer: pl.Trainer) -> float | None:
             values = [v for v in values if not math.isnan(v)]
             return sum(values) / len(values) if values else None
     return None
+
+
+def _data_parallel_replicas(trainer: pl.Trainer) -> int:
+    """Ranks that each load their own batches: the distributed sampler's replicas (the data-parallel size under
+    ModelParallelStrategy and PipelineStrategy), else the world size."""
+    try:
+        replicas = trainer.strategy.distributed_sampler_kwargs.get("num_replicas")
+    except Exception:  # a strategy without the property, or one not set up
+        replicas = None
+    return int(replicas) if isinstance(replicas, int) and replicas > 0 else trainer.world_size

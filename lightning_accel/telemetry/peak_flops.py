@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 __all__ = ["DTYPES", "PEAK_TFLOPS", "PeakFlops", "compute_dtype", "lookup_peak_flops"]
 
-DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp64")  # fp64 has no peak in the table: MFU n/a unless given
 """Compute dtypes of the table: fp32 on CUDA cores, tf32/bf16/fp16/fp8 on tensor cores (fp32 accumulation)."""
 
 # Dense (no 2:4 sparsity) TFLOP/s per GPU from NVIDIA's datasheets and architecture whitepapers. A missing dtype is
@@ -53,6 +53,8 @@ def compute_dtype(precision: str, float32_matmul_precision: str | None = None, t
     """The dtype the matmuls of a Lightning precision run in: fp32 under `32-true` becomes tf32 when matmul precision
     is `high`/`medium` on a GPU with TF32 (compute capability 8.0+)."""
     text = str(precision)
+    if text.startswith("64"):
+        return "fp64"  # no tensor-core peak in the table: MFU is n/a
     if text.startswith("bf16"):
         return "bf16"
     if text.startswith("16") or text == "transformer-engine-float16":
