@@ -143,7 +143,7 @@ def bottleneck(
         return "input-bound", f"GPU busy {gpu_utilization_pct:.0f}%, {data:.0%} of the step waits for data"
     communication = split.get("communication")
     if world_size > 1 and communication is not None and communication >= COMMUNICATION_SHARE:
-        return "communication-bound", f"~{communication:.0%} of the step waits for the gradient all-reduce"
+        return "communication-bound", f"~{communication:.0%} of the step waits for gradient communication (est.)"
     if memory_fraction is not None and memory_fraction >= MEMORY_FRACTION:
         return "memory-bound", f"peak memory {memory_fraction:.0%} of the device's"
     compute = split.get("forward", 0.0) + split.get("backward", 0.0) + split.get("optimizer", 0.0)
