@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -25,6 +24,7 @@ from typing_extensions import override
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.strategies.pipeline_stages import (
     StagePlan,
+    check_microbatches,
     check_torch_pipelining,
     microbatches_for,
     plan_stages,
@@ -233,6 +233,7 @@ class PipelineStrategy(_LightningModelParallelStrategy):
                 f"({2 * self.pp_size}), got {plan.n_stages}; raise `n_stages` or use gpipe/1f1b."
             )
         self.n_microbatches = microbatches_for(self.n_microbatches, plan.n_stages)
+        check_microbatches(self.schedule, self.n_microbatches, plan.n_stages, self.pp_size)
         self.local_stages = [s for s, r in enumerate(ranks) if r == self.pp_rank]
         self._stage_modules = prune_to_stages(module, plan, self.local_stages)
         self.plan = plan
@@ -303,20 +304,26 @@ class PipelineStrategy(_LightningModelParallelStrategy):
                 f"{self.n_microbatches}` micro-batches; make the batch size a multiple of {self.n_microbatches} "
                 "(and drop a smaller last batch: DataLoader(drop_last=True)), or change `n_microbatches`."
             )
-        return args, target, math.gcd(size, self.n_microbatches)
+        return args, target, 1
 
     def _run(self, batch: Any, train: bool) -> torch.Tensor:
         """One pass of the batch through the pipeline; returns the batch's mean loss on every pipeline rank."""
         inputs, target, n_micro = self._split_batch(batch, train)
-        schedule = self._pipeline(inputs, target, train, n_micro)
         assert self.plan is not None
         first, last = 0 in self.local_stages, self.plan.n_stages - 1 in self.local_stages
         args = inputs if first else ()
         self._micro_losses = []
+        for view in self._stage_modules:  # shallow copies of the root: its own `training` flag is not shared
+            view.training = self.lightning_module.training
         _, _, placement = schedule_class(self.schedule)
-        if not train and placement == "v":  # torch's V schedules cannot run forward only: the stages, in order
+        # Forward only through the stages in order, the batch as one micro-batch: evaluation under torch's V
+        # schedules (they cannot run without a backward), and the last, smaller evaluation batch, which need not
+        # divide into micro-batches (1F1B would refuse fewer micro-batches than stages).
+        in_order = not train and (placement == "v" or n_micro != self.n_microbatches)
+        schedule = None if in_order else self._pipeline(inputs, target, train, n_micro)
+        if in_order:
             n_micro = 1
-            self._forward_in_order(inputs, target)
+            self._forward_in_order(inputs, target, placement)
         elif train:
             schedule.step(*args, target=target if last else None)
         elif hasattr(schedule, "eval"):
@@ -337,15 +344,16 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         dist.broadcast(loss, src=dist.get_global_rank(group, last_rank), group=group)
         return loss
 
-    def _forward_in_order(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> None:
+    def _forward_in_order(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, placement: str) -> None:
         """Forward only, the whole batch through stage 0, 1, ... in turn, activations sent between ranks.
 
-        For evaluation under the V-shaped schedules (ZBV, DualPipeV), whose torch implementations need a backward.
-        One micro-batch of the whole batch: its loss is the batch mean, as with equal micro-batches.
+        For evaluation under the V-shaped schedules (ZBV, DualPipeV), whose torch implementations need a backward,
+        and for an evaluation batch that does not divide into the micro-batches. One micro-batch of the whole batch:
+        its loss is the batch mean, as with equal micro-batches.
         """
         assert self.plan is not None
         group = self.device_mesh["pipeline_parallel"].get_group()
-        ranks = stage_ranks(self.plan.n_stages, self.pp_size, "v")
+        ranks = stage_ranks(self.plan.n_stages, self.pp_size, placement)
         views = dict(zip(self.local_stages, self._stage_modules, strict=True))
         hidden: Any = inputs
         for stage in range(self.plan.n_stages):
@@ -551,6 +559,13 @@ def check_pipeline_config(strategy: Mapping[str, Any], precision: str, world: in
     points = strategy.get("split_points")
     if points is not None and any(not isinstance(p, str) for p in points):
         raise ConfigError(f"`trainer.strategy.split_points={list(points)}` must be module names such as 'blocks.2'.")
+    n_micro = strategy.get("n_microbatches")
+    if world is not None and isinstance(dp, int) and dp > 0 and isinstance(n_micro, int):
+        pp = max(1, world // dp)
+        _, per_rank, _ = schedule_class(str(name))
+        n_stages = strategy.get("n_stages") or (len(points) + 1 if points else pp * per_rank)
+        if isinstance(n_stages, int):
+            check_microbatches(str(name), n_micro, n_stages, pp)
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -184,6 +184,28 @@ def stage_ranks(n_stages: int, pp_size: int, placement: Literal["loop", "v"]) ->
     return [s % pp_size for s in range(n_stages)]
 
 
+def check_microbatches(schedule: str, n_microbatches: int, n_stages: int, pp_size: int) -> None:
+    """The installed torch's rules for a schedule's micro-batches, as a ConfigError naming the setting.
+
+    1F1B and DualPipeV need at least one micro-batch per stage; the interleaved schedules (interleaved_1f1b,
+    interleaved_zero_bubble) run in rounds of `max(1, n // pipeline ranks)` and need `n` to be a multiple of them.
+    """
+    from lightning_accel.errors import ConfigError
+
+    if schedule in ("1f1b", "dualpipev") and n_microbatches < n_stages:
+        raise ConfigError(
+            f"`trainer.strategy.n_microbatches={n_microbatches}` is fewer than the {n_stages} pipeline stages, which "
+            f"`schedule={schedule}` does not run; use `n_microbatches={n_stages}` or more (a multiple is best), or "
+            "`schedule=gpipe`."
+        )
+    rounds = max(1, n_microbatches // max(1, pp_size))
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and n_microbatches % rounds:
+        raise ConfigError(
+            f"`trainer.strategy.n_microbatches={n_microbatches}` is not a multiple of its {rounds} rounds of "
+            f"{pp_size} pipeline ranks, which `schedule={schedule}` needs; use a multiple of {pp_size}."
+        )
+
+
 def microbatches_for(n_microbatches: int | None, n_stages: int) -> int:
     """The micro-batches per batch (None: one per stage); warns (rank zero) when fewer than the stages.
 

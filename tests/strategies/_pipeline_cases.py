@@ -122,7 +122,8 @@ class Recorder(pl.Callback):
 def run_case(root: str, *, schedule: str, dp: int = 1, data_parallel: str = "replicate", accumulate: int = 1,
              checkpoint: bool = False, resume_from: str | None = None,
              precision: str = "32-true", scheduler: bool = False,
-             split_points: list[str] | None = None, micro: int = MICRO) -> dict[str, Any]:  # fmt: skip
+             split_points: list[str] | None = None, micro: int = MICRO,
+             val_extra: int = 0) -> dict[str, Any]:  # fmt: skip
     world = int(os.environ["WORLD_SIZE"])
     recorder = Recorder()
     callbacks: list[pl.Callback] = [recorder]
@@ -147,7 +148,8 @@ def run_case(root: str, *, schedule: str, dp: int = 1, data_parallel: str = "rep
         sampler = DistributedSampler(data, num_replicas=dp, rank=dp_rank, shuffle=False) if dp > 1 else None
         return DataLoader(data, batch_size=batch_size, sampler=sampler)
 
-    train, val = loader(train_set(), BATCH // dp // accumulate), loader(val_set(), BATCH // dp)
+    val_data = val_set() if not val_extra else dataset(BATCH * VAL_BATCHES + val_extra, seed=SEED + 1)
+    train, val = loader(train_set(), BATCH // dp // accumulate), loader(val_data, BATCH // dp)
     model = make_model()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -186,6 +188,8 @@ def main(out: Path, cases: list[str]) -> None:
     for case in cases:
         if case == "resume":
             results[case] = run_resume(f"{root}/resume", dp)
+        elif case == "short_val":  # the last validation batch of 3 samples: fewer micro-batches than 1F1B's stages
+            results[case] = run_case(f"{root}/short_val", schedule="1f1b", dp=dp, val_extra=3)
         elif case == "accumulate":
             results[case] = run_case(f"{root}/acc", schedule="1f1b", dp=dp, accumulate=2)
         elif case == "accumulation_scheduler":

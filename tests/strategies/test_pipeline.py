@@ -5,6 +5,7 @@ planning and the errors, without ranks."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -23,7 +24,12 @@ from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.presets import check_config
 from lightning_accel.strategies import PipelineStrategy, consolidate_checkpoint, plan_stages, stage_ranks
 from lightning_accel.strategies import pipeline_stages as stages_module
-from lightning_accel.strategies.pipeline_stages import microbatches_for, prune_to_stages, schedule_class
+from lightning_accel.strategies.pipeline_stages import (
+    check_microbatches,
+    microbatches_for,
+    prune_to_stages,
+    schedule_class,
+)
 
 STEPS = cases.EPOCHS * cases.BATCHES_PER_EPOCH
 TOLERANCE = 1e-4  # relative, fp32: micro-batch losses are scaled so that they sum to the batch mean
@@ -52,7 +58,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every 2-rank case of _pipeline_cases.py in one torchrun launch (~20 s on 2 idle cores)."""
     available = [name for name in ZERO_BUBBLE if _available(name)]
     names = [*SCHEDULES, *available, "accumulate", "accumulation_scheduler", "resume", "bf16-mixed", "bf16-true",
-             "split_points"]  # fmt: skip
+             "split_points", "short_val"]  # fmt: skip
     return _torchrun(tmp_path_factory.mktemp("pipeline"), 2, *names)
 
 
@@ -91,6 +97,27 @@ def test_two_stages_match_one_process(two_ranks: list[dict[str, Any]], reference
     assert (rank0["local_stages"], rank1["local_stages"]) == expected
     full = sum(p.numel() for p in cases.make_model().parameters())
     assert rank0["n_params"] + rank1["n_params"] == full and 0 < rank0["n_params"] < full
+
+
+def test_a_short_last_validation_batch_runs_under_1f1b(two_ranks: list[dict[str, Any]], reference: Any) -> None:
+    """3 samples left over: fewer than 1F1B's 2 stages need as micro-batches; they go through the stages in order."""
+    rank0, rank1 = (r["short_val"] for r in two_ranks)
+    assert rank0["global_step"] == STEPS and len(rank0["val"]) == cases.EPOCHS
+    assert rank0["val"] == rank1["val"] and all(math.isfinite(v) for v in rank0["val"])
+    assert _relative(rank0["losses"], reference["losses"]) < TOLERANCE  # training is untouched
+    assert rank0["val"] != two_ranks[0]["1f1b"]["val"]  # the extra samples were evaluated
+
+
+def test_micro_batch_rules_of_each_schedule_are_config_errors(compose_train) -> None:
+    check_microbatches("gpipe", 1, 2, 2)
+    with pytest.raises(ConfigError, match=r"`trainer.strategy.n_microbatches=1` is fewer than the 2 pipeline stages"):
+        check_microbatches("1f1b", 1, 2, 2)
+    with pytest.raises(ConfigError, match=r"`trainer.strategy.n_microbatches=9` is not a multiple of its 2 rounds"):
+        check_microbatches("interleaved_1f1b", 9, 8, 4)
+    check_microbatches("interleaved_1f1b", 8, 8, 4)
+    with pytest.raises(ConfigError, match=r"n_microbatches=1` is fewer than the 2 pipeline stages"):
+        check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.n_microbatches=1",
+                                    "trainer.strategy.schedule=1f1b"]))  # fmt: skip
 
 
 def test_split_points_make_uneven_stages(two_ranks: list[dict[str, Any]], reference: Any) -> None:
@@ -242,8 +269,8 @@ def test_trainer_level_errors() -> None:
     strategy = PipelineStrategy(n_microbatches=4)
     with pytest.raises(ConfigError, match=r"A training batch of 6 samples does not divide into .*n_microbatches=4"):
         strategy._split_batch((torch.zeros(6, 8), torch.zeros(6, 8)), train=True)
-    # the last, smaller evaluation batch runs as fewer equal micro-batches instead
-    assert strategy._split_batch((torch.zeros(6, 8), torch.zeros(6, 8)), train=False)[2] == 2
+    # the last, smaller evaluation batch runs through the stages in order, as one micro-batch
+    assert strategy._split_batch((torch.zeros(6, 8), torch.zeros(6, 8)), train=False)[2] == 1
     model = examples.GPTLanguageModel(n_layer=2)
     model.automatic_optimization = False
     trainer = types.SimpleNamespace(precision="32-true")
