@@ -204,3 +204,6 @@ if __name__ == "__main__":
     results = run_all(str(out_dir / "runs"))
     rank = int(os.environ.get("RANK", "0"))
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    if torch.distributed.is_initialized():  # an orderly end: a group torn down at interpreter exit can abort a rank
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -196,3 +196,6 @@ def _ddp_main(out: Path) -> None:
 
 if __name__ == "__main__":
     _ddp_main(Path(sys.argv[1]))
+    if torch.distributed.is_initialized():  # an orderly end: a group torn down at interpreter exit can abort a rank
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -165,3 +165,6 @@ if __name__ == "__main__":
     out_dir, topology = Path(sys.argv[1]), sys.argv[2]
     result = run_distributed(out_dir, topology)
     (out_dir / f"rank{result['rank']}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():  # an orderly end: a group torn down at interpreter exit can abort a rank
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

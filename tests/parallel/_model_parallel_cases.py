@@ -213,3 +213,6 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     found = run_2d(str(out / "runs")) if sys.argv[2:] == ["2d"] else run_all(str(out / "runs"))
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(found))
+    if torch.distributed.is_initialized():  # an orderly end: a group torn down at interpreter exit can abort a rank
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

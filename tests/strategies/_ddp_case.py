@@ -80,3 +80,6 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     results = {str(sg): fit(sg, str(out / f"static{sg}")) for sg in (False, True)}
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
+    if torch.distributed.is_initialized():  # an orderly end: a group torn down at interpreter exit can abort a rank
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

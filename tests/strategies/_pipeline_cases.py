@@ -212,3 +212,6 @@ def main(out: Path, cases: list[str]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2:])
+    if torch.distributed.is_initialized():  # an orderly end: a group torn down at interpreter exit can abort a rank
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
