@@ -13,19 +13,11 @@ from pathlib import Path
 
 import psutil
 import torch
+from _run_logs import config_digests
 
 # Small and quick variants of the default run for the plumbing tests.
 SMOKE = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000"]
 DDP2 = ["strategy=ddp", "trainer.devices=2"]
-
-
-def _digests(run_dir: Path) -> dict[str, str]:
-    found = {}
-    for log_file in sorted(run_dir.glob("*.log")):
-        match = re.search(r"resolved config sha256=([0-9a-f]{64})", log_file.read_text())
-        assert match, f"{log_file} has no config digest"
-        found[log_file.name] = match.group(1)
-    return found
 
 
 def test_default_run_beats_chance(run_cli, tmp_path: Path) -> None:
@@ -53,7 +45,7 @@ def test_ddp_two_cpu_processes_share_one_run_directory(run_cli, tmp_path: Path) 
     runs = list((tmp_path / "outputs" / "runs").iterdir())
     assert len(runs) == 1, runs
     run_dir = runs[0]
-    digests = _digests(run_dir)
+    digests = config_digests(run_dir)
     assert set(digests) == {"train.log", "train_rank1.log"}
     assert len(set(digests.values())) == 1, digests  # the same resolved config on both ranks
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -92,7 +84,7 @@ def test_multirun_with_ddp_keeps_one_sweep_directory(run_cli, tmp_path: Path) ->
     assert not (tmp_path / "outputs" / "runs").exists()
     jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir())
     assert [p.name for p in jobs] == ["0", "1"]
-    digests = [_digests(job) for job in jobs]
+    digests = [config_digests(job) for job in jobs]
     for job, found in zip(jobs, digests, strict=True):
         assert set(found) == {"train.log", "train_rank1.log"}, job
         assert len(set(found.values())) == 1

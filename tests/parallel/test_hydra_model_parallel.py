@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
+
+from _run_logs import config_digests
 
 # A few steps of a small GPT on 2 CPU processes under ModelParallelStrategy, parallelized by callbacks.parallelize.
 MODEL_PARALLEL = [
     "trainer=smoke", "trainer.accelerator=cpu", "trainer.devices=2", "strategy=model_parallel", "trainer.max_steps=6",
     "data.max_chars=100000", "model.n_embd=32", "model.n_head=4",
 ]  # fmt: skip
-
-
-def _digests(run_dir: Path) -> dict[str, str]:
-    found = {}
-    for log_file in sorted(run_dir.glob("*.log")):
-        match = re.search(r"resolved config sha256=([0-9a-f]{64})", log_file.read_text())
-        assert match, f"{log_file} has no config digest"
-        found[log_file.name] = match.group(1)
-    return found
 
 
 def test_model_parallel_two_cpu_processes_share_one_run_directory(run_cli, tmp_path: Path) -> None:
@@ -30,7 +22,7 @@ def test_model_parallel_two_cpu_processes_share_one_run_directory(run_cli, tmp_p
     )
     runs = list((tmp_path / "outputs" / "runs").iterdir())
     assert len(runs) == 1, runs
-    digests = _digests(runs[0])
+    digests = config_digests(runs[0])
     assert set(digests) == {"train.log", "train_rank1.log"}
     assert len(set(digests.values())) == 1, digests
     summary = json.loads((runs[0] / "summary.json").read_text())
@@ -51,7 +43,7 @@ def test_multirun_with_model_parallel_keeps_one_sweep_directory(run_cli, tmp_pat
     jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir())
     assert [p.name for p in jobs] == ["0", "1"]
     for job in jobs:
-        found = _digests(job)
+        found = config_digests(job)
         assert set(found) == {"train.log", "train_rank1.log"}, job
         assert len(set(found.values())) == 1
         assert json.loads((job / "summary.json").read_text())["world_size"] == 2

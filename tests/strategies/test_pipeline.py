@@ -284,6 +284,11 @@ def test_trainer_level_errors() -> None:
         PipelineStrategy(n_microbatches=0)
 
 
+def test_predict_names_the_way_out() -> None:
+    with pytest.raises(NotImplementedError, match=r"does not run `trainer.predict`; consolidate the checkpoint"):
+        PipelineStrategy().predict_step((torch.zeros(2, 8), torch.zeros(2, 8)), 0)
+
+
 def test_config_errors_before_launch(compose_train) -> None:
     cfg = compose_train(["preset=pipeline", "trainer.accelerator=cpu"])
     check_config(cfg)
