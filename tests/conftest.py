@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -54,13 +55,38 @@ def compose_train(tmp_path: Path) -> Iterator:
 
 def _run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
             module: str = "lightning_accel.train") -> subprocess.CompletedProcess[str]:  # fmt: skip
-    """Run `python -m <module> ARGS` (what `accel-train` runs) in `cwd`, capturing output."""
+    """Run `python -m <module> ARGS` (what `accel-train` runs) in `cwd`, capturing output.
+
+    Past `timeout` every process of the run (child ranks and DataLoader workers too) prints its Python stacks
+    (faulthandler, on SIGABRT) and the test fails with them: a hang says where it hung.
+    """
     inherited = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
-    full_env = {**inherited, "PYTHONUNBUFFERED": "1", "ACCEL_LOG_DIR": str(cwd / "outputs"),
-                "XDG_CACHE_HOME": str(cwd / "cache"), **(env or {})}  # DataLoaderTuner's cache: not the user's
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+    full_env = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "ACCEL_LOG_DIR": str(cwd / "outputs"),
+                "XDG_CACHE_HOME": str(cwd / "cache"), **(env or {})}  # DataLoaderTuner's cache: not the user's  # fmt: skip
+    command = [sys.executable, "-m", module, *args]
+    with subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = _stacks_of_hung_run(proc)
+            pytest.fail(f"{' '.join(command[2:])} still ran after {timeout:.0f} s; its stacks:\n{stderr[-12000:]}\n"
+                        f"stdout:\n{stdout[-3000:]}", pytrace=False)  # fmt: skip
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def _stacks_of_hung_run(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """SIGABRT to the run's process group (faulthandler prints every thread's stack), then SIGKILL; its output."""
+    for sig, grace in ((signal.SIGABRT, 20.0), (signal.SIGKILL, 20.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.communicate()
 
 
 @pytest.fixture
