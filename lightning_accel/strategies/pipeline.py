@@ -454,9 +454,18 @@ class PipelineStrategy(_LightningModelParallelStrategy):
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         squares = torch.zeros((), device=self.root_device, dtype=torch.float32)
+        sharded: dict[Any, torch.Tensor] = {}  # FSDP2's gradient shards: summed here, then over their mesh's group
         for grad in grads:
-            local = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-            squares += local.detach().float().pow(2).sum()
+            group = _shard_group(grad)
+            if group is not None:
+                total = sharded.setdefault(group, torch.zeros_like(squares))
+                total += grad.to_local().detach().float().pow(2).sum()
+            else:
+                local = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+                squares += local.detach().float().pow(2).sum()
+        for group, total in sharded.items():
+            dist.all_reduce(total, group=group)
+            squares += total
         dist.all_reduce(squares, group=self.device_mesh["pipeline_parallel"].get_group())
         total = squares.sqrt()
         coefficient = torch.clamp(clip_val / (total + 1e-6), max=1.0)
@@ -533,6 +542,15 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"], options=self._options())
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only or False)
+
+
+def _shard_group(grad: Any) -> Any:
+    """The process group over which a DTensor gradient is sharded (a 1-D mesh, `Shard` placement: FSDP2's); None
+    for a plain or replicated tensor, or a layout whose norm needs the full tensor."""
+    mesh, placements = getattr(grad, "device_mesh", None), getattr(grad, "placements", ())
+    if mesh is None or mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard():
+        return None
+    return mesh.get_group()
 
 
 def check_pipeline_config(strategy: Mapping[str, Any], precision: str, world: int | None) -> None:
