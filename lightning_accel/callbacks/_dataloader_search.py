@@ -207,11 +207,18 @@ class DecisionCache:
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}
-        return data.get("entries", {}) if isinstance(data, dict) else {}
+        entries = data.get("entries") if isinstance(data, dict) else None
+        return entries if isinstance(entries, dict) else {}  # a file of another shape counts as empty
 
     def get(self, key: str) -> dict[str, Any] | None:
         entry = self._entries().get(key)
-        return entry if isinstance(entry, dict) and isinstance(entry.get("settings"), dict) else None
+        if not (isinstance(entry, dict) and isinstance(entry.get("settings"), dict)):
+            return None
+        try:
+            LoaderSettings(**entry["settings"])
+        except TypeError:  # written by another version: a miss, tuned again
+            return None
+        return entry
 
     def put(self, key: str, entry: Mapping[str, Any]) -> None:
         entries = {**self._entries(), key: dict(entry)}

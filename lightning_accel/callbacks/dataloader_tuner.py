@@ -236,7 +236,7 @@ class DataLoaderTuner(Callback):
         if not self.force and self.use_cache and self._state.get("fingerprint") == key:
             known = self._state  # loaded from a checkpoint, or the previous fit of this callback
         elif not self.force and self.use_cache and trainer.is_global_zero:
-            known = search.DecisionCache(self.cache_path).get(key)
+            known = self._cached(key)
         known = strategy.broadcast(known, src=0)
         if known is not None:
             self.cache_hit, self._state = True, dict(known)
@@ -283,11 +283,20 @@ class DataLoaderTuner(Callback):
         if self.use_cache and trainer.is_global_zero:
             try:
                 search.DecisionCache(self.cache_path).put(key, entry)
-            except OSError as err:
+            except Exception as err:  # rank zero alone writes: nothing it raises may part it from the other ranks
                 rank_zero_warn(f"DataLoaderTuner could not write its cache {self.cache_path} ({err}); set "
                                "`cache_dir` to a writable folder.", category=LightningAccelWarning)  # fmt: skip
         self._state = entry
         return LoaderSettings(**entry["settings"])
+
+    def _cached(self, key: str) -> dict[str, Any] | None:
+        """Rank zero's cache lookup; a cache it cannot read is a miss (other ranks wait for it in a broadcast)."""
+        try:
+            return search.DecisionCache(self.cache_path).get(key)
+        except Exception as err:
+            rank_zero_warn(f"DataLoaderTuner could not read its cache {self.cache_path} ({err}); tuning again.",
+                           category=LightningAccelWarning)  # fmt: skip
+            return None
 
     def _report(self, trainer: pl.Trainer, original: LoaderSettings) -> None:
         if not trainer.is_global_zero:

@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset
 
 import lightning_accel.callbacks._dataloader_steps as steps_module
 import lightning_accel.callbacks.dataloader_tuner as tuner_module
-from lightning_accel.callbacks._dataloader_search import choose, memory_note, search, worker_counts
+from lightning_accel.callbacks._dataloader_search import DecisionCache, choose, memory_note, search, worker_counts
 from lightning_accel.callbacks._dataloader_trials import LoaderSettings, Trial
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.errors import LightningAccelWarning
@@ -114,6 +114,33 @@ def test_cache_hit_skips_tuning_and_force_tunes_again(tmp_path: Path, monkeypatc
     forced = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache", force=True)
     cases.fit(data, [forced], str(tmp_path), max_steps=2)
     assert ran and forced.trials and not forced.cache_hit
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"entries": ["a list"]}', "[1, 2]", "not json", '{"entries": {"KEY": {"settings": {"num_threads": 3}}}}'],
+)
+def test_a_cache_of_another_shape_is_a_miss(tmp_path: Path, text: str) -> None:
+    """Rank zero alone reads the cache while the other ranks wait for it: no file it finds may raise there."""
+    cache = tmp_path / "cache" / "dataloader_tuner.json"
+    cache.parent.mkdir()
+    cache.write_text(text)
+    assert DecisionCache(cache).get("KEY") is None
+    tuner = _tuner(steps_per_trial=4, cache_dir=cache.parent)
+    cases.fit(cases.SleepyDataset(200, 0.001), [tuner], str(tmp_path), max_steps=2)
+    assert tuner.trials and not tuner.cache_hit and tuner.decision is not None
+    entries = json.loads(cache.read_text())["entries"]  # rewritten, with the new decision
+    (entry,) = (entry for key, entry in entries.items() if key != "KEY")
+    assert entry["settings"] == tuner.decision.as_dict()
+
+
+def test_an_unreadable_cache_warns_and_tunes(tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    (folder / "dataloader_tuner.json").mkdir(parents=True)  # a folder where the file should be
+    tuner = _tuner(steps_per_trial=4, cache_dir=folder)
+    with pytest.warns(LightningAccelWarning, match="could not write its cache"):
+        cases.fit(cases.SleepyDataset(200, 0.001), [tuner], str(tmp_path), max_steps=2)
+    assert tuner.trials and tuner.decision is not None
 
 
 def test_a_tuned_fit_trains_exactly_like_an_untuned_one(tmp_path: Path) -> None:
