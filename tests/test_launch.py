@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import sys
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+import __main__
 from lightning_accel import launch
 from lightning_accel.launch import child_rank_command, hydra_safe_launch
 
@@ -24,6 +26,7 @@ def test_child_command_is_the_job_in_run_mode(compose_train, monkeypatch, tmp_pa
                                  "hydra/launcher=basic"]  # fmt: skip
     HydraConfig.instance().set_config(cfg)
     monkeypatch.setattr(sys, "argv", ["/bin/app.py", "-m", "seed=1,2", "-cn", "train"])
+    monkeypatch.setattr(__main__, "__spec__", None)  # a script, whether pytest runs as `pytest` or `python -m pytest`
     command, cwd = child_rank_command(local_rank=1)
     assert command[:2] == [sys.executable, "/bin/app.py"]
     assert command[2:] == [
@@ -33,6 +36,14 @@ def test_child_command_is_the_job_in_run_mode(compose_train, monkeypatch, tmp_pa
         f"hydra.run.dir='{tmp_path}'", "hydra.output_subdir=null", "hydra.job.name=train_rank1", "hydra.mode=RUN",
     ]  # fmt: skip
     assert cwd == os.getcwd()
+
+
+def test_child_command_of_a_module_app_runs_the_module(compose_train, monkeypatch) -> None:
+    compose_train(["seed=2"])
+    monkeypatch.setattr(sys, "argv", ["/site/lightning_accel/train.py", "seed=2"])
+    monkeypatch.setattr(__main__, "__spec__", importlib.machinery.ModuleSpec("lightning_accel.train", None))
+    command, _ = child_rank_command(local_rank=1)
+    assert command[:3] == [sys.executable, "-m", "lightning_accel.train"] and "seed=2" in command
 
 
 def test_launch_environment_is_restored_and_lightning_unpatched(monkeypatch) -> None:
