@@ -89,10 +89,12 @@ def loader_settings(loader: DataLoader) -> LoaderSettings:
                           pin_memory=bool(loader.pin_memory), persistent_workers=bool(loader.persistent_workers))
 
 
-def rebuild_loader(loader: DataLoader, settings: LoaderSettings) -> DataLoader:
+def rebuild_loader(loader: DataLoader, settings: LoaderSettings, stall_timeout_s: float = 0.0) -> DataLoader:
     """A new DataLoader over the same dataset, sampler, batching and collation, with `settings`.
 
     The sampler (or batch sampler) object is shared, not copied, so a `DistributedSampler` keeps its rank's shard.
+    `stall_timeout_s`: with workers, the longest wait for one batch when the loader sets no `timeout` itself (a
+    stalled worker raises instead of blocking this rank and, in its collectives, every other); 0: no limit.
 
     Raises:
         TypeError: for a DataLoader subclass or an `IterableDataset`, whose workers each replay the whole stream
@@ -105,7 +107,7 @@ def rebuild_loader(loader: DataLoader, settings: LoaderSettings) -> DataLoader:
     workers = settings.num_workers
     common: dict[str, Any] = {
         "num_workers": workers, "collate_fn": loader.collate_fn, "pin_memory": settings.pin_memory,
-        "timeout": loader.timeout if workers else 0, "worker_init_fn": loader.worker_init_fn,
+        "timeout": (loader.timeout or stall_timeout_s) if workers else 0, "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context if workers else None, "generator": loader.generator,
         "prefetch_factor": (settings.prefetch_factor or 2) if workers else None,
         "persistent_workers": settings.persistent_workers and workers > 0,
@@ -243,7 +245,10 @@ def run_trial(
                 trial.status, trial.note = "time", "out of time"
                 break
     finally:
-        _shutdown(iterator)
+        try:
+            _shutdown(iterator)
+        except Exception as err:  # reported to every rank by the collective below, like a failed step
+            error = error or err
     seconds, wait_s, startup_s, fewest, failed = sync([timed, wait, trial.startup_s, -done, float(error is not None)])
     if failed:
         raise TrialError(f"DataLoader trial {settings} failed: {error!r}" if error else

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +36,10 @@ from lightning_accel.system import read_cpu_budget, read_shm
 __all__ = ["DataLoaderTuner"]
 
 log = logging.getLogger(__name__)
+
+TRIAL_STALL_S = 120.0
+"""The longest a trial waits for one batch from its workers (when the loader sets no `timeout`): a stalled worker
+fails the trial on its rank, and the others learn it at their next collective, instead of waiting forever."""
 
 
 class DataLoaderTuner(Callback):
@@ -164,14 +169,26 @@ class DataLoaderTuner(Callback):
         else:
             try:
                 with frozen_rng(train):
-                    steps.stop_workers(loop)  # the original loader's workers stop during the trials
-                    self.decision = self._decide(trainer, pl_module, train[0], start)
+                    self.decision = self._decide(trainer, pl_module, loop, train[0], start)
+            except TrialError as err:  # raised on every rank at the same point: they go on together
+                self.decision = None
+                rank_zero_warn(f"DataLoaderTuner failed ({err}); training goes on with the DataLoaders as they were.",
+                               category=LightningAccelWarning)  # fmt: skip
+            except Exception as err:
+                if trainer.world_size > 1:  # this rank left the tuner's collectives, the others may wait in one
+                    raise RuntimeError(f"DataLoaderTuner failed on rank {trainer.global_rank} ({type(err).__name__}: "
+                                       f"{err}); the ranks cannot agree on DataLoader settings any more. Remove the "
+                                       "callback (`~callbacks.dataloader_tuner`) to train without it.") from err
+                self.decision = None
+                rank_zero_warn(f"DataLoaderTuner failed ({type(err).__name__}: {err}); training goes on with the "
+                               "DataLoaders as they were.", category=LightningAccelWarning)  # fmt: skip
+            try:  # after the last collective: a failure here keeps this rank's loaders, the others go on
                 if self.decision is not None:
                     final = [steps.rebuilt(dl, self.decision) for dl in train]
             except Exception as err:
                 self.decision = None
-                rank_zero_warn(f"DataLoaderTuner failed ({type(err).__name__}: {err}); training goes on with the "
-                               "DataLoaders as they were.", category=LightningAccelWarning)  # fmt: skip
+                warnings.warn(f"DataLoaderTuner could not rebuild the DataLoaders ({type(err).__name__}: {err}); "
+                              "this rank trains with them as they were.", LightningAccelWarning, stacklevel=2)
         self.tuning_time_s = time.perf_counter() - start
         if not train:
             return
@@ -214,14 +231,15 @@ class DataLoaderTuner(Callback):
         if self.decision is not None and not all(steps.is_tuned(dl) for dl in loaders):
             steps.swap_loaders(loop, [steps.rebuilt(dl, self.decision) for dl in loaders], reiterate=reiterate)
 
-    def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: Any, start: float
+    def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: Any, loader: Any, start: float
                 ) -> LoaderSettings | None:  # fmt: skip
         """Rank zero's decision, from the checkpoint, the cache or trials, on every rank; its entry in `_state`."""
         strategy = trainer.strategy
         sync = steps.rank_sync(strategy.root_device)
         batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
         local_error: Exception | None = None
-        try:  # what each rank reads by itself; a failure on one rank must stop all of them before a collective
+        try:  # what each rank does by itself; a failure on one rank must stop all of them before a collective
+            steps.stop_workers(loop)  # the original loader's workers stop during the trials
             budget = max(1, read_cpu_budget().effective // max(1, trainer.num_devices))
             facts = {**steps.facts(trainer, loader, batch_size, budget), "tuner": self._search_settings()}
             key = search.fingerprint(facts)
@@ -261,7 +279,8 @@ class DataLoaderTuner(Callback):
 
         def measure(settings: LoaderSettings, cut: float | None) -> Trial:
             warmup, window = trial_window(settings.num_workers, self.warmup_steps, self.steps_per_trial, length)
-            return run_trial(lambda s: rebuild_loader(loader, replace(s, persistent_workers=False)), step, settings,
+            return run_trial(lambda s: rebuild_loader(loader, replace(s, persistent_workers=False),
+                                                      stall_timeout_s=TRIAL_STALL_S), step, settings,
                              warmup=warmup, steps=window, samples_per_batch=batch_size, cut_s_per_step=cut,
                              deadline=deadline, sync=sync)  # fmt: skip
 

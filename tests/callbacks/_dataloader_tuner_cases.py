@@ -194,8 +194,28 @@ def _ddp_main(out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 
+def _ddp_diverge(out: Path) -> None:
+    """Rank 1 alone fails where no collective reports it (its choice raises): it must stop the run, not hang it."""
+    import lightning_accel.callbacks._dataloader_search as search
+
+    rank, choose = int(os.environ["RANK"]), search.choose
+
+    def choose_or_fail(*args: Any, **kwargs: Any) -> Any:
+        if rank == 1:
+            raise KeyError("injected on rank 1")
+        return choose(*args, **kwargs)
+
+    search.choose = choose_or_fail
+    tuner = DataLoaderTuner(max_tuning_time_s=20, steps_per_trial=4, use_cache=False)
+    fitter = trainer([tuner], str(out / "run"), max_steps=2, strategy="ddp", devices=2)
+    fitter.fit(Regression(), DataLoader(SleepyDataset(200), batch_size=8))
+
+
 if __name__ == "__main__":
-    _ddp_main(Path(sys.argv[1]))
+    if sys.argv[2:] == ["diverge"]:
+        _ddp_diverge(Path(sys.argv[1]))
+    else:
+        _ddp_main(Path(sys.argv[1]))
     if torch.distributed.is_initialized():  # an orderly end: a group torn down at interpreter exit can abort a rank
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from torch.utils.data import IterableDataset
 import lightning_accel.callbacks._dataloader_steps as steps_module
 import lightning_accel.callbacks.dataloader_tuner as tuner_module
 from lightning_accel.callbacks._dataloader_search import DecisionCache, choose, memory_note, search, worker_counts
-from lightning_accel.callbacks._dataloader_trials import LoaderSettings, Trial
+from lightning_accel.callbacks._dataloader_trials import LoaderSettings, Trial, TrialError, rebuild_loader, run_trial
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.errors import LightningAccelWarning
 from lightning_accel.system import ShmInfo
@@ -359,12 +360,17 @@ def test_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
         DataLoaderTuner(**kwargs)
 
 
-def test_two_ddp_processes_agree(tmp_path: Path) -> None:
+def _torchrun_cases(*args: str) -> subprocess.CompletedProcess[str]:
+    """`_dataloader_tuner_cases.py ARGS` on 2 CPU processes under torchrun."""
     script = Path(cases.__file__)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
-    proc = subprocess.run([*command, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*command, *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_two_ddp_processes_agree(tmp_path: Path) -> None:
+    proc = _torchrun_cases(str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
     tuned, cached = rank0
@@ -378,3 +384,65 @@ def test_two_ddp_processes_agree(tmp_path: Path) -> None:
         assert first["global_step"] == second["global_step"] == 5
     assert rank0[0]["weight"] == rank1[0]["weight"] and rank0[1]["weight"] == rank1[1]["weight"]
     assert cached["decision"] == tuned["decision"]
+
+
+def test_a_failure_on_one_ddp_rank_stops_the_run_instead_of_hanging_it(tmp_path: Path) -> None:
+    """Rank 1 fails between the tuner's collectives while rank 0 waits in one: the run ends, naming the rank."""
+    proc = _torchrun_cases(str(tmp_path), "diverge")  # a hang would hit the 300 s timeout
+    assert proc.returncode != 0
+    assert "DataLoaderTuner failed on rank 1 (KeyError" in proc.stderr, proc.stderr[-4000:]
+
+
+class _StallsAt(torch.utils.data.Dataset):
+    """Item `stall` never comes (a worker stuck on a dead mount, say)."""
+
+    def __init__(self, stall: int) -> None:
+        self.stall = stall
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.stall:
+            time.sleep(3600)
+        return torch.zeros(2)
+
+
+def test_a_stalled_worker_fails_its_trial_instead_of_blocking_it() -> None:
+    loader = torch.utils.data.DataLoader(_StallsAt(stall=8), batch_size=4)
+    assert rebuild_loader(loader, LoaderSettings(num_workers=1), stall_timeout_s=2).timeout == 2
+    assert rebuild_loader(loader, LoaderSettings(), stall_timeout_s=2).timeout == 0  # no workers: no timeout
+    started = time.perf_counter()
+    with pytest.raises(TrialError, match="timed out"):
+        run_trial(lambda s: rebuild_loader(loader, s, stall_timeout_s=1.5), lambda batch, index: None,
+                  LoaderSettings(num_workers=1, prefetch_factor=2), warmup=1, steps=8, samples_per_batch=4)  # fmt: skip
+    assert time.perf_counter() - started < 30
+
+
+def test_a_failing_worker_shutdown_fails_the_trial_on_every_rank() -> None:
+    """The shutdown runs after the trial's last step check: its failure must still reach the final collective."""
+
+    class Iterator:
+        def __init__(self) -> None:
+            self.batches = iter([torch.zeros(1)] * 8)
+
+        def __next__(self) -> torch.Tensor:
+            return next(self.batches)
+
+        def _shutdown_workers(self) -> None:
+            raise OSError("a worker would not stop")
+
+    class Loader:
+        def __iter__(self) -> Iterator:
+            return Iterator()
+
+    reports: list[list[float]] = []
+
+    def sync(values: Any) -> list[float]:
+        reports.append(list(values))
+        return list(values)
+
+    with pytest.raises(TrialError, match="a worker would not stop"):
+        run_trial(lambda s: Loader(), lambda batch, index: None, LoaderSettings(), warmup=1, steps=4,
+                  samples_per_batch=1, sync=sync)  # fmt: skip
+    assert reports[-1][-1] == 1.0  # the last collective carried the failure
