@@ -57,8 +57,10 @@ class DataLoaderTuner(Callback):
     memory cgroup are skipped; a trial already slower than the best by more than `tolerance` is cut short. The choice is
     the fewest workers within `tolerance` of the fastest, with `persistent_workers=True` whenever it has workers (a
     loader that is not persistent pays the table's startup time again every epoch). The Trainer's train and validation
-    DataLoaders are replaced by ones built with the choice; the user's code does not change. If tuning fails, the
-    loaders stay as they were and the fit goes on.
+    DataLoaders are replaced by ones built with the choice; the user's code does not change. If tuning fails (a
+    trial, a reading, on any rank), the loaders stay as they were and the fit goes on; under DDP, a failure of one
+    rank that the others cannot learn of in a collective stops the run with an error naming the rank, rather than
+    leaving them waiting.
 
     Under DDP every rank runs the same trial at the same time (its workers compete for the node's CPUs as they
     will), on the module itself, past the DDP wrapper (no gradient all-reduce is timed); the slowest rank's time
