@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +13,7 @@ from typing import Any
 import _dataloader_tuner_cases as cases
 import pytest
 import torch
+from _torchrun import torchrun
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import IterableDataset
 
@@ -362,11 +361,7 @@ def test_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
 
 def _torchrun_cases(*args: str) -> subprocess.CompletedProcess[str]:
     """`_dataloader_tuner_cases.py ARGS` on 2 CPU processes under torchrun."""
-    script = Path(cases.__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
-    return subprocess.run([*command, *args], env=env, capture_output=True, text=True, timeout=300)
+    return torchrun(cases.__file__, *args, env={"OMP_NUM_THREADS": "1"}, timeout=300)
 
 
 def test_two_ddp_processes_agree(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from _byte_data import byte_sequences
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_accel import examples, schedules
@@ -52,15 +53,7 @@ TP_PLAN = {  # the plan conf/model/gpt.yaml carries
 
 
 def dataset() -> TensorDataset:
-    """Learnable byte sequences: each token follows from the previous one by a fixed rule, with 10% noise."""
-    gen = torch.Generator().manual_seed(SEED)
-    n = GLOBAL_BATCH * BATCHES_PER_EPOCH
-    tokens = torch.empty(n, BLOCK_SIZE + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, 64, (n,), generator=gen)
-    for t in range(1, BLOCK_SIZE + 1):
-        noise = torch.rand(n, generator=gen) < 0.1
-        tokens[:, t] = torch.where(noise, torch.randint(0, 64, (n,), generator=gen), (tokens[:, t - 1] * 5 + 3) % 64)
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return byte_sequences(GLOBAL_BATCH * BATCHES_PER_EPOCH, BLOCK_SIZE, SEED)
 
 
 def make_model() -> GPTLanguageModel:

@@ -3,15 +3,12 @@ checkpoints resume the same loss curve, and the micro-batch sync switch cuts red
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import _model_parallel_cases as cases
 import pytest
+from _torchrun import rank_results
 
 STEPS = cases.EPOCHS * cases.BATCHES_PER_EPOCH
 N_PARAMS = 37  # tensors in GPT-tiny (2 blocks): every one a DTensor once parallelized
@@ -24,12 +21,7 @@ def reference() -> tuple[list[float], int]:
 
 
 def _torchrun(out: Path, ranks: int, *args: str) -> list[dict[str, Any]]:
-    script = Path(cases.__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)]
-    proc = subprocess.run([*command, str(out), *args], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+    return rank_results(cases.__file__, out, *args, ranks=ranks)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _byte_data import byte_sequences
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_accel import examples, schedules
@@ -46,14 +47,7 @@ CLIP = 0.5  # active on most steps, so the norm must be the one over all stages
 
 
 def dataset(n: int, seed: int = SEED) -> TensorDataset:
-    """Learnable byte sequences: each token follows from the previous one by a fixed rule, with 10% noise."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.empty(n, BLOCK_SIZE + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, 64, (n,), generator=gen)
-    for t in range(1, BLOCK_SIZE + 1):
-        noise = torch.rand(n, generator=gen) < 0.1
-        tokens[:, t] = torch.where(noise, torch.randint(0, 64, (n,), generator=gen), (tokens[:, t - 1] * 5 + 3) % 64)
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return byte_sequences(n, BLOCK_SIZE, seed)
 
 
 def train_set() -> TensorDataset:

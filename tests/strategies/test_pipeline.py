@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import types
 import warnings
 from pathlib import Path
@@ -18,6 +15,7 @@ from typing import Any
 import _pipeline_cases as cases
 import pytest
 import torch
+from _torchrun import rank_results
 
 from lightning_accel import examples
 from lightning_accel.errors import ConfigError, LightningAccelWarning
@@ -44,13 +42,7 @@ def reference() -> dict[str, Any]:
 
 
 def _torchrun(out: Path, ranks: int, *names: str) -> list[dict[str, Any]]:
-    script = Path(cases.__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)]
-    proc = subprocess.run([*command, str(out), *names], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+    return rank_results(cases.__file__, out, *names, ranks=ranks, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
