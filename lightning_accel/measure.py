@@ -1,0 +1,383 @@
+"""Repeated, interleaved measurement: medians with intervals, "no clear difference", and interference checks.
+
+Every figure that steers a decision (accel-bench's speedups, the DataLoaderTuner's choice) goes through here, so
+they share one method (STYLE habit 15, after hyperfine and criterion.rs):
+
+- Compare things **interleaved**, round by round (A B C, A B C, ...), never all repeats of one in a row, so a burst
+  of load or a warming machine touches every candidate alike (`interleaved`).
+- Report the **median with an interval** (`summarize`): for up to `BOOTSTRAP_MIN - 1` values the interval is their
+  range (min-max: with 2-5 values nothing finer is honest); from `BOOTSTRAP_MIN` on, a 95% percentile bootstrap of
+  the median (fixed seed: the same values give the same interval).
+- A **ratio** (a speedup) pairs the values of the same round (`ratio`): both sides of a pair ran under the same
+  conditions, so a slow round slows both. Its interval follows the same rule.
+- When an interval holds 1.0 (`verdict`), there is **no clear difference**: say so instead of printing a win.
+- **Interference** is measured, not assumed (`InterferenceProbe`): the CPU time that processes other than ours took
+  from the CPUs we may run on (`/proc/stat` minus our process tree's own time), steal time, the load average at the
+  start and the end, and on CUDA other processes on the GPUs. A measurement taken while others held more than
+  `threshold` of our CPUs is flagged with the reason.
+
+No Lightning imports: the tuners, accel-bench and accel-tune all use it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, TypeVar
+
+__all__ = [
+    "BOOTSTRAP_MIN", "INTERFERENCE_THRESHOLD", "STEAL_THRESHOLD", "Interference", "InterferenceProbe", "Interval",
+    "Verdict", "interleaved", "nvml_compute_pids", "ratio", "read_cpu_jiffies", "summarize", "verdict",
+]  # fmt: skip
+
+BOOTSTRAP_MIN = 6
+"""From this many values on, intervals are a 95% bootstrap of the median; below it, the values' range."""
+INTERFERENCE_THRESHOLD = 0.10
+"""A measurement is flagged when other processes took more than this share of the CPUs we may run on ..."""
+MIN_OTHER_CPUS = 0.2
+"""... and at least this many CPUs' worth (jiffy rounding on a short window stays under it)."""
+STEAL_THRESHOLD = 0.05
+"""... or when the hypervisor stole more than this share of our CPUs' time."""
+
+Verdict = Literal["faster", "slower", "no clear difference"]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """A median and the interval around it, from `n` values."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+    method: str
+    """`single` (one value: no spread known), `min-max`, or `bootstrap 95%`."""
+
+    def contains(self, value: float) -> bool:
+        return self.low <= value <= self.high
+
+    @property
+    def relative_width(self) -> float:
+        """(high - low) / |median|: 0.1 means the values spread over 10% of the median; inf for a median of 0."""
+        return (self.high - self.low) / abs(self.median) if self.median else math.inf
+
+    def format(self, spec: str = ".2f", unit: str = "") -> str:
+        """`1.43x [1.38, 1.50]`-style text: the median, then the interval (none for a single value)."""
+        if self.n < 2:
+            return f"{self.median:{spec}}{unit}"
+        return f"{self.median:{spec}}{unit} [{self.low:{spec}}, {self.high:{spec}}]"
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {"median": self.median, "low": self.low, "high": self.high, "n": self.n, "method": self.method}
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def summarize(values: Iterable[float], *, confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> Interval:
+    """The median of `values` and its interval (min-max below `BOOTSTRAP_MIN` values, else a percentile bootstrap).
+
+    Raises:
+        ValueError: for no finite value, or a `confidence` outside (0, 1).
+    """
+    finite = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        raise ValueError("`values` holds no finite number to summarize.")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"`confidence={confidence!r}` must be within (0, 1), e.g. 0.95.")
+    median = _median(finite)
+    if len(finite) == 1:
+        return Interval(median, median, median, 1, "single")
+    if len(finite) < BOOTSTRAP_MIN:
+        return Interval(median, min(finite), max(finite), len(finite), "min-max")
+    rng = random.Random(seed)
+    medians = sorted(_median(rng.choices(finite, k=len(finite))) for _ in range(resamples))
+    tail = (1.0 - confidence) / 2
+    low = medians[int(math.floor(tail * (resamples - 1)))]
+    high = medians[int(math.ceil((1.0 - tail) * (resamples - 1)))]
+    return Interval(median, min(low, median), max(high, median), len(finite), f"bootstrap {confidence:.0%}")
+
+
+def ratio(numerators: Sequence[float | None], denominators: Sequence[float | None], **kwargs: float) -> Interval:
+    """The interval of `numerator / denominator` (a speedup: reference time over stage time).
+
+    Values at the same index were measured in the same round and are paired; a round where either is missing (None,
+    not finite, or a zero denominator) is left out. Without a full pair, every numerator over every denominator is
+    summarized (unpaired). Keyword arguments go to `summarize`.
+
+    Raises:
+        ValueError: when no ratio can be formed.
+    """
+    pairs = [(a, b) for a, b in zip(numerators, denominators, strict=False) if _usable(a) and _usable(b) and b]
+    if pairs:
+        return summarize([a / b for a, b in pairs], **kwargs)  # type: ignore[operator]
+    tops = [a for a in numerators if _usable(a)]
+    bottoms = [b for b in denominators if _usable(b) and b]
+    return summarize([a / b for a in tops for b in bottoms], **kwargs)  # type: ignore[operator]
+
+
+def _usable(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def verdict(interval: Interval, reference: float = 1.0) -> Verdict:
+    """`faster` when the whole interval lies above `reference`, `slower` when below, else `no clear difference`.
+
+    A single value (no spread known) is read as it is.
+    """
+    if interval.low > reference:
+        return "faster"
+    if interval.high < reference:
+        return "slower"
+    return "no clear difference"
+
+
+def interleaved(items: Sequence[T], repeats: int) -> Iterator[tuple[int, T]]:
+    """(round, item) in the order to measure them: every item once per round, `repeats` rounds (A B, A B, ...).
+
+    Raises:
+        ValueError: for `repeats < 1`.
+    """
+    if repeats < 1:
+        raise ValueError(f"`repeats={repeats!r}` must be >= 1.")
+    for round_index in range(repeats):
+        for item in items:
+            yield round_index, item
+
+
+# --- interference -------------------------------------------------------------------------------------------------
+
+
+def _allowed_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS, Windows
+        return None
+
+
+def read_cpu_jiffies(root: str | os.PathLike[str] = "/", cpus: Iterable[int] | None = None) -> tuple[int, int] | None:
+    """(busy, steal) clock ticks summed over `cpus` (the per-CPU lines of `/proc/stat`; all CPUs when None), or None
+    when the file cannot be read. Busy is user + nice + system + irq + softirq (guest time is within user)."""
+    try:
+        text = (Path(root) / "proc" / "stat").read_text()
+    except OSError:
+        return None
+    wanted = None if cpus is None else {f"cpu{c}" for c in cpus}
+    busy = steal = 0
+    found = False
+    for line in text.splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or (wanted is not None and name not in wanted):
+            continue
+        values = [int(v) for v in fields[:8]] + [0] * max(0, 8 - len(fields))
+        user, nice, system, _idle, _iowait, irq, softirq, stolen = values[:8]
+        busy, steal, found = busy + user + nice + system + irq + softirq, steal + stolen, True
+    return (busy, steal) if found else None
+
+
+def _family_cpu_s(extra_pids: Iterable[int]) -> float:
+    """CPU seconds of this process, the given processes and all their descendants, each with the CPU time of the
+    children it has reaped: a process that ends within a window moves its time into its reaper's, so the sum's
+    change over the window counts every second of ours once."""
+    import psutil
+
+    roots = [os.getpid(), *extra_pids]
+    seen: set[int] = set()
+    total = 0.0
+    for pid in roots:
+        try:
+            proc = psutil.Process(pid)
+            family = [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for member in family:
+            if member.pid in seen:
+                continue
+            seen.add(member.pid)
+            try:
+                t = member.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+    return total
+
+
+def _family_pids(extra_pids: Iterable[int]) -> set[int]:
+    import psutil
+
+    pids = {os.getpid(), *extra_pids}
+    for pid in list(pids):
+        try:
+            pids.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            continue
+    return pids
+
+
+def _load_1m() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Interference:
+    """What else ran on the machine during one measurement window."""
+
+    wall_s: float
+    cpus: int
+    """CPUs this process may run on (its affinity)."""
+    other_cpu_s: float | None
+    """CPU seconds other processes took on those CPUs; None when `/proc/stat` is unreadable."""
+    own_cpu_s: float
+    steal_s: float | None
+    load_start: float | None
+    load_end: float | None
+    gpu_processes: tuple[int, ...] = ()
+    """PIDs of other processes on the GPUs (NVML), as far as this process can see them."""
+    flagged: bool = False
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def other_cpus(self) -> float | None:
+        """Other processes' CPU use, in CPUs (1.0 = one CPU kept busy the whole window)."""
+        return None if self.other_cpu_s is None or self.wall_s <= 0 else self.other_cpu_s / self.wall_s
+
+    def describe(self) -> str:
+        """One line: the flag's reasons, or what was seen on a quiet window."""
+        if self.flagged:
+            return "; ".join(self.reasons)
+        if self.other_cpus is None:
+            return "interference not measured (/proc/stat unreadable)"
+        return f"quiet: others used {self.other_cpus:.2f} of {self.cpus} CPU(s)"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"wall_s": self.wall_s, "cpus": self.cpus, "other_cpu_s": self.other_cpu_s, "other_cpus":
+                self.other_cpus, "own_cpu_s": self.own_cpu_s, "steal_s": self.steal_s, "load_start": self.load_start,
+                "load_end": self.load_end, "gpu_processes": list(self.gpu_processes), "flagged": self.flagged,
+                "reasons": list(self.reasons)}  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class InterferenceProbe:
+    """Measures the interference over a window: `start()`, the measured work, `stop()`.
+
+    Ours is this process, `pids` (other ranks, a stage's process) and all their descendants, dead or alive; others are
+    everything else on the CPUs this process may run on. Use as a context manager (`with probe: ...`, then
+    `probe.result`) or call `start`/`stop`.
+
+    Args:
+        pids: more processes of ours (their descendants count too), read at start and at stop.
+        threshold: flag when others took more than this share of our CPUs (and at least `MIN_OTHER_CPUS`).
+        steal_threshold: flag when steal time exceeds this share of our CPUs' time.
+        gpu_pids: returns the PIDs on the GPUs we use (None when unknown); any one not ours that this process can see
+            flags the window.
+        root: where `/proc` is read (tests hand in a fake tree).
+        clock: the wall clock.
+    """
+
+    pids: Callable[[], Iterable[int]] = tuple
+    threshold: float = INTERFERENCE_THRESHOLD
+    steal_threshold: float = STEAL_THRESHOLD
+    gpu_pids: Callable[[], Iterable[int] | None] | None = None
+    root: str | os.PathLike[str] = "/"
+    clock: Callable[[], float] = time.perf_counter
+    result: Interference | None = field(default=None, init=False)
+    _start: tuple[float, tuple[int, int] | None, float, float | None] | None = field(default=None, init=False)
+    _gpu_seen: set[int] = field(default_factory=set, init=False)
+
+    def _cpus(self) -> set[int] | None:
+        return _allowed_cpus()
+
+    def start(self) -> None:
+        self.result = None
+        self._gpu_seen = set(self._gpu_others())
+        cpus = self._cpus()
+        self._start = (self.clock(), read_cpu_jiffies(self.root, cpus), _family_cpu_s(self.pids()), _load_1m())
+
+    def stop(self) -> Interference:
+        assert self._start is not None, "InterferenceProbe.stop() before start()"
+        own_end, jiffies_end, end = _family_cpu_s(self.pids()), read_cpu_jiffies(self.root, self._cpus()), self.clock()
+        started, jiffies_start, own_start, load_start = self._start
+        wall, own = max(0.0, end - started), max(0.0, own_end - own_start)
+        cpus = len(self._cpus() or ()) or (os.cpu_count() or 1)
+        other = steal = None
+        if jiffies_start is not None and jiffies_end is not None:
+            tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+            busy = (jiffies_end[0] - jiffies_start[0]) / tick
+            other, steal = max(0.0, busy - own), max(0.0, (jiffies_end[1] - jiffies_start[1]) / tick)
+        gpu = tuple(sorted(self._gpu_seen | set(self._gpu_others())))
+        reasons = []
+        if other is not None and wall > 0 and other / wall > max(MIN_OTHER_CPUS, self.threshold * cpus):
+            reasons.append(f"other processes used {other / wall:.2f} of {cpus} CPU(s) ({other / wall / cpus:.0%})")
+        if steal is not None and wall > 0 and steal / (wall * cpus) > self.steal_threshold:
+            reasons.append(f"the hypervisor stole {steal / (wall * cpus):.0%} of the CPU time")
+        if gpu:
+            reasons.append(f"{len(gpu)} other process(es) on the GPU (pid {', '.join(map(str, gpu[:5]))})")
+        self.result = Interference(wall_s=wall, cpus=cpus, other_cpu_s=other, own_cpu_s=own, steal_s=steal,
+                                   load_start=load_start, load_end=_load_1m(), gpu_processes=gpu,
+                                   flagged=bool(reasons), reasons=tuple(reasons))  # fmt: skip
+        self._start = None
+        return self.result
+
+    def _gpu_others(self) -> list[int]:
+        if self.gpu_pids is None:
+            return []
+        try:
+            found = self.gpu_pids()
+        except Exception:  # monitoring never stops the measurement
+            return []
+        if not found:
+            return []
+        import psutil
+
+        ours = _family_pids(self.pids())
+        # NVML reports PIDs of the host's namespace: one this process cannot see is not taken for another's
+        return [pid for pid in found if pid not in ours and psutil.pid_exists(pid)]
+
+    def __enter__(self) -> InterferenceProbe:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def nvml_compute_pids(indices: Iterable[int] | None = None) -> set[int] | None:
+    """PIDs of the compute processes NVML lists on the GPUs at `indices` (all when None); None when NVML cannot say.
+
+    For `InterferenceProbe(gpu_pids=...)`; initialises and shuts down NVML around the call.
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        pids: set[int] = set()
+        for index in range(count) if indices is None else indices:
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                pids.update(int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+            except Exception:  # a device this process may not open, or an old driver: not known
+                continue
+        return pids
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
