@@ -17,9 +17,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.callbacks import _dataloader_search as search
-from lightning_accel.callbacks import _dataloader_steps as steps
-from lightning_accel.callbacks._dataloader_trials import (
+from lightning_accel.errors import LightningAccelWarning
+from lightning_accel.system import read_cpu_budget, read_shm
+from lightning_accel.tuning.dataloader import cache, policy, report
+from lightning_accel.tuning.dataloader import loop as loop_internals
+from lightning_accel.tuning.dataloader.decision import TunerDecision
+from lightning_accel.tuning.dataloader.timing import (
     LoaderSettings,
     Trial,
     TrialError,
@@ -30,8 +33,6 @@ from lightning_accel.callbacks._dataloader_trials import (
     run_trial,
     trial_window,
 )
-from lightning_accel.errors import LightningAccelWarning
-from lightning_accel.system import read_cpu_budget, read_shm
 
 __all__ = ["DataLoaderTuner"]
 
@@ -144,8 +145,11 @@ class DataLoaderTuner(Callback):
         """The settings applied in the last fit; None when the loaders were left alone."""
         self.tuning_time_s, self.cache_hit = 0.0, False
         self.step_mode = ""
-        """What a trial step ran: "train", "forward" or "data" (see `_dataloader_steps.make_step`)."""
+        """What a trial step ran: "train", "forward" or "data" (see `tuning.dataloader.loop.make_step`)."""
+        self.result: TunerDecision | None = None
+        """The last fit's decision (settings, measured throughput and data wait, whether it was cached)."""
         self._state: dict[str, Any] = {}
+        """The decision as plain types: loaded from a checkpoint, or the last fit's; validated before it is used."""
 
     def _search_settings(self) -> dict[str, Any]:
         """The options that change what the search can find: part of the cache's fingerprint."""
@@ -154,18 +158,18 @@ class DataLoaderTuner(Callback):
 
     @property
     def cache_path(self) -> Path:
-        return Path(self.cache_dir or search.default_cache_dir()) / "dataloader_tuner.json"
+        return Path(self.cache_dir or cache.default_cache_dir()) / "dataloader_tuner.json"
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.trials, self.decision, self.tuning_time_s, self.cache_hit = [], None, 0.0, False
+        self.trials, self.decision, self.result, self.tuning_time_s, self.cache_hit = [], None, None, 0.0, False
         loop, start = trainer.fit_loop, time.perf_counter()
         early = loop._combined_loader is not None  # set up by another callback: its RNG draws are done
         with frozen_rng():  # the fit loop's own call finds the loaders set up; their iterator is recreated below
             loop.setup_data()
         train = list(loop._combined_loader.flattened) if loop._combined_loader is not None else []
-        reason, final = steps.untunable(trainer, train), train
-        if steps.rank_sync(trainer.strategy.root_device)([float(bool(reason))])[0]:
+        reason, final = loop_internals.untunable(trainer, train), train
+        if loop_internals.rank_sync(trainer.strategy.root_device)([float(bool(reason))])[0]:
             rank_zero_warn(f"DataLoaderTuner left the DataLoaders alone: {reason or 'not tunable on another rank'}.",
                            category=LightningAccelWarning)  # fmt: skip
         else:
@@ -186,7 +190,7 @@ class DataLoaderTuner(Callback):
                                "DataLoaders as they were.", category=LightningAccelWarning)  # fmt: skip
             try:  # after the last collective: a failure here keeps this rank's loaders, the others go on
                 if self.decision is not None:
-                    final = [steps.rebuilt(dl, self.decision) for dl in train]
+                    final = [loop_internals.rebuilt(dl, self.decision) for dl in train]
             except Exception as err:
                 self.decision = None
                 warnings.warn(f"DataLoaderTuner could not rebuild the DataLoaders ({type(err).__name__}: {err}); "
@@ -195,14 +199,14 @@ class DataLoaderTuner(Callback):
         if not train:
             return
         try:  # an iterator over the chosen loaders, drawing from the RNGs where the fit loop would have
-            steps.swap_loaders(loop, final, reiterate=True, frozen=early)
+            loop_internals.swap_loaders(loop, final, reiterate=True, frozen=early)
         except Exception as err:
             if final is train:
                 raise
             self.decision = None
             rank_zero_warn(f"DataLoaderTuner could not start the chosen DataLoader ({type(err).__name__}: {err}); "
                            "training goes on with the DataLoaders as they were.", category=LightningAccelWarning)
-            steps.swap_loaders(loop, train, reiterate=True, frozen=early)
+            loop_internals.swap_loaders(loop, train, reiterate=True, frozen=early)
         if self.decision is not None:
             self._report(trainer, loader_settings(train[0]))
 
@@ -230,37 +234,38 @@ class DataLoaderTuner(Callback):
 
     def _reapply(self, loop: Any, reiterate: bool) -> None:
         loaders = [] if loop._combined_loader is None else loop._combined_loader.flattened
-        if self.decision is not None and not all(steps.is_tuned(dl) for dl in loaders):
-            steps.swap_loaders(loop, [steps.rebuilt(dl, self.decision) for dl in loaders], reiterate=reiterate)
+        if self.decision is not None and not all(loop_internals.is_tuned(dl) for dl in loaders):
+            rebuilt = [loop_internals.rebuilt(dl, self.decision) for dl in loaders]
+            loop_internals.swap_loaders(loop, rebuilt, reiterate=reiterate)
 
     def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: Any, loader: Any, start: float
                 ) -> LoaderSettings | None:  # fmt: skip
-        """Rank zero's decision, from the checkpoint, the cache or trials, on every rank; its entry in `_state`."""
+        """Rank zero's decision, from the checkpoint, the cache or trials, on every rank, in `result` and `_state`."""
         strategy = trainer.strategy
-        sync = steps.rank_sync(strategy.root_device)
+        sync = loop_internals.rank_sync(strategy.root_device)
         batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
         local_error: Exception | None = None
         try:  # what each rank does by itself; a failure on one rank must stop all of them before a collective
-            steps.stop_workers(loop)  # the original loader's workers stop during the trials
+            loop_internals.stop_workers(loop)  # the original loader's workers stop during the trials
             budget = max(1, read_cpu_budget().effective // max(1, trainer.num_devices))
-            facts = {**steps.facts(trainer, loader, batch_size, budget), "tuner": self._search_settings()}
-            key = search.fingerprint(facts)
-            shm, memory = read_shm(), steps.memory_free(trainer.num_devices)
-            step, self.step_mode = steps.make_step(trainer, pl_module)
+            facts = {**loop_internals.facts(trainer, loader, batch_size, budget), "tuner": self._search_settings()}
+            key = cache.fingerprint(facts)
+            shm, memory = read_shm(), loop_internals.memory_free(trainer.num_devices)
+            step, self.step_mode = loop_internals.make_step(trainer, pl_module)
         except Exception as err:
             local_error = err
         if sync([float(local_error is not None)])[0]:
             raise TrialError(f"reading this rank's facts failed: {local_error!r}" if local_error else
                              "reading its facts failed on another rank") from local_error  # fmt: skip
-        known = None
-        if not self.force and self.use_cache and self._state.get("fingerprint") == key:
-            known = self._state  # loaded from a checkpoint, or the previous fit of this callback
-        elif not self.force and self.use_cache and trainer.is_global_zero:
-            known = self._cached(key)
+        known, bound = None, max(budget, self.max_workers or 4 * budget)  # the most workers a search tries
+        if not self.force and self.use_cache:  # loaded from a checkpoint, or the previous fit of this callback
+            known = TunerDecision.from_dict(self._state, fingerprint=key, max_workers=bound)
+            if known is None and trainer.is_global_zero:
+                known = self._cached(key, bound)
         known = strategy.broadcast(known, src=0)
         if known is not None:
-            self.cache_hit, self._state = True, dict(known)
-            return LoaderSettings(**known["settings"])
+            self.cache_hit, self.result, self._state = True, known, known.as_dict()
+            return known.settings
         probe, error = None, None
         try:  # one batch, for its size in bytes; a failure on any rank stops every rank here
             probe = next(iter(rebuild_loader(loader, LoaderSettings())))
@@ -269,7 +274,7 @@ class DataLoaderTuner(Callback):
         if sync([float(error is not None)])[0]:
             raise TrialError(f"the first batch failed: {error!r}" if error else "the first batch failed on another "
                              "rank") from error  # fmt: skip
-        batch_size, batch_bytes = batch_size or steps.batch_size_of(probe), batch_nbytes(probe)
+        batch_size, batch_bytes = batch_size or loop_internals.batch_size_of(probe), batch_nbytes(probe)
         original = loader_settings(loader)  # as a trial runs it: persistence only matters between epochs
         original = replace(original, persistent_workers=original.num_workers > 0)
         shared = (budget, original, None if shm is None else shm.free_bytes // trainer.num_devices, memory)
@@ -286,34 +291,34 @@ class DataLoaderTuner(Callback):
                              warmup=warmup, steps=window, samples_per_batch=batch_size, cut_s_per_step=cut,
                              deadline=deadline, sync=sync)  # fmt: skip
 
-        with steps.untouched(pl_module):
-            self.trials = search.search(
+        with loop_internals.untouched(pl_module):
+            self.trials = policy.search(
                 measure, budget=budget, max_workers=self.max_workers or 4 * budget,
                 prefetch_factors=self.prefetch_factors, original=original, tolerance=self.tolerance,
                 pin_memory=self.tune_pin_memory and isinstance(trainer.accelerator, CUDAAccelerator),
-                guard=lambda s: search.memory_note(s, batch_bytes, shm_free, memory_free),
+                guard=lambda s: policy.memory_note(s, batch_bytes, shm_free, memory_free),
             )  # fmt: skip
-        chosen = search.choose(self.trials, self.tolerance)
-        entry = None if chosen is None else search.decision_entry(key, facts, chosen, self.trials, original)
-        entry = strategy.broadcast(entry, src=0)
-        if entry is None:
+        chosen = policy.choose(self.trials, self.tolerance)
+        decision = None if chosen is None else TunerDecision.from_trials(key, facts, chosen, self.trials, original)
+        decision = strategy.broadcast(decision, src=0)
+        if decision is None:
             rank_zero_warn(f"DataLoaderTuner timed no setting to the end within `max_tuning_time_s="
                            f"{self.max_tuning_time_s}`; raise it. The DataLoaders are left alone.",
                            category=LightningAccelWarning)  # fmt: skip
             return None
         if self.use_cache and trainer.is_global_zero:
             try:
-                search.DecisionCache(self.cache_path).put(key, entry)
+                cache.DecisionCache(self.cache_path).put(decision)
             except Exception as err:  # rank zero alone writes: nothing it raises may part it from the other ranks
                 rank_zero_warn(f"DataLoaderTuner could not write its cache {self.cache_path} ({err}); set "
                                "`cache_dir` to a writable folder.", category=LightningAccelWarning)  # fmt: skip
-        self._state = entry
-        return LoaderSettings(**entry["settings"])
+        self.result, self._state = decision, decision.as_dict()
+        return decision.settings
 
-    def _cached(self, key: str) -> dict[str, Any] | None:
+    def _cached(self, key: str, max_workers: int) -> TunerDecision | None:
         """Rank zero's cache lookup; a cache it cannot read is a miss (other ranks wait for it in a broadcast)."""
         try:
-            return search.DecisionCache(self.cache_path).get(key)
+            return cache.DecisionCache(self.cache_path).get(key, max_workers)
         except Exception as err:
             rank_zero_warn(f"DataLoaderTuner could not read its cache {self.cache_path} ({err}); tuning again.",
                            category=LightningAccelWarning)  # fmt: skip
@@ -322,27 +327,27 @@ class DataLoaderTuner(Callback):
     def _report(self, trainer: pl.Trainer, original: LoaderSettings) -> None:
         if not trainer.is_global_zero:
             return
-        entry, decision = self._state, self.decision
-        assert decision is not None
+        result, decision = self.result, self.decision
+        assert result is not None and decision is not None
         chosen = next((t for t in self.trials if t.settings == decision and t.status == "done"), None)
-        rows = search.table_rows(self.trials, chosen)
+        rows = report.table_rows(self.trials, chosen)
         source = "cache" if self.cache_hit else f"{len(self.trials)} trials in {self.tuning_time_s:.1f} s"
         changed = ", ".join(f"{k} {getattr(original, k)} -> {v}" for k, v in decision.as_dict().items()
                             if getattr(original, k) != v) or "no change"  # fmt: skip
-        line = (f"DataLoaderTuner ({source}): {changed}; {entry.get('samples_per_s', 0.0):,.1f} samples/s per rank "
-                f"({entry.get('speedup') or float('nan'):.2f}x the loader's own settings).")
+        line = (f"DataLoaderTuner ({source}): {changed}; {result.samples_per_s:,.1f} samples/s per rank "
+                f"({result.speedup or float('nan'):.2f}x the loader's own settings).")
         title = f"DataLoaderTuner: train DataLoader settings timed on {self.step_mode} steps, per rank"
         if rows:
-            log.info("%s\n%s", title, search.table_text(rows))
+            log.info("%s\n%s", title, report.table_text(rows))
         log.info(line)  # into the run's log file (accel-train) and wherever the application sends logging
         if self.print_table:
             from rich.console import Console
 
             console = Console()
             if rows:
-                console.print(search.rich_table(rows, title))
+                console.print(report.rich_table(rows, title))
             console.print(line, highlight=False)
-        metrics = search.decision_metrics(entry, self.trials, self.tuning_time_s, self.cache_hit)
+        metrics = report.decision_metrics(result, self.trials, self.tuning_time_s, self.cache_hit)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 

@@ -21,16 +21,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from lightning_accel.callbacks._dataloader_steps import make_step, untouched
-from lightning_accel.callbacks._dataloader_trials import (
-    LoaderSettings,
-    frozen_rng,
-    rebuild_loader,
-    run_trial,
-    trial_window,
-)
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.errors import LightningAccelWarning
+from lightning_accel.tuning.dataloader.loop import make_step, untouched
+from lightning_accel.tuning.dataloader.timing import LoaderSettings, frozen_rng, rebuild_loader, run_trial, trial_window
 
 FEATURES = 8
 
@@ -196,16 +190,16 @@ def _ddp_main(out: Path) -> None:
 
 def _ddp_diverge(out: Path) -> None:
     """Rank 1 alone fails where no collective reports it (its choice raises): it must stop the run, not hang it."""
-    import lightning_accel.callbacks._dataloader_search as search
+    import lightning_accel.tuning.dataloader.policy as policy
 
-    rank, choose = int(os.environ["RANK"]), search.choose
+    rank, choose = int(os.environ["RANK"]), policy.choose
 
     def choose_or_fail(*args: Any, **kwargs: Any) -> Any:
         if rank == 1:
             raise KeyError("injected on rank 1")
         return choose(*args, **kwargs)
 
-    search.choose = choose_or_fail
+    policy.choose = choose_or_fail
     tuner = DataLoaderTuner(max_tuning_time_s=20, steps_per_trial=4, use_cache=False)
     fitter = trainer([tuner], str(out / "run"), max_steps=2, strategy="ddp", devices=2)
     fitter.fit(Regression(), DataLoader(SleepyDataset(200), batch_size=8))

@@ -17,13 +17,14 @@ from _torchrun import torchrun
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import IterableDataset
 
-import lightning_accel.callbacks._dataloader_steps as steps_module
 import lightning_accel.callbacks.dataloader_tuner as tuner_module
-from lightning_accel.callbacks._dataloader_search import DecisionCache, choose, memory_note, search, worker_counts
-from lightning_accel.callbacks._dataloader_trials import LoaderSettings, Trial, TrialError, rebuild_loader, run_trial
+import lightning_accel.tuning.dataloader.loop as loop_module
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.errors import LightningAccelWarning
 from lightning_accel.system import ShmInfo
+from lightning_accel.tuning.dataloader.cache import DecisionCache
+from lightning_accel.tuning.dataloader.policy import choose, memory_note, search, worker_counts
+from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial, TrialError, rebuild_loader, run_trial
 
 CPUS = 2  # every test sees a 2-CPU budget (PYTHON_CPU_COUNT), whatever the machine
 SPACE = [LoaderSettings(num_workers=w, prefetch_factor=2 if w else None) for w in range(4 * CPUS + 1)]
@@ -125,7 +126,7 @@ def test_a_cache_of_another_shape_is_a_miss(tmp_path: Path, text: str) -> None:
     cache = tmp_path / "cache" / "dataloader_tuner.json"
     cache.parent.mkdir()
     cache.write_text(text)
-    assert DecisionCache(cache).get("KEY") is None
+    assert DecisionCache(cache).get("KEY", max_workers=8) is None
     tuner = _tuner(steps_per_trial=4, cache_dir=cache.parent)
     cases.fit(cases.SleepyDataset(200, 0.001), [tuner], str(tmp_path), max_steps=2)
     assert tuner.trials and not tuner.cache_hit and tuner.decision is not None
@@ -213,7 +214,7 @@ def test_a_resumed_fit_that_reloads_its_loaders_trains_with_the_decision(tmp_pat
 def test_a_failure_while_tuning_restores_the_loaders_and_training_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = steps_module.make_step
+    real = loop_module.make_step
 
     def failing(trainer: Any, pl_module: Any) -> tuple[Callable[[Any, int], None], str]:
         step, mode = real(trainer, pl_module)
@@ -231,7 +232,7 @@ def test_a_failure_while_tuning_restores_the_loaders_and_training_goes_on(
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
             self.train, self.val = trainer.train_dataloader, trainer.val_dataloaders
 
-    monkeypatch.setattr(steps_module, "make_step", failing)
+    monkeypatch.setattr(loop_module, "make_step", failing)
     seen, tuner = Loaders(), _tuner(use_cache=False)
     data, val = cases.SleepyDataset(200, 0.0005), cases.SleepyDataset(16, 0.0)
     with pytest.warns(LightningAccelWarning, match="injected"):

@@ -1,29 +1,17 @@
-"""Which DataLoader settings to try and in what order, which to keep, the memory guard and the decision cache."""
+"""Which DataLoader settings to try and in what order, which to keep, and the memory guard: pure functions."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import os
-import tempfile
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
-from lightning_accel.callbacks._dataloader_trials import LoaderSettings, Trial
+from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
 
-__all__ = [
-    "COLUMNS", "DecisionCache", "choose", "decision_entry", "decision_metrics", "default_cache_dir", "fingerprint",
-    "memory_note", "no_data_wait", "rich_table", "search", "table_rows", "table_text", "worker_counts",
-]  # fmt: skip
+__all__ = ["LOADER_BOUND_SHARE", "choose", "memory_note", "no_data_wait", "search", "worker_counts"]
 
 LOADER_BOUND_SHARE = 0.1
 """Above this share of step time waiting for data, more workers than CPUs are tried (the loader may wait on I/O)."""
 _MIB = 2**20
-COLUMNS = ("workers", "prefetch", "pin", "samples/s", "data wait", "startup s", "steps", "note")
 
 
 def worker_counts(budget: int) -> list[int]:
@@ -160,105 +148,3 @@ def search(
         fastest = choose(trials, 0.0) or fastest
         attempt(replace(fastest.settings, pin_memory=True))
     return trials
-
-
-def decision_entry(key: str, facts: Mapping[str, Any], chosen: Trial, trials: Sequence[Trial],
-                   original: LoaderSettings) -> dict[str, Any]:  # fmt: skip
-    """What the cache (and a checkpoint) keeps of a decision: its settings, throughput and speedup over `original`."""
-    own = next((t for t in trials if t.settings == original and t.steps), None)  # a cut trial gives an estimate
-    speedup = chosen.samples_per_s / own.samples_per_s if own is not None and own.samples_per_s > 0 else None
-    return {"fingerprint": key, "facts": dict(facts), "settings": chosen.settings.as_dict(),
-            "samples_per_s": chosen.samples_per_s, "wait_share": chosen.wait_share, "speedup": speedup,
-            "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
-
-
-def decision_metrics(entry: Mapping[str, Any], trials: Sequence[Trial], tuning_time_s: float, cache_hit: bool
-                     ) -> dict[str, float]:  # fmt: skip
-    """The `dataloader_tuner/...` metrics of a decision (see `DataLoaderTuner`'s docstring)."""
-    settings = LoaderSettings(**entry["settings"])
-    metrics = {
-        "num_workers": settings.num_workers, "prefetch_factor": settings.prefetch_factor or 0,
-        "pin_memory": settings.pin_memory, "persistent_workers": settings.persistent_workers,
-        "samples_per_s": entry.get("samples_per_s", math.nan), "data_wait_share": entry.get("wait_share", math.nan),
-        "speedup": entry.get("speedup") or math.nan, "tuning_time_s": tuning_time_s,
-        "trials": sum(t.status != "skipped" for t in trials), "cache_hit": cache_hit,
-    }  # fmt: skip
-    return {f"dataloader_tuner/{key}": float(value) for key, value in metrics.items()}
-
-
-def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/lightning_accel`, else `~/.cache/lightning_accel`."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_accel"
-
-
-def fingerprint(facts: Mapping[str, Any]) -> str:
-    """A short stable hash of what the decision depends on (dataset, batch size, model, hardware, world size)."""
-    return hashlib.sha256(json.dumps(dict(facts), sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-class DecisionCache:
-    """Decisions in one JSON file, keyed by fingerprint; written atomically (a temporary file, then a rename)."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-
-    def _entries(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
-        entries = data.get("entries") if isinstance(data, dict) else None
-        return entries if isinstance(entries, dict) else {}  # a file of another shape counts as empty
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        entry = self._entries().get(key)
-        if not (isinstance(entry, dict) and isinstance(entry.get("settings"), dict)):
-            return None
-        try:
-            LoaderSettings(**entry["settings"])
-        except TypeError:  # written by another version: a miss, tuned again
-            return None
-        return entry
-
-    def put(self, key: str, entry: Mapping[str, Any]) -> None:
-        entries = {**self._entries(), key: dict(entry)}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"version": 1, "entries": entries}, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-
-def table_rows(trials: Sequence[Trial], chosen: Trial | None) -> list[list[str]]:
-    """One row of strings per trial: workers, prefetch, pin, samples/s, data wait, startup, steps, note."""
-    rows = []
-    for trial in trials:
-        s = trial.settings
-        measured = trial.status != "skipped"
-        rows.append([
-            str(s.num_workers), str(s.prefetch_factor or "-"), "yes" if s.pin_memory else "no",
-            f"{trial.samples_per_s:,.1f}" if measured and trial.steps else "-",
-            f"{100 * trial.wait_share:.0f}%" if measured and trial.steps else "-",
-            f"{trial.startup_s:.2f}" if measured else "-", str(trial.steps),
-            "chosen" if trial is chosen else (trial.note or trial.status),
-        ])  # fmt: skip
-    return rows
-
-
-def table_text(rows: Sequence[Sequence[str]]) -> str:
-    """The rows under `COLUMNS` as plain text, for logs."""
-    return "\n".join("  ".join(f"{cell:>10}" for cell in row) for row in [COLUMNS, *rows])
-
-
-def rich_table(rows: Sequence[Sequence[str]], title: str) -> Any:
-    """The rows as a rich `Table`, the chosen one in bold green."""
-    from rich.table import Table
-
-    table = Table(*COLUMNS, title=title)
-    for row in rows:
-        table.add_row(*row, style="bold green" if row[-1] == "chosen" else None)
-    return table

@@ -1,4 +1,5 @@
-"""The Trainer side of DataLoader trials: a step that leaves no trace, rank lockstep, loader swaps, the facts."""
+"""The one module that touches Lightning's loop internals: trial steps that leave no trace, rank lockstep, loader
+swaps, the facts a decision depends on."""
 
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
-from lightning_accel.callbacks._dataloader_trials import (
+from lightning_accel.system import read_cpu_info, read_memory_limit
+from lightning_accel.tuning.dataloader.timing import (
     LoaderSettings,
     _shutdown,
     frozen_rng,
     loader_settings,
     rebuild_loader,
 )
-from lightning_accel.system import read_cpu_info, read_memory_limit
 
 __all__ = ["StepMode", "batch_size_of", "facts", "is_tuned", "make_step", "memory_free", "rank_sync", "rebuilt",
            "stop_workers", "swap_loaders", "untouched", "untunable"]  # fmt: skip

@@ -1,0 +1,96 @@
+"""TunerDecision: one object for the cache entry, the checkpoint state and the result; invalid entries are misses."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_accel.tuning.dataloader.cache import DecisionCache
+from lightning_accel.tuning.dataloader.decision import TunerDecision
+from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
+
+KEY = "0123456789abcdef0123"
+
+
+def _decision(**kwargs: Any) -> TunerDecision:
+    settings = LoaderSettings(num_workers=4, prefetch_factor=2, persistent_workers=True)
+    return TunerDecision(**{"fingerprint": KEY, "settings": settings, "samples_per_s": 1350.0, "wait_share": 0.4,
+                            "speedup": 5.7, "facts": {"dataset": "x"}, **kwargs})  # fmt: skip
+
+
+def test_round_trips_through_plain_types_json_and_pickle() -> None:
+    decision = _decision(confident=False, note="measured under interference")
+    plain = decision.as_dict()
+    assert json.loads(json.dumps(plain)) == plain  # plain types only: a checkpoint loads it with weights_only
+    for copy in (plain, json.loads(json.dumps(plain)), pickle.loads(pickle.dumps(plain))):
+        assert TunerDecision.from_dict(copy, fingerprint=KEY, max_workers=8) == decision
+
+
+def test_from_trials_takes_the_speedup_over_the_loaders_own_settings() -> None:
+    own, chosen = LoaderSettings(), LoaderSettings(num_workers=2, prefetch_factor=2, persistent_workers=True)
+    trials = [Trial(settings=own, steps=10, seconds=2.0, samples_per_batch=8),
+              Trial(settings=chosen, steps=10, seconds=0.5, wait_s=0.1, samples_per_batch=8)]  # fmt: skip
+    decision = TunerDecision.from_trials(KEY, {}, trials[1], trials, own)
+    assert decision.settings == chosen and decision.speedup == pytest.approx(4.0)
+    assert decision.wait_share == pytest.approx(0.2) and decision.confident
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"settings": {"num_workers": "abc", "prefetch_factor": 2, "pin_memory": False, "persistent_workers": True}},
+        {"settings": {"num_workers": 12, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": True}},
+        {"settings": {"num_workers": -1, "prefetch_factor": None, "pin_memory": False, "persistent_workers": False}},
+        {"settings": {"num_workers": True, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": True}},
+        {"settings": {"num_workers": 4, "prefetch_factor": 0, "pin_memory": False, "persistent_workers": True}},
+        {"settings": {"num_workers": 0, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": False}},
+        {"settings": {"num_workers": 4, "prefetch_factor": 2, "pin_memory": "yes", "persistent_workers": True}},
+        {"settings": {"num_workers": 4, "prefetch_factor": 2, "pin_memory": False}},
+        {
+            "settings": {
+                "num_workers": 4,
+                "prefetch_factor": 2,
+                "pin_memory": False,
+                "persistent_workers": True,
+                "num_threads": 3,
+            }
+        },
+        {"settings": "4 workers"},
+        {"samples_per_s": float("nan")},
+        {"samples_per_s": "fast"},
+        {"wait_share": 1.5},
+        {"speedup": 0.0},
+        {"confident": "yes"},
+        {"fingerprint": "another"},
+        {"samples_per_s": None},
+    ],
+)
+def test_an_invalid_entry_is_a_miss(change: dict[str, Any], tmp_path: Path) -> None:
+    entry = {**_decision().as_dict(), **change}
+    assert TunerDecision.from_dict(entry, fingerprint=KEY, max_workers=8) is None
+    path = tmp_path / "dataloader_tuner.json"
+    path.write_text(json.dumps({"version": 1, "entries": {KEY: entry}}))
+    assert DecisionCache(path).get(KEY, max_workers=8) is None
+
+
+@pytest.mark.parametrize("missing", ["settings", "samples_per_s", "wait_share", "fingerprint"])
+def test_an_entry_missing_a_key_is_a_miss(missing: str) -> None:
+    entry = _decision().as_dict()
+    del entry[missing]
+    assert TunerDecision.from_dict(entry, fingerprint=KEY, max_workers=8) is None
+    assert TunerDecision.from_dict(None, fingerprint=KEY, max_workers=8) is None
+    assert TunerDecision.from_dict([entry], fingerprint=KEY, max_workers=8) is None
+
+
+def test_cache_put_get_and_remove(tmp_path: Path) -> None:
+    cache = DecisionCache(tmp_path / "sub" / "dataloader_tuner.json")
+    assert cache.get(KEY, max_workers=8) is None
+    cache.put(_decision())
+    assert cache.get(KEY, max_workers=8) == _decision()
+    assert cache.get(KEY, max_workers=2) is None  # 4 workers is beyond what this search may try: a miss
+    cache.remove(KEY)
+    assert cache.get(KEY, max_workers=8) is None
