@@ -14,7 +14,9 @@ from lightning_accel.errors import ConfigError
 __all__ = ["QUICK_STEPS", "build_parser", "main"]
 
 QUICK_STEPS = 40
-"""--quick: optimizer steps of the first stage (the default ladder finishes in a few minutes on 2 CPU cores)."""
+"""--quick: optimizer steps of every stage (the default ladder finishes in a few minutes on 2 CPU cores)."""
+QUICK_REPEATS = 2
+"""--quick: rounds (the fewest that give an interval)."""
 
 
 def _positive(kind: type) -> object:
@@ -36,8 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="accel-bench",
         description="Run a ladder of presets (default baseline -> amp -> ddp -> model parallel) on a model and data "
         "config, each stage in a fresh accel-train process with the same seed and budget, and print the staged "
-        "speedup table with throughput, time to target, peak memory, MFU, GPU utilisation, the validation metric, "
-        "a quality verdict and a bottleneck verdict per stage. Writes bench.md, bench.csv, bench.json and "
+        "speedup table with throughput, time to target, peak memory, energy, MFU, GPU utilisation, the validation "
+        "metric, a quality verdict and a bottleneck verdict per stage. Stages run round by round (--repeats), each "
+        "run under an interference check; every figure is a median with its interval, a speedup whose interval "
+        "holds 1.0 reads 'no clear difference', and a stage measured while other processes took the CPUs is "
+        "flagged. Writes bench.md, bench.csv, bench.json and "
         "bench.png into --out. Exit code: 0 when every stage that ran kept quality, 1 when one failed quality "
         "or crashed, 2 for a usage error.",
         epilog="Trailing Hydra overrides apply to every stage: accel-bench --quick model=classifier "
@@ -52,7 +57,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"a few minutes on a CPU: {QUICK_STEPS} steps, 2 validations, a smaller GPT example",
+        help=f"a few minutes on a CPU: {QUICK_STEPS} optimizer steps per stage (`--match steps`), {QUICK_REPEATS} "
+        "rounds, 2 validations, a smaller GPT example",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help=f"rounds: every stage runs once per round, round by round, from seed + round; figures are medians with "
+        f"an interval (min-max up to 5 runs, a 95%% bootstrap from 6) (default 3, --quick {QUICK_REPEATS}; --quick "
+        "needs 2 or more)",
+    )
+    parser.add_argument(
+        "--max-reruns",
+        type=int,
+        default=2,
+        metavar="N",
+        help="runs measured under interference are run again, at most N times per stage (default 2; 0: never)",
+    )
+    parser.add_argument(
+        "--interference-threshold",
+        type=float,
+        default=0.10,
+        metavar="FRACTION",
+        help="flag a run when other processes took more than this share of the CPUs it may use (default 0.10)",
     )
     parser.add_argument(
         "--ladder",
@@ -72,9 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--match",
         choices=("samples", "steps"),
-        default="samples",
+        default=None,
         help="samples (default): every stage trains on as many samples as the first stage's N steps, "
-        "so a DDP stage with 2x the global batch runs N/2 steps; steps: every stage runs N steps",
+        "so a DDP stage with 2x the global batch runs N/2 steps, and the speedup is the time ratio; steps (--quick's "
+        "default): every stage runs N optimizer steps, and the speedup is the ratio of samples/s",
     )
     parser.add_argument(
         "--time-budget",
@@ -103,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.02,
         metavar="FRACTION",
-        help="a stage whose metric is worse than the baseline's by more than this fraction fails "
-        "quality (default 0.02 = 2%%)",
+        help="a stage whose metric is worse than the baseline's by more than this fraction, and by more than the "
+        "baseline's own seed-to-seed spread, fails quality (default 0.02 = 2%%)",
     )
     parser.add_argument(
         "--val-checks",
@@ -141,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     if not 0 <= args.tolerance < 1:
         raise ConfigError(f"`--tolerance={args.tolerance}` must be a fraction within [0, 1), e.g. 0.02 for 2%.")
+    if args.quick and args.repeats is not None and args.repeats < 2:
+        raise ConfigError(f"`--repeats={args.repeats}` with `--quick`: a quick table needs 2 rounds or more for an "
+                          "interval; pass `--repeats 2` or drop `--quick`.")  # fmt: skip
+    if args.max_reruns < 0:
+        raise ConfigError(f"`--max-reruns={args.max_reruns}` must be >= 0 (0: never run a flagged stage again).")
+    if not 0 < args.interference_threshold < 1:
+        raise ConfigError(f"`--interference-threshold={args.interference_threshold}` must be a fraction within (0, 1), "
+                          "e.g. 0.10 for 10% of the CPUs.")  # fmt: skip
     if args.until_target and args.target is None:
         raise ConfigError("`--until-target` needs `--target VALUE`, the metric value to stop at.")
     if args.time_budget is not None and args.steps is not None:
@@ -168,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"`--ladder={args.ladder!r}` names no stage; e.g. `--ladder baseline,amp`.")
         settings = BenchSettings(
             steps=args.steps or (QUICK_STEPS if args.quick else 300),
-            match=args.match,
+            match=args.match or ("steps" if args.quick else "samples"),
             time_budget_s=args.time_budget,
             metric=args.metric,
             mode=args.mode or ("max" if higher_is_better(args.metric) else "min"),
@@ -179,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             quick=args.quick,
             stage_timeout_s=args.stage_timeout or (300.0 if args.quick else None),
+            repeats=args.repeats or (QUICK_REPEATS if args.quick else 3),
+            max_reruns=args.max_reruns,
+            interference_threshold=args.interference_threshold,
         )
         stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         out = args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "bench" / stamp

@@ -26,7 +26,7 @@ from lightning_accel.benchmark import (
     run_bench,
     speedups,
 )
-from lightning_accel.benchmark.ladder import plan_stages
+from lightning_accel.benchmark.plan import plan_stages
 from lightning_accel.benchmark.results import next_step
 from lightning_accel.telemetry.peak_flops import compute_dtype, lookup_peak_flops
 
@@ -91,7 +91,7 @@ def test_quality_fails_a_stage_worse_than_baseline_and_the_table_shows_it() -> N
     assert [r.quality for r in rows] == ["pass", "FAIL", "n/a"]
     table = markdown_table(rows, "val/loss", 0.02, None).splitlines()
     assert len(table) == 2 + len(rows)
-    assert table[0].startswith("| stage | what it changes | time | speedup |")
+    assert table[0].startswith("| stage | what it changes | runs | time | speedup |")
     assert "| 2.00x |" in table[3] and "FAIL (+5.0%)" in table[3]
     assert "skipped: `ddp` with one device" in table[4]
 
@@ -193,30 +193,32 @@ def test_default_ladder_ends_with_the_best_model_parallel_stage() -> None:
 def test_plan_skips_what_cannot_run_here_and_budgets_the_rest(tmp_path: Path) -> None:
     ladder = ["baseline", "ddp", "model_parallel"]
     overrides = ["trainer.accelerator=cpu", "trainer.devices=1", "precision=fp16_mixed"]
-    plans = plan_stages(ladder, overrides, BenchSettings(steps=8), tmp_path, visible_cuda=0)
+    plans, _ = plan_stages(ladder, overrides, BenchSettings(steps=8), tmp_path, visible_cuda=0)
     assert [p.status for p in plans] == ["skipped"] * 3
     assert "fp16" in plans[0].reason and "CUDA" in plans[0].reason
-    plans = plan_stages(ladder, ["trainer.accelerator=cpu", "trainer.devices=1"], BenchSettings(steps=8), tmp_path,
-                        visible_cuda=0)  # fmt: skip
-    assert [p.status for p in plans] == ["ok", "skipped", "skipped"]
+    plans, seed = plan_stages(ladder, ["trainer.accelerator=cpu", "trainer.devices=1"], BenchSettings(steps=8),
+                              tmp_path, visible_cuda=0)  # fmt: skip
+    assert [p.status for p in plans] == ["ok", "skipped", "skipped"] and seed == 1234  # the config's seed
     assert "with one device" in plans[1].reason
-    command = plans[0].command
+    command = plans[0].command(tmp_path / "run0", seed + 1)
     assert "preset=baseline" in command and "trainer.max_steps=8" in command and "test=false" in command
     assert any(c.endswith("_target_=lightning_accel.callbacks.BenchMonitor") for c in command)
+    assert "seed=1235" in command and f"hydra.run.dir={tmp_path / 'run0'}" in command
+    assert f"++callbacks.bench_monitor.output_path={tmp_path / 'run0' / 'stage.json'}" in command
 
 
 def test_plan_matches_samples_across_stages_with_bigger_global_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("lightning_accel.benchmark.ladder._effective_cpus", lambda: 2)  # 2 CPU ranks, on any machine
-    plans = plan_stages(["baseline", "ddp", "model_parallel"], ["trainer.accelerator=cpu"], BenchSettings(steps=40),
-                        tmp_path, visible_cuda=0)  # fmt: skip
+    monkeypatch.setattr("lightning_accel.benchmark.plan._effective_cpus", lambda: 2)  # 2 CPU ranks, on any machine
+    plans, _ = plan_stages(["baseline", "ddp", "model_parallel"], ["trainer.accelerator=cpu"],
+                           BenchSettings(steps=40), tmp_path, visible_cuda=0)  # fmt: skip
     assert [p.world_size for p in plans] == [1, 2, 2]
     assert [p.global_batch for p in plans] == [32, 64, 256]  # model_parallel: 2 ranks x accumulate 4
     assert [p.steps for p in plans] == [40, 20, 5]
-    assert "trainer.devices=2" in plans[1].command
-    same_steps = plan_stages(["baseline", "ddp"], ["trainer.accelerator=cpu"], BenchSettings(steps=40, match="steps"),
-                             tmp_path, visible_cuda=0)  # fmt: skip
+    assert "trainer.devices=2" in plans[1].command(tmp_path, None)
+    same = BenchSettings(steps=40, match="steps")
+    same_steps, _ = plan_stages(["baseline", "ddp"], ["trainer.accelerator=cpu"], same, tmp_path, visible_cuda=0)
     assert [p.steps for p in same_steps] == [40, 40]
 
 
@@ -233,7 +235,7 @@ def test_plan_matches_samples_across_stages_with_bigger_global_batches(
     ],
 )
 def test_bad_input_is_named_before_any_stage_runs(argv, words, tmp_path: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr("lightning_accel.benchmark.run.run_stage", lambda *a: pytest.fail("a stage ran"))
+    monkeypatch.setattr("lightning_accel.benchmark.run.run_once", lambda *a, **k: pytest.fail("a stage ran"))
     assert bench.main([*argv, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("accel-bench: error:")
@@ -249,7 +251,7 @@ def test_a_failing_stage_is_a_failed_row_and_the_ladder_goes_on(tmp_path: Path) 
     times = {"baseline": 12.0, "model_parallel": 3.0}
 
     def launcher(command: list[str], stage_dir: Path, timeout: float | None) -> subprocess.CompletedProcess[str]:
-        name = stage_dir.name.split("-", 1)[1]
+        name = stage_dir.parent.name.split("-", 1)[1]
         if name == "amp":
             code = "raise RuntimeError('rank 0 failed at global step 3: out of memory')"
             return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -258,8 +260,8 @@ def test_a_failing_stage_is_a_failed_row_and_the_ladder_goes_on(tmp_path: Path) 
         return subprocess.CompletedProcess(command, 0, "", "")
 
     lines: list[str] = []
-    run = run_bench(["baseline", "amp", "model_parallel"], ["trainer.accelerator=cpu"], BenchSettings(steps=4),
-                    tmp_path, launcher=launcher, echo=lines.append)  # fmt: skip
+    run = run_bench(["baseline", "amp", "model_parallel"], ["trainer.accelerator=cpu"],
+                    BenchSettings(steps=4, repeats=2), tmp_path, launcher=launcher, echo=lines.append)  # fmt: skip
     statuses = {r.name: r.status for r in run.results}
     if statuses["model_parallel"] == "skipped":  # a 1-CPU machine
         assert "one device" in run.results[2].reason
@@ -275,36 +277,53 @@ def test_a_failing_stage_is_a_failed_row_and_the_ladder_goes_on(tmp_path: Path) 
 
 
 def test_quick_cli_writes_the_table_csv_json_and_png(run_cli, tmp_path: Path) -> None:
-    """`accel-bench --quick` for real, at the tiniest settings: two stages train, ddp on one device is skipped."""
+    """`accel-bench --quick` for real, at the tiniest settings: two stages train twice each, round by round; ddp on
+    one device is skipped; every output carries the intervals."""
     out = tmp_path / "bench"
     args = ["--quick", "--ladder", "baseline,amp,ddp", "--steps", "6", "--out", str(out), "trainer.devices=1",
-            "data.max_chars=120000", "model.n_layer=1"]  # fmt: skip
+            "data.max_chars=120000", "model.n_layer=1", "--max-reruns", "0"]  # fmt: skip
     started = time.perf_counter()
     result = run_cli(args, cwd=tmp_path, timeout=300, module="lightning_accel.bench")
-    print(f"accel-bench --quick (2 stages): {time.perf_counter() - started:.1f} s")
+    print(f"accel-bench --quick (2 stages x 2 rounds): {time.perf_counter() - started:.1f} s")
     assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: amp's loss may move > 2% in 6 steps
     report = json.loads((out / "bench.json").read_text())
-    assert report["schema_version"] == 1 and report["reference"] == "baseline"
+    assert report["schema_version"] == 2 and report["reference"] == "baseline"
+    assert report["settings"]["repeats"] == 2 and report["settings"]["speedup_by"] == "throughput"
     assert set(report["machine"]) >= {"torch", "lightning", "python", "cpus"}
     stages = {s["name"]: s for s in report["stages"]}
     assert [s["name"] for s in report["stages"]] == ["baseline", "amp", "ddp"]
     assert stages["ddp"]["status"] == "skipped" and "one device" in stages["ddp"]["reason"]
+    order = [line.split("`")[1] for line in result.stdout.splitlines() if line.startswith("accel-bench: run ")]
+    assert order == ["baseline", "amp", "baseline", "amp"]  # interleaved, round by round
     for name in ("baseline", "amp"):
         stage = stages[name]
         assert stage["status"] == "ok", stage["reason"]
-        measured = stage["measurement"]
-        assert stage["time_s"] == measured["train_s"] > 0
-        assert stage["speedup"] == pytest.approx(stages["baseline"]["measurement"]["train_s"] / measured["train_s"])
+        runs = stage["runs"]
+        assert [r["round"] for r in runs] == [0, 1] and [r["seed"] for r in runs] == [1234, 1235]
+        assert all(r["interference"] is not None and "other_cpu_s" in r["interference"] for r in runs)
+        times = sorted(r["measurement"]["train_s"] for r in runs if not r["flagged"]) or sorted(
+            r["measurement"]["train_s"] for r in runs)
+        assert stage["time_s"] == pytest.approx(sum(times) / len(times))  # the median of two
+        assert stage["time_interval"]["low"] <= stage["time_s"] <= stage["time_interval"]["high"]
+        measured = runs[0]["measurement"]
         assert measured["optimizer_steps"] == 6 and measured["flops_per_batch"] > 0
         assert measured["final_metric"] is not None and len(measured["validations"]) == 2
+        assert measured["energy_j"] is None and measured["energy_note"]  # no RAPL, no GPU here: n/a with a reason
         assert stage["bottleneck"] in ("input-bound", "compute-bound") and stage["next_step"]
         assert stage["mfu"] is None and "CPU" in stage["mfu_note"]
+        assert stage["metric_interval"]["n"] == 2
+    amp = stages["amp"]
+    assert amp["speedup_interval"]["low"] <= amp["speedup"] <= amp["speedup_interval"]["high"]
+    assert amp["speedup_verdict"] in ("faster", "slower", "no clear difference")
     rows = list(csv.DictReader((out / "bench.csv").open()))
     assert [r["stage"] for r in rows] == ["baseline", "amp", "ddp"]
-    assert float(rows[1]["speedup"]) == pytest.approx(stages["amp"]["speedup"])
+    assert float(rows[1]["speedup"]) == pytest.approx(amp["speedup"])
+    assert float(rows[1]["speedup_low"]) == pytest.approx(amp["speedup_interval"]["low"])
+    assert rows[1]["energy_note"] and rows[1]["energy_j"] == ""
     table = (out / "bench.md").read_text()
     assert table.count("\n| ") == 4 and "| baseline |" in table and "skipped:" in table
-    assert "| stage | what it changes | time | speedup |" in result.stdout
+    assert "1.00x (reference)" in table and " [" in table  # intervals in the table
+    assert "| stage | what it changes | runs | time | speedup |" in result.stdout
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -318,13 +337,13 @@ def test_a_busy_machine_is_noted() -> None:
 def test_a_stage_past_its_timeout_is_stopped_with_its_children(tmp_path: Path) -> None:
     import psutil
 
-    from lightning_accel.benchmark.ladder import StagePlan, launch, run_stage
+    from lightning_accel.benchmark.process import launch, run_once
 
     child = "import time; time.sleep(120)"
     code = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); print(p.pid); " \
         "sys.stdout.flush(); time.sleep(120)"  # fmt: skip
-    plan = StagePlan(name="slow", overrides=[], command=[sys.executable, "-c", code])
-    result = run_stage(plan, tmp_path / "0-slow", "", timeout=3.0, launcher=launch)
+    result = run_once([sys.executable, "-c", code], tmp_path / "0-slow", round_index=0, seed=None, timeout=3.0,
+                      launcher=launch)  # fmt: skip
     assert result.status == "failed" and "--stage-timeout=3 s" in result.reason
     grandchild = int((tmp_path / "0-slow" / "stdout.log").read_text().split()[0])
     time.sleep(0.5)
@@ -332,7 +351,7 @@ def test_a_stage_past_its_timeout_is_stopped_with_its_children(tmp_path: Path) -
 
 
 def test_paths_become_hydra_values() -> None:
-    from lightning_accel.benchmark.ladder import hydra_value
+    from lightning_accel.benchmark.compose import hydra_value
 
     assert hydra_value(Path("/tmp/out/0-baseline")) == "/tmp/out/0-baseline"
     assert hydra_value(Path("/tmp/my runs/it's")) == "'/tmp/my runs/it\\'s'"
@@ -362,20 +381,22 @@ def test_your_own_model_from_your_own_config_directory(tmp_path: Path) -> None:
         "  _target_: lightning_accel.examples.DigitsClassifier\n  hidden_dim: 32\n"
     )
     overrides = [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=tiny_mlp", "trainer.accelerator=cpu"]
-    plans = plan_stages(["baseline", "amp"], overrides, BenchSettings(steps=10, quick=True), tmp_path / "out",
-                        visible_cuda=0)  # fmt: skip
+    plans, _ = plan_stages(["baseline", "amp"], overrides, BenchSettings(steps=10, quick=True), tmp_path / "out",
+                           visible_cuda=0)  # fmt: skip
     assert [p.status for p in plans] == ["ok", "ok"], [p.reason for p in plans]
     assert [p.global_batch for p in plans] == [64, 64]  # data=digits' batch size
     for plan in plans:
-        assert "model=tiny_mlp" in plan.command and not any(c.startswith("model.n_embd") for c in plan.command)
+        command = plan.command(tmp_path, 1)
+        assert "model=tiny_mlp" in command and not any(c.startswith("model.n_embd") for c in command)
 
 
 def test_quick_bounds_a_dataloader_tuner_search() -> None:
-    from lightning_accel.benchmark.ladder import StagePlan, budget_overrides
+    from lightning_accel.benchmark.plan import StagePlan, budget_overrides
 
-    plan = StagePlan(name="amp", overrides=["preset=amp"], callbacks=["dataloader_tuner", "lr_monitor"])
-    assert "callbacks.dataloader_tuner.max_tuning_time_s=10" in budget_overrides(plan, BenchSettings(quick=True), 32)
-    assert not any("dataloader_tuner" in o for o in budget_overrides(plan, BenchSettings(), 32))
+    plan = StagePlan(name="amp", overrides=("preset=amp",), callbacks=("dataloader_tuner", "lr_monitor"))
+    _, quick = budget_overrides(plan, BenchSettings(quick=True), 32)
+    assert "callbacks.dataloader_tuner.max_tuning_time_s=10" in quick
+    assert not any("dataloader_tuner" in o for o in budget_overrides(plan, BenchSettings(), 32)[1])
 
 
 @pytest.mark.parametrize(
@@ -391,14 +412,14 @@ def test_metric_direction_from_whole_words(metric: str, higher: bool) -> None:
 def test_run_directories_survive_hydra_override_parsing(path: str) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from lightning_accel.benchmark.ladder import hydra_value
+    from lightning_accel.benchmark.compose import hydra_value
 
     parsed = OverridesParser.create().parse_override(f"hydra.run.dir={hydra_value(Path(path))}")
     assert parsed.value() == path
 
 
 def test_pipeline_and_tensor_parallel_ranks_count_their_shared_batches_once() -> None:
-    from lightning_accel.benchmark.ladder import _data_parallel_size
+    from lightning_accel.benchmark.plan import _data_parallel_size
 
     assert _data_parallel_size({"_target_": "x.DDPStrategy"}, 4) == 4
     assert _data_parallel_size({"data_parallel_size": 1, "n_microbatches": 4}, 2) == 1  # pp=2

@@ -14,14 +14,21 @@ from lightning_accel.benchmark.results import StageResult
 
 __all__ = ["CSV_COLUMNS", "JSON_SCHEMA_VERSION", "markdown_table", "plot", "to_json", "write_outputs"]
 
-JSON_SCHEMA_VERSION = 1
-"""`schema_version` of bench.json; raised when a key changes meaning or goes away."""
+JSON_SCHEMA_VERSION = 2
+"""`schema_version` of bench.json; raised when a key changes meaning or goes away. 2: every stage has `runs` (one
+per round and rerun, each with its `interference`), and `time_interval`, `speedup_interval`, `samples_interval`,
+`metric_interval` (`{median, low, high, n, method}`), `speedup_verdict`, `interference`, `energy_j`,
+`energy_j_per_sample`, `energy_note`, `quality_noise`, `reference_steps`; `time_s`, `speedup`, `samples_per_s` and
+`metric_value` are medians over the counted runs."""
 
 CSV_COLUMNS = (
-    "stage", "status", "reason", "changes", "world_size", "steps", "time_s", "speedup", "samples_per_s",
-    "tokens_per_s", "time_to_target_s", "peak_memory_bytes", "mfu", "gpu_utilization_pct", "metric_value",
-    "quality", "quality_delta_pct", "bottleneck", "next_step", "data_share", "forward_share", "backward_share",
-    "optimizer_share", "communication_share", "process_s", "device", "dtype",
+    "stage", "status", "reason", "changes", "world_size", "steps", "reference_steps", "runs", "time_s", "time_low",
+    "time_high", "speedup", "speedup_low", "speedup_high", "speedup_verdict", "samples_per_s", "samples_per_s_low",
+    "samples_per_s_high", "tokens_per_s", "time_to_target_s", "peak_memory_bytes", "energy_j",
+    "energy_j_per_sample", "energy_note", "mfu", "gpu_utilization_pct", "metric_value", "metric_low", "metric_high",
+    "quality", "quality_delta_pct", "quality_noise", "interference", "interference_note", "bottleneck", "next_step",
+    "data_share", "forward_share", "backward_share", "optimizer_share", "communication_share", "process_s",
+    "device", "dtype",
 )  # fmt: skip
 
 
@@ -43,26 +50,66 @@ def _bytes(value: int | None) -> str:
     return "-" if not value else f"{value / 2**30:.2f} GiB"
 
 
+def _interval(interval: dict[str, Any] | None, spec: str, unit: str = "") -> str:
+    """` [low, high]` after a median, or "" for a single value."""
+    if not interval or interval.get("n", 0) < 2:
+        return ""
+    return f" [{interval['low']:{spec}}, {interval['high']:{spec}}]{unit}"
+
+
+def _time_cell(r: StageResult) -> str:
+    interval = r.time_interval
+    if not interval or interval.get("n", 0) < 2:
+        return _seconds(r.time_s)
+    return f"{_seconds(r.time_s)} [{_seconds(interval['low']).split()[0]}, {_seconds(interval['high'])}]"
+
+
+def speedup_cell(r: StageResult) -> str:
+    """`1.43x [1.38, 1.50]`; "no clear difference" (with the interval) when it holds 1.0; a flag under interference."""
+    if r.speedup is None:
+        return "-"
+    if not r.speedup_verdict:  # the reference
+        return "1.00x (reference)" + (" (interference)" if r.interference else "")
+    interval = _interval(r.speedup_interval, ".2f", "x")
+    if r.speedup_verdict == "no clear difference":
+        text = f"no clear difference{interval}"
+    else:
+        text = f"{r.speedup:.2f}x{interval}"
+    return text + (" (interference)" if r.interference else "")
+
+
 def markdown_table(results: Sequence[StageResult], metric: str, tolerance: float, target: float | None) -> str:
-    """The article's table (stage, what it changes, time, speedup over the baseline) and the measured columns."""
+    """The article's table (stage, what it changes, time, speedup over the baseline) and the measured columns: each
+    figure a median over the stage's counted runs with its interval in brackets."""
     reach = "time to target" if target is None else f"time to {metric}={target:g}"
-    header = ["stage", "what it changes", "time", "speedup", "samples/s", "tokens/s", reach, "peak mem", "MFU",
-              "GPU util", metric, f"quality (±{tolerance:.0%})", "bottleneck", "next to try"]  # fmt: skip
+    header = ["stage", "what it changes", "runs", "time", "speedup", "samples/s", "tokens/s", reach, "peak mem",
+              "energy", "MFU", "GPU util", metric, f"quality (±{tolerance:.0%} or noise)", "interference",
+              "bottleneck", "next to try"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in results:
         if r.status != "ok":
-            cells = [r.name, r.changes, f"{r.status}: {r.reason}"] + ["-"] * (len(header) - 3)
+            cells = [r.name, r.changes, str(len(r.runs) or "-"), f"{r.status}: {r.reason}"]
+            cells += ["-"] * (len(header) - len(cells))
         else:
             quality = r.quality if r.quality_delta_pct is None else f"{r.quality} ({r.quality_delta_pct:+.1f}%)"
+            if r.reference_steps is not None:
+                quality += f"; steps {r.steps} vs {r.reference_steps}"
             mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%"
             reached = _seconds(r.time_to_target_s) if target is not None else "-"
             if target is not None and r.time_to_target_s is None:
                 reached = "not reached"
+            energy = f"n/a ({r.energy_note or 'not measured'})" if r.energy_j is None else f"{r.energy_j / 3600:.3g} Wh"
+            if r.energy_j_per_sample is not None:
+                energy += f" ({r.energy_j_per_sample:.3g} J/sample)"
+            counted = sum(run.status == "ok" and not run.replaced for run in r.runs)
             cells = [
-                r.name, r.changes, _seconds(r.time_s), "-" if r.speedup is None else f"{r.speedup:.2f}x",
-                _number(r.samples_per_s), _number(r.tokens_per_s), reached, _bytes(r.peak_memory_bytes), mfu,
+                r.name, r.changes, str(counted), _time_cell(r),
+                speedup_cell(r), _number(r.samples_per_s) + _interval(r.samples_interval, ",.0f"),
+                _number(r.tokens_per_s), reached, _bytes(r.peak_memory_bytes), energy, mfu,
                 "n/a" if r.gpu_utilization_pct is None else f"{r.gpu_utilization_pct:.0f}%",
-                _number(r.metric_value, 4), quality, f"{r.bottleneck} ({r.bottleneck_why})", r.next_step,
+                _number(r.metric_value, 4) + _interval(r.metric_interval, ".4f"), quality,
+                ("FLAGGED: " if r.interference else "") + (r.interference_note or "quiet"),
+                f"{r.bottleneck} ({r.bottleneck_why})", r.next_step,
             ]  # fmt: skip
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
@@ -71,6 +118,11 @@ def markdown_table(results: Sequence[StageResult], metric: str, tolerance: float
 def _csv_row(r: StageResult) -> dict[str, Any]:
     row = {key: getattr(r, key, None) for key in CSV_COLUMNS if hasattr(r, key)}
     row["stage"] = r.name
+    row["runs"] = sum(run.status == "ok" and not run.replaced for run in r.runs)
+    for prefix, interval in (("time", r.time_interval), ("speedup", r.speedup_interval),
+                             ("samples_per_s", r.samples_interval), ("metric", r.metric_interval)):  # fmt: skip
+        row[f"{prefix}_low"] = interval.get("low") if interval else None
+        row[f"{prefix}_high"] = interval.get("high") if interval else None
     for key in ("data", "forward", "backward", "optimizer", "communication"):
         row[f"{key}_share"] = r.split.get(key)
     return {key: ("" if row.get(key) is None else row[key]) for key in CSV_COLUMNS}
@@ -82,7 +134,8 @@ def to_json(results: Sequence[StageResult], header: dict[str, Any]) -> dict[str,
 
 
 def plot(results: Sequence[StageResult], path: Path, title: str) -> str | None:
-    """Draw the time of each stage as a bar labelled with its speedup; returns why not when matplotlib is missing."""
+    """Draw each stage's median time as a bar with its interval as an error bar, labelled with its speedup (orange:
+    measured under interference, red: quality FAIL); returns why not when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -92,16 +145,18 @@ def plot(results: Sequence[StageResult], path: Path, title: str) -> str | None:
         return "matplotlib is not installed (pip install 'lightning_accel[plot]'): bench.png not written"
     names = [r.name for r in results]
     times = [r.time_s if r.status == "ok" and r.time_s else 0.0 for r in results]
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(results)), 3.6))
-    colors = ["tab:red" if r.quality == "FAIL" else "tab:blue" for r in results]
-    bars = ax.bar(names, times, color=colors)
-    for bar, r in zip(bars, results, strict=True):
-        label = f"{r.speedup:.2f}x" if r.speedup is not None else r.status
+    errors = [[t - (r.time_interval or {}).get("low", t) for t, r in zip(times, results, strict=True)],
+              [(r.time_interval or {}).get("high", t) - t for t, r in zip(times, results, strict=True)]]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(results)), 3.8))
+    colors = ["tab:red" if r.quality == "FAIL" else "tab:orange" if r.interference else "tab:blue" for r in results]
+    bars = ax.bar(names, times, color=colors, yerr=errors, capsize=4, ecolor="black")
+    for bar, r, high in zip(bars, results, errors[1], strict=True):
+        label = r.status if r.speedup is None else speedup_cell(r).replace(" [", "\n[").replace(" (", "\n(")
         if r.quality == "FAIL":
             label += "\nquality FAIL"
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height() + high), ha="center", va="bottom",
                     fontsize=9, xytext=(0, 2), textcoords="offset points")  # fmt: skip
-    ax.set_ylabel("training time (s)")
+    ax.set_ylabel("training time (s), median [range]")
     ax.set_title(title, fontsize=10)
     ax.margins(y=0.25)
     fig.tight_layout()

@@ -1,4 +1,5 @@
-"""The table's arithmetic: speedup over the reference stage, the quality verdict, MFU and the bottleneck verdict."""
+"""The table's arithmetic: medians and intervals over a stage's runs, speedup over the reference stage with its
+interval, the noise-aware quality verdict, MFU, energy and the bottleneck verdict."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from lightning_accel.measure import Interval, ratio, summarize, verdict
 from lightning_accel.telemetry.peak_flops import compute_dtype, lookup_peak_flops
 
 __all__ = [
+    "RunStatus",
     "StageResult",
+    "StageRun",
+    "StageStatus",
     "bottleneck",
     "finalize",
     "higher_is_better",
@@ -20,7 +25,8 @@ __all__ = [
     "speedups",
 ]
 
-STATUSES = ("ok", "skipped", "failed")
+StageStatus = Literal["ok", "skipped", "failed"]
+RunStatus = Literal["ok", "failed"]
 INPUT_SHARE = 0.20
 """A stage is input-bound when at least this share of its step time waits for data ..."""
 INPUT_SHARE_LOW_UTIL = 0.10
@@ -37,20 +43,58 @@ _LOWER_IS_BETTER = ("loss", "error", "err", "mae", "mse", "rmse", "mape", "smape
 
 
 @dataclass(kw_only=True)
+class StageRun:
+    """One run of a stage: one fresh `accel-train` process, in one round, from one seed."""
+
+    round: int
+    seed: int | None = None
+    status: RunStatus = "ok"
+    reason: str = ""
+    process_s: float | None = None
+    measurement: dict[str, Any] = field(default_factory=dict)
+    """The run's `BenchMonitor` record."""
+    interference: dict[str, Any] | None = None
+    """What else ran meanwhile (`lightning_accel.measure.Interference.as_dict()`)."""
+    flagged: bool = False
+    """Measured under interference (others took more than the threshold of the CPUs, steal, or GPU processes)."""
+    replaced: bool = False
+    """A flagged run that a rerun of the same round replaced: kept for the record, not counted."""
+
+    @property
+    def time_s(self) -> float | None:
+        value = self.measurement.get("train_s")
+        return float(value) if self.status == "ok" and value else None
+
+    @property
+    def samples_per_s(self) -> float | None:
+        steady = float(self.measurement.get("steady_s", 0.0) or 0.0)
+        return self.measurement.get("steady_samples", 0) / steady if self.status == "ok" and steady > 0 else None
+
+    @property
+    def metric(self) -> float | None:
+        value = self.measurement.get("final_metric") if self.status == "ok" else None
+        return float(value) if value is not None and math.isfinite(value) else None
+
+
+@dataclass(kw_only=True)
 class StageResult:
-    """One row of the table: the stage, its status and what was measured (`time_s` and the rest are None unless ok)."""
+    """One row of the table: the stage, its status, its runs and what they measured (medians over the counted runs;
+    `time_s` and the rest are None unless ok)."""
 
     name: str
     changes: str = ""
     """What the stage changes, in words ("bf16-mixed, num_workers=2")."""
-    status: str = "ok"
+    status: StageStatus = "ok"
     reason: str = ""
     """Why the stage was skipped or failed."""
     overrides: list[str] = field(default_factory=list)
     world_size: int = 1
     steps: int | None = None
+    runs: list[StageRun] = field(default_factory=list)
     time_s: float | None = None
-    """Training time of the stage (validation passes excluded): the time column, and the speedup's input."""
+    """Median training time of the counted runs (validation passes excluded): the time column."""
+    time_interval: dict[str, Any] | None = None
+    """`Interval.as_dict()` of the training times: median, low, high, n, method."""
     process_s: float | None = None
     """Wall time of the stage's process, start-up and data loading included."""
     samples_per_s: float | None = None
@@ -67,10 +111,30 @@ class StageResult:
     metric_value: float | None = None
     split: dict[str, float] = field(default_factory=dict)
     """Shares of the steady step time: data, forward, backward, optimizer (and communication when estimated)."""
+    samples_interval: dict[str, Any] | None = None
+    metric_interval: dict[str, Any] | None = None
+    """Over the runs' seeds: the metric's own spread."""
     speedup: float | None = None
+    """Median of the rounds' speedups over the reference stage (paired by round)."""
+    speedup_interval: dict[str, Any] | None = None
+    speedup_verdict: str = ""
+    """"faster", "slower" or "no clear difference" (the interval holds 1.0)."""
+    interference: bool = False
+    """Every counted run of this stage (or of the reference, for its speedup) was measured under interference."""
+    interference_note: str = ""
+    energy_j: float | None = None
+    """Median energy of a run's training (all GPUs of the stage, or the CPU package by RAPL), in joules."""
+    energy_j_per_sample: float | None = None
+    energy_note: str = ""
+    """How the energy was read, or why it is n/a."""
+    reference_steps: int | None = None
+    """Optimizer steps of the reference stage, when this stage ran another number."""
     quality: str = "n/a"
-    """"pass", "FAIL" (worse than the reference by more than the tolerance) or "n/a"."""
+    """"pass", "FAIL" (worse than the reference by more than both the tolerance and the reference's seed-to-seed
+    noise) or "n/a"."""
     quality_delta_pct: float | None = None
+    quality_noise: float | None = None
+    """The reference's seed-to-seed spread of the metric (max - min over its runs); 0 with one run."""
     bottleneck: str = ""
     bottleneck_why: str = ""
     next_step: str = ""
@@ -88,30 +152,73 @@ def higher_is_better(metric: str) -> bool:
     return any(w in _HIGHER_IS_BETTER or w.startswith(("acc", "top")) for w in words)
 
 
-def speedups(results: Sequence[StageResult]) -> StageResult | None:
-    """Set `speedup = reference time / stage time` on every measured stage; the reference is the first stage that
-    ran (the baseline, unless it was skipped or failed). Returns the reference."""
+def counted_runs(result: StageResult) -> tuple[list[StageRun], bool]:
+    """(the runs a stage's figures come from, whether they were measured under interference): its finished runs
+    that no rerun replaced, the unflagged ones when there are any."""
+    runs = result.runs
+    if not runs and result.time_s:  # a row given its figures directly counts as one run of them
+        runs = [StageRun(round=0, measurement={"train_s": result.time_s, "steady_s": 1.0,
+                                               "steady_samples": result.samples_per_s or 0.0})]  # fmt: skip
+    finished = [r for r in runs if r.status == "ok" and not r.replaced and r.time_s]
+    quiet = [r for r in finished if not r.flagged]
+    return (quiet, False) if quiet else (finished, bool(finished))
+
+
+def _by_round(runs: Sequence[StageRun], value: str, rounds: Sequence[int]) -> list[float | None]:
+    found = {r.round: getattr(r, value) for r in runs}
+    return [found.get(k) for k in rounds]
+
+
+def speedups(results: Sequence[StageResult], by: Literal["time", "throughput"] = "time") -> StageResult | None:
+    """Set each measured stage's speedup over the reference, the first stage that ran (the baseline, unless it was
+    skipped or failed), with its interval and verdict. Returns the reference.
+
+    `by="time"`: reference time / stage time (every stage trained the same samples); `"throughput"`: stage samples/s
+    over the reference's (the stages trained different amounts: `--match steps`, a time budget). Each round's pair
+    gives one speedup (`lightning_accel.measure.ratio`); a stage whose counted runs, or the reference's, were all
+    measured under interference is flagged.
+    """
     reference = next((r for r in results if r.status == "ok" and r.time_s), None)
+    ref_runs, ref_flagged = counted_runs(reference) if reference is not None else ([], False)
     for result in results:
-        ok = reference is not None and result.status == "ok" and result.time_s
-        result.speedup = reference.time_s / result.time_s if ok else None  # type: ignore[operator,union-attr]
+        result.speedup = result.speedup_interval = None
+        result.speedup_verdict = ""
+        if reference is None or result.status != "ok" or not result.time_s:
+            continue
+        runs, flagged = counted_runs(result)
+        rounds = sorted({r.round for r in runs} | {r.round for r in ref_runs})
+        if by == "time":
+            tops, bottoms = _by_round(ref_runs, "time_s", rounds), _by_round(runs, "time_s", rounds)
+        else:
+            tops, bottoms = _by_round(runs, "samples_per_s", rounds), _by_round(ref_runs, "samples_per_s", rounds)
+        try:
+            interval = ratio(tops, bottoms)
+        except ValueError:
+            continue
+        result.speedup, result.speedup_interval = interval.median, interval.as_dict()
+        result.speedup_verdict = "" if result is reference else verdict(interval)
+        if (flagged or ref_flagged) and result is not reference:
+            result.interference = True
+            whose = "this stage's runs" if flagged else f"the reference `{reference.name}`'s runs"
+            result.interference_note = result.interference_note or f"{whose} were measured under interference"
     return reference
 
 
 def quality_verdict(
-    value: float | None, reference: float | None, mode: str, tolerance: float
+    value: float | None, reference: float | None, mode: str, tolerance: float, noise: float = 0.0
 ) -> tuple[str, float | None]:
     """("pass" | "FAIL" | "n/a", signed % change) of a stage's metric against the reference stage's.
 
-    The stage fails when it is worse than the reference by more than `tolerance` (a fraction of the reference's
-    magnitude): above `reference * (1 + tolerance)` when lower is better (`mode="min"`), below `reference *
-    (1 - tolerance)` when higher is better. Exactly at the boundary passes.
+    The stage fails when it is worse than the reference by more than both `tolerance` (a fraction of the
+    reference's magnitude) and `noise` (the reference's own seed-to-seed spread, in the metric's units): above
+    `reference + max(tolerance * |reference|, noise)` when lower is better (`mode="min"`), below `reference -
+    max(...)` when higher is better. Exactly at the boundary passes.
     """
     if value is None or reference is None or not math.isfinite(value) or not math.isfinite(reference):
         return "n/a", None
     delta_pct = 100.0 * (value - reference) / abs(reference) if reference else 0.0
     worse = (value - reference) if mode == "min" else (reference - value)
-    limit = tolerance * abs(reference)
+    limit = max(tolerance * abs(reference), noise if math.isfinite(noise) else 0.0)
     return ("FAIL" if worse > limit + 1e-12 * max(1.0, abs(reference)) else "pass"), delta_pct
 
 
@@ -188,9 +295,13 @@ def finalize(
     tolerance: float,
     peak_tflops: float | None = None,
     settings: dict[str, dict[str, Any]] | None = None,
+    speedup_by: Literal["time", "throughput"] = "time",
 ) -> StageResult | None:
-    """Fill the derived columns of every measured stage from its `measurement`: rates, MFU, split, speedup, quality,
-    bottleneck and next step. Returns the reference stage (None when no stage ran).
+    """Fill the derived columns of every measured stage from its runs: medians and intervals, rates, MFU, split,
+    energy, speedup, quality, bottleneck and next step. Returns the reference stage (None when no stage ran).
+
+    A stage's figures come from its counted runs (`counted_runs`); the split, memory and MFU from the run whose time
+    is the median's (the lower middle one for an even count).
 
     Args:
         results: the stages in ladder order.
@@ -198,18 +309,25 @@ def finalize(
         tolerance: the quality tolerance, a fraction (0.02 = 2%).
         peak_tflops: a per-device peak that overrides the table (for MFU).
         settings: per stage name, `{"num_workers": int, "precision": str}` for the next-step advice.
+        speedup_by: see `speedups`.
     """
     settings = settings or {}
     for result in results:
         if result.status == "ok":
-            _derive(result, peak_tflops)
+            _aggregate(result, peak_tflops)
     _estimate_communication(results)
-    reference = speedups(results)
+    reference = speedups(results, by=speedup_by)
+    ref_metrics = [r.metric for r in (reference.runs if reference else []) if r.metric is not None and not r.replaced]
+    noise = (max(ref_metrics) - min(ref_metrics)) if len(ref_metrics) > 1 else 0.0
     for result in results:
         if result.status != "ok":
             continue
         ref_value = reference.metric_value if reference is not None else None
-        result.quality, result.quality_delta_pct = quality_verdict(result.metric_value, ref_value, mode, tolerance)
+        result.quality, result.quality_delta_pct = quality_verdict(result.metric_value, ref_value, mode, tolerance,
+                                                                   noise)  # fmt: skip
+        result.quality_noise = noise if reference is not None else None
+        if reference is not None and result.steps is not None and reference.steps is not None:
+            result.reference_steps = reference.steps if result.steps != reference.steps else None
         memory_fraction = None
         if result.peak_memory_bytes and result.memory_total_bytes:
             memory_fraction = result.peak_memory_bytes / result.memory_total_bytes
@@ -222,6 +340,65 @@ def finalize(
         result.next_step = next_step(result, result.bottleneck, stage.get("num_workers"), precision,
                                      accumulate=accumulate, family=family)  # fmt: skip
     return reference
+
+
+def _summary(values: Sequence[float | None]) -> Interval | None:
+    try:
+        return summarize([v for v in values if v is not None])
+    except ValueError:
+        return None
+
+
+def _aggregate(result: StageResult, peak_tflops: float | None) -> None:
+    """The stage's figures from its runs; a stage whose runs all failed becomes `failed` with the last reason."""
+    if not result.runs and result.measurement:  # a row made from one measurement (older callers, tests)
+        result.runs = [StageRun(round=0, measurement=result.measurement, process_s=result.process_s)]
+    runs, flagged = counted_runs(result)
+    if not runs:
+        failed = [r for r in result.runs if r.status == "failed"]
+        result.status = "failed"
+        result.reason = failed[-1].reason if failed else "no run finished with a measurement"
+        return
+    ordered = sorted(runs, key=lambda r: r.time_s or 0.0)
+    middle = ordered[(len(ordered) - 1) // 2]
+    result.measurement = middle.measurement
+    _derive(result, peak_tflops)
+    times = _summary([r.time_s for r in runs])
+    rates = _summary([r.samples_per_s for r in runs])
+    metrics = _summary([r.metric for r in result.runs if not r.replaced])
+    result.time_s = times.median if times else result.time_s
+    result.time_interval = times.as_dict() if times else None
+    result.samples_per_s = rates.median if rates else result.samples_per_s
+    result.samples_interval = rates.as_dict() if rates else None
+    result.metric_value = metrics.median if metrics else result.metric_value
+    result.metric_interval = metrics.as_dict() if metrics else None
+    result.process_s = _median_or_none([r.process_s for r in runs])
+    energies = [r.measurement.get("energy_j") for r in runs]
+    result.energy_j = _median_or_none(energies)
+    samples = result.measurement.get("samples") or 0
+    result.energy_j_per_sample = result.energy_j / samples if result.energy_j is not None and samples else None
+    result.energy_note = str(middle.measurement.get("energy_note", "") or "")
+    counted = len(runs)
+    failed = sum(r.status == "failed" for r in result.runs)
+    flagged_runs = sum(r.flagged for r in result.runs)
+    reruns = sum(r.replaced for r in result.runs)
+    notes = []
+    if flagged:
+        result.interference = True
+        reasons = next((r.interference or {} for r in runs if r.flagged), {}).get("reasons") or []
+        notes.append(f"all {counted} counted run(s) under interference" + (f": {reasons[0]}" if reasons else ""))
+    elif flagged_runs:
+        notes.append(f"{flagged_runs} run(s) under interference, rerun or left out")
+    if reruns:
+        notes.append(f"{reruns} rerun(s)")
+    if failed:
+        notes.append(f"{failed} run(s) failed")
+    result.interference_note = "; ".join(notes)
+
+
+def _median_or_none(values: Sequence[Any]) -> float | None:
+    found = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return summarize(found).median if found else None
 
 
 def _derive(result: StageResult, peak_tflops: float | None) -> None:

@@ -1,4 +1,5 @@
-"""Run a whole ladder: plan every stage, run each in turn, derive the table's columns and write the outputs."""
+"""Run a whole ladder: plan every stage, run them round by round (each run under an interference probe, a flagged
+run again up to a bound), derive the table's columns and write the outputs."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_accel.benchmark.ladder import BenchSettings, Launcher, describe_changes, launch, plan_stages, run_stage
+from lightning_accel.benchmark.plan import BenchSettings, StagePlan, describe_changes, plan_stages
+from lightning_accel.benchmark.process import Launcher, launch, run_once
 from lightning_accel.benchmark.report import markdown_table, write_outputs
-from lightning_accel.benchmark.results import StageResult, finalize
+from lightning_accel.benchmark.results import StageResult, StageRun, finalize
+from lightning_accel.measure import InterferenceProbe, nvml_compute_pids
 
 __all__ = ["BenchRun", "run_bench"]
 
@@ -35,7 +38,7 @@ def _machine() -> dict[str, Any]:
     import lightning
     import torch
 
-    from lightning_accel.benchmark.ladder import _effective_cpus
+    from lightning_accel.benchmark.plan import _effective_cpus
 
     try:
         load = os.getloadavg()[0]
@@ -57,6 +60,19 @@ def busy_note(machine: dict[str, Any]) -> str | None:
     )
 
 
+def _probe(settings: BenchSettings, on_cuda: bool) -> InterferenceProbe:
+    return InterferenceProbe(threshold=settings.interference_threshold,
+                             gpu_pids=nvml_compute_pids if on_cuda else None)  # fmt: skip
+
+
+def _run(plan: StagePlan, index: int, round_index: int, seed: int | None, out_dir: Path, settings: BenchSettings,
+         launcher: Launcher, attempt: int = 0) -> StageRun:  # fmt: skip
+    suffix = f"-rerun{attempt}" if attempt else ""
+    run_dir = out_dir / "stages" / f"{index}-{plan.name}" / f"run{round_index}{suffix}"
+    return run_once(plan.command(run_dir, seed), run_dir, round_index=round_index, seed=seed,
+                    timeout=settings.stage_timeout_s, launcher=launcher, probe=_probe(settings, plan.on_cuda))
+
+
 def run_bench(
     ladder: Sequence[str],
     overrides: Sequence[str],
@@ -68,31 +84,53 @@ def run_bench(
     echo: Callable[[str], None] = print,
     argv: Sequence[str] = (),
 ) -> BenchRun:
-    """Plan every stage (a bad setting raises before any runs), run them in order, then write the outputs.
+    """Plan every stage (a bad setting raises before any runs), run them round by round, then write the outputs.
+
+    Round k runs every stage once, in ladder order, from seed `seed + k` (the same seed for every stage of a round,
+    so the rounds pair up). A run that the interference probe flags is run again at once, up to
+    `settings.max_reruns` times per stage; the rerun replaces it when it is quiet, and a flagged stage is shown as
+    such. With `repeats=1` the reference stage runs a second time from the next seed, for the metric's noise.
 
     Raises:
         ConfigError: for an unknown stage or overrides that do not compose, before any stage runs.
     """
     started = time.perf_counter()
     machine = _machine()  # before any stage: the load average is the others' load, not ours
-    plans = plan_stages(ladder, overrides, settings, out_dir)
+    plans, seed = plan_stages(ladder, overrides, settings, out_dir)
     changes = describe_changes(plans)
-    results = []
-    for index, plan in enumerate(plans):
-        stage_dir = out_dir / "stages" / f"{index}-{plan.name}"
-        if plan.status == "ok":
-            echo(f"accel-bench: stage {index + 1}/{len(plans)} `{plan.name}`: {changes[plan.name]} ({plan.steps} "
-                 f"steps)" if plan.steps else f"accel-bench: stage {index + 1}/{len(plans)} `{plan.name}`")  # fmt: skip
-        result = run_stage(plan, stage_dir, changes[plan.name], settings.stage_timeout_s, launcher)
-        if result.status != "ok":
-            echo(f"accel-bench: stage `{plan.name}` {result.status}: {result.reason}")
+    results = [StageResult(name=p.name, changes=changes[p.name], status=p.status, reason=p.reason,
+                           overrides=[*p.overrides, *p.extra], world_size=p.world_size, steps=p.steps)
+               for p in plans]  # fmt: skip
+    runnable = [i for i, p in enumerate(plans) if p.status == "ok"]
+    schedule = [(k, i) for k in range(settings.repeats) for i in runnable]
+    if settings.repeats == 1 and runnable:  # a second seed of the reference: its own noise, for the quality verdict
+        schedule.append((1, runnable[0]))
+    reruns_left = {i: settings.max_reruns for i in runnable}
+    for position, (round_index, index) in enumerate(schedule):
+        plan, result = plans[index], results[index]
+        run_seed = None if seed is None else seed + round_index
+        echo(f"accel-bench: run {position + 1}/{len(schedule)}: `{plan.name}` round {round_index + 1} "
+             f"(seed {run_seed}): {changes[plan.name]}" + (f", {plan.steps} steps" if plan.steps else ""))
+        run = _run(plan, index, round_index, run_seed, out_dir, settings, launcher)
+        result.runs.append(run)
+        while run.status == "ok" and run.flagged and reruns_left[index] > 0:
+            reruns_left[index] -= 1
+            reasons = "; ".join((run.interference or {}).get("reasons") or [])
+            echo(f"accel-bench: `{plan.name}` round {round_index + 1} ran under interference ({reasons}): again")
+            run.replaced = True
+            run = _run(plan, index, round_index, run_seed, out_dir, settings, launcher,
+                       attempt=settings.max_reruns - reruns_left[index])  # fmt: skip
+            result.runs.append(run)
+        if run.status != "ok":
+            echo(f"accel-bench: `{plan.name}` round {round_index + 1} failed: {run.reason}")
         else:
-            echo(f"accel-bench: stage `{plan.name}` done in {result.process_s:.1f} s")
-        results.append(result)
+            flag = " (under interference)" if run.flagged else ""
+            echo(f"accel-bench: `{plan.name}` round {round_index + 1} done in {run.process_s:.1f} s{flag}")
     settings_by_stage = {p.name: {"num_workers": p.num_workers, "precision": p.precision, "accumulate": p.accumulate,
                                   "family": p.family} for p in plans}  # fmt: skip
+    by = "time" if settings.match == "samples" and settings.time_budget_s is None else "throughput"
     reference = finalize(results, mode=settings.mode, tolerance=settings.tolerance, peak_tflops=peak_tflops,
-                         settings=settings_by_stage)  # fmt: skip
+                         settings=settings_by_stage, speedup_by=by)  # fmt: skip
     table = markdown_table(results, settings.metric, settings.tolerance, settings.target)
     total_s = time.perf_counter() - started
     created = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -108,14 +146,22 @@ def run_bench(
             "overrides": list(overrides),
             **asdict(settings),
             "peak_tflops": peak_tflops,
+            "first_seed": seed,
+            "speedup_by": by,
         },  # fmt: skip
         "reference": reference.name if reference else None,
         "total_s": total_s,
     }
     files, note = write_outputs(results, out_dir, header, table, title)
-    footer = (f"Speedup over `{reference.name}`" if reference else "No stage ran") + f"; total {total_s:.1f} s."
+    footer = (f"Speedup over `{reference.name}`" if reference else "No stage ran") + \
+        f"; {settings.repeats} round(s), medians [interval]; total {total_s:.1f} s."  # fmt: skip
     echo(f"\n{title}\n\n{table}\n\n{footer}")
-    for line in (note, busy_note(machine)):
+    flagged = [r.name for r in results if r.interference]
+    lines = [note, busy_note(machine)]
+    if flagged:
+        lines.append(f"measured under interference: {', '.join(flagged)}. Their figures may not hold on a quiet "
+                     "machine; run again when it is quiet (see the `interference` column).")  # fmt: skip
+    for line in lines:
         if line:
             echo(f"accel-bench: note: {line}")
     echo(f"accel-bench: wrote {', '.join(str(f) for f in files)}")

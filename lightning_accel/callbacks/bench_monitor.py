@@ -73,6 +73,12 @@ class StageMeasurement:
     target: float | None = None
     time_to_target_s: float | None = None
     """train_s when the metric first reached `target`; None when it never did (or no target)."""
+    energy_j: float | None = None
+    """Energy over `train_s` (validation passes left out), in joules: on CUDA NVML's total energy counter of every GPU
+    of rank zero's node that the run uses; on a CPU RAPL's package counters (the whole packages, other processes
+    included). None when no counter can be read; `energy_note` says why."""
+    energy_note: str = ""
+    """The counter read, or why there is none."""
 
 
 class BenchMonitor(Callback):
@@ -84,7 +90,8 @@ class BenchMonitor(Callback):
     is real rather than launch time, at a small cost. It also records samples and tokens, FLOPs per batch (the
     model's `flops_per_batch(batch_size)` when it has one, else counted once with `torch.utils.flop_counter`),
     peak memory, the validation metric after each validation pass (and the time it first reached `target`), and
-    GPU utilisation from a `GPUMonitor` in the same Trainer. Global rank zero writes `output_path` at the end of
+    GPU utilisation from a `GPUMonitor` in the same Trainer, and the energy of training (`telemetry.energy`: NVML on
+    CUDA, RAPL on a CPU, else n/a with the reason). Global rank zero writes `output_path` at the end of
     the fit. It logs nothing.
 
     Args:
@@ -141,6 +148,7 @@ class BenchMonitor(Callback):
         self._marks: dict[str, float] = {}
         self._flop_counter: Any = None
         self._flops_tried = False
+        self._energy: Any = None
 
     def _now(self) -> float:
         if self._cuda and self.sync_cuda:
@@ -177,6 +185,30 @@ class BenchMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
         self._last_end = None
+        if trainer.is_global_zero:
+            self._open_energy(trainer)
+
+    def _open_energy(self, trainer: pl.Trainer) -> None:
+        """Start the energy meter; a failure leaves energy n/a with the reason, never stops the fit."""
+        from lightning_accel.telemetry.energy import open_energy_meter
+
+        m = self.measurement
+        try:
+            indices = list(trainer.device_ids) if self._cuda else None
+            self._energy, m.energy_note = open_energy_meter(indices)
+        except Exception as err:
+            self._energy, m.energy_note = None, f"the energy counter failed ({type(err).__name__}: {err})"
+        if self._energy is not None:
+            m.energy_note = self._energy.source + (f"; node 0 of {trainer.num_nodes}" if trainer.num_nodes > 1 else "")
+
+    def _energy_step(self, action: str) -> None:
+        if self._energy is None:
+            return
+        try:
+            getattr(self._energy, action)()
+        except Exception as err:  # a counter that fails mid-run: energy n/a, training goes on
+            self._energy = None
+            self.measurement.energy_note = f"the energy counter failed ({type(err).__name__}: {err})"
 
     @override
     def on_train_batch_start(
@@ -258,6 +290,7 @@ class BenchMonitor(Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._start is not None and not trainer.sanity_checking:
             self._validation_started = time.perf_counter()
+            self._energy_step("pause")
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -266,6 +299,7 @@ class BenchMonitor(Callback):
         m = self.measurement
         m.validation_s += time.perf_counter() - self._validation_started
         self._validation_started = None
+        self._energy_step("resume")
         self._last_end = None  # the next batch's wait is not a data wait
         value = trainer.callback_metrics.get(self.metric)
         if value is None:
@@ -289,6 +323,11 @@ class BenchMonitor(Callback):
         else:
             m.peak_memory_bytes = _peak_rss_bytes()
         m.gpu_utilization_pct = _gpu_utilization(trainer)
+        self._energy_step("pause")
+        if self._energy is not None:
+            m.energy_j = float(self._energy.joules)
+            self._energy_step("close")
+            self._energy = None
         if self.output_path and trainer.is_global_zero:
             path = Path(self.output_path)
             path.parent.mkdir(parents=True, exist_ok=True)

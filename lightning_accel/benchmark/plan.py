@@ -1,0 +1,324 @@
+"""Plan a ladder: compose and check every stage before any runs, and give each its budget and command.
+
+A `StagePlan` is frozen and built in one place (`plan_stages`): what a stage will run, or why it cannot.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from lightning_accel.benchmark.compose import (
+    available_presets,
+    compose_config,
+    compose_user_config,
+    hydra_value,
+    stage_overrides,
+)
+from lightning_accel.errors import ConfigError
+
+__all__ = ["BenchSettings", "PlanStatus", "StagePlan", "describe_changes", "plan_stage", "plan_stages"]
+
+PlanStatus = Literal["ok", "skipped"]
+DEFAULT_SEED = 1234
+"""The seed of the first round when neither `--seed` nor the config sets one (the config's default is 1234 too)."""
+_DISTRIBUTED = ("ddp", "fsdp", "model_parallel", "deepspeed", "pipeline")
+# --quick on the default GPT example: a smaller corpus and model, short validation.
+QUICK_GPT = ["data.max_chars=300000", "model.n_embd=64", "trainer.limit_val_batches=4"]
+QUICK_TUNING_S = 10.0
+"""--quick bounds a DataLoaderTuner's search (at the start of the fit, outside the measured training time) to this."""
+
+
+@dataclass(kw_only=True)
+class BenchSettings:
+    """How every stage is budgeted, repeated and judged (the command line of `accel-bench`)."""
+
+    steps: int = 300
+    """Optimizer steps of the first stage (a cap with `until_target`)."""
+    match: Literal["samples", "steps"] = "samples"
+    """`samples`: every stage trains the samples of the first stage's `steps`; `steps`: every stage runs `steps`."""
+    time_budget_s: float | None = None
+    """Train each stage this long instead (Lightning's `max_time`)."""
+    metric: str = "val/loss"
+    mode: Literal["min", "max"] = "min"
+    target: float | None = None
+    until_target: bool = False
+    tolerance: float = 0.02
+    val_checks: int = 4
+    """Validation passes per stage (for the final metric and the time to target)."""
+    seed: int | None = None
+    """Seed of the first round; round k uses `seed + k`. None: the config's seed."""
+    quick: bool = False
+    stage_timeout_s: float | None = None
+    repeats: int = 3
+    """Rounds: every stage runs once per round, round by round (A B C, A B C, ...)."""
+    max_reruns: int = 2
+    """Runs measured under interference that are run again, per stage, at most."""
+    interference_threshold: float = 0.10
+    """A run is flagged when other processes took more than this share of the CPUs it may use."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """A stage after composing and checking its config: what it will run, or why it cannot."""
+
+    name: str
+    overrides: tuple[str, ...]
+    """The stage's own overrides (`preset=amp`), then --quick's, then the user's."""
+    status: PlanStatus = "ok"
+    reason: str = ""
+    world_size: int = 1
+    extra: tuple[str, ...] = ()
+    """Overrides the bench adds from the plan (CPU process count)."""
+    on_cuda: bool = False
+    precision: str = ""
+    num_workers: int | None = None
+    global_batch: int | None = None
+    accumulate: int = 1
+    family: str = ""
+    """The strategy's family: auto, single_device, ddp, fsdp, model_parallel, pipeline, deepspeed."""
+    settings: Mapping[str, str] = field(default_factory=dict)
+    """What the stage sets, in words, for the "what it changes" column."""
+    callbacks: tuple[str, ...] = ()
+    steps: int | None = None
+    """Optimizer steps of each run (None under a time budget)."""
+    budget: tuple[str, ...] = ()
+    """The bench's overrides that are the same for every run of the stage: budget, validation, measuring callbacks."""
+
+    def command(self, run_dir: Path, seed: int | None) -> list[str]:
+        """The `accel-train` command of one run: writes into `run_dir`, trains from `seed`."""
+        where = hydra_value(run_dir)
+        per_run = [f"++callbacks.bench_monitor.output_path={hydra_value(run_dir / 'stage.json')}"]
+        if self.on_cuda:
+            per_run.append(f"++callbacks.gpu_monitor.report_dir={where}")
+        if seed is not None:
+            per_run.append(f"seed={seed}")
+        return [sys.executable, "-m", "lightning_accel.train", *self.overrides, *self.extra, *self.budget, *per_run,
+                f"hydra.run.dir={where}"]  # fmt: skip
+
+
+def _effective_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by the cgroup's CPU quota."""
+    from lightning_accel.system import read_cpu_budget
+
+    return max(1, read_cpu_budget().effective)
+
+
+def _count_devices(devices: Any, visible: int) -> int:
+    if isinstance(devices, (list, ListConfig)):
+        return len(devices)
+    text = str(devices).strip()
+    if text in ("auto", "-1"):
+        return visible
+    if "," in text:
+        return len([d for d in text.split(",") if d.strip()])
+    return int(text) if text.isdigit() else 1
+
+
+def _strategy_family(strategy: Any) -> str:
+    from lightning_accel.presets import _strategy_name
+
+    name = _strategy_name(strategy)
+    return "pipeline" if "pipeline" in name.lower() else name
+
+
+def _accumulation(cfg: DictConfig, micro_global: int) -> int:
+    """Micro-batches per optimizer step: `trainer.accumulate_grad_batches`, or an accumulation callback's global
+    batch size over the micro-batches of all ranks (a schedule counts at its first window)."""
+    for node in (cfg.get("callbacks") or {}).values():
+        if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith("AccumulationScheduler"):
+            global_batch = node.get("global_batch_size")
+            if isinstance(global_batch, int) and micro_global > 0:
+                return max(1, global_batch // micro_global)
+            schedule = node.get("scheduling")
+            if isinstance(schedule, DictConfig) and schedule:
+                return int(schedule[sorted(schedule.keys(), key=int)[0]])
+    accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+    return accumulate if isinstance(accumulate, int) and accumulate > 0 else 1
+
+
+def _data_parallel_size(strategy: Any, world_size: int) -> int:
+    """Ranks that load batches of their own: `data_parallel_size` of a pipeline or model-parallel strategy config
+    (`auto`: the world over `tensor_parallel_size`), else the world size."""
+    if not isinstance(strategy, Mapping) and not OmegaConf.is_dict(strategy):
+        return world_size
+    dp = strategy.get("data_parallel_size")
+    if isinstance(dp, int) and dp > 0:
+        return dp
+    if dp is None and "tensor_parallel_size" not in strategy:
+        return world_size
+    tp = strategy.get("tensor_parallel_size", 1)
+    return max(1, world_size // tp) if isinstance(tp, int) and tp > 0 else world_size
+
+
+def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: int | None = None) -> StagePlan:
+    """Compose one stage and decide whether it can run here; a stage that cannot is `skipped` with the reason.
+
+    Decided here: fp16 on a CPU is skipped (accel-train would run bf16 instead, so it would measure another stage);
+    a DDP/FSDP/model-parallel stage needs 2+ processes: on CUDA the visible GPUs, on a CPU `trainer.devices=auto`
+    means 2 CPU processes when the machine has 2+ CPUs (Lightning's own `auto` gives 1); one device is skipped.
+    """
+    from lightning_accel.precision import resolve_precision
+    from lightning_accel.presets import _visible_cuda_devices, check_combinations, check_config, runs_on_cuda
+
+    overrides = tuple(overrides)
+    try:
+        cfg = compose_config(overrides, run_dir)
+    except Exception as err:
+        return StagePlan(name=name, overrides=overrides, status="skipped", reason=f"the config does not compose: {err}")
+    visible = _visible_cuda_devices() if visible_cuda is None else visible_cuda
+    trainer = cfg.trainer
+    on_cuda = runs_on_cuda(cfg, visible_cuda=visible)
+    family = _strategy_family(trainer.get("strategy", "auto"))
+    devices = trainer.get("devices", "auto")
+    distributed = family in _DISTRIBUTED
+    extra: tuple[str, ...] = ()
+    if on_cuda:
+        per_node = _count_devices(devices, visible)
+    elif str(devices).strip() in ("auto", "-1") and distributed:
+        per_node = 2 if _effective_cpus() >= 2 else 1
+        extra = (f"trainer.devices={per_node}",)
+    else:
+        per_node = _count_devices(devices, 1)
+    nodes = trainer.get("num_nodes", 1)
+    world_size = per_node * (nodes if isinstance(nodes, int) else 1)
+    shape = {"name": name, "overrides": overrides, "world_size": world_size, "extra": extra, "on_cuda": on_cuda,
+             "family": family}  # fmt: skip
+    requested = str(trainer.get("precision", "32-true"))
+    if not on_cuda and requested in ("16-mixed", "16", "16-true", "transformer-engine-float16"):
+        reason = f"fp16 (`{requested}`) needs a CUDA GPU; this stage would run bf16 here"
+        return StagePlan(**shape, status="skipped", reason=reason)
+    if distributed and world_size < 2:
+        where = f"{visible} visible CUDA device(s)" if on_cuda else f"{_effective_cpus()} CPU(s)"
+        reason = f"`{family}` with one device (`trainer.devices={devices}`, {where}); it needs 2 or more"
+        return StagePlan(**shape, status="skipped", reason=reason)
+    try:
+        with open_dict(cfg):
+            if extra:
+                trainer.devices = per_node
+        check_config(cfg)
+        resolved = resolve_precision(requested, str(trainer.get("accelerator", "auto")))
+        with open_dict(cfg):
+            trainer.precision = resolved.value
+        check_combinations(cfg, visible_cuda=visible)
+    except (ConfigError, ValueError) as err:
+        return StagePlan(**shape, status="skipped", reason=str(err))
+    workers = OmegaConf.select(cfg, "data.num_workers", default=None)
+    num_workers = workers if isinstance(workers, int) else None
+    batch = OmegaConf.select(cfg, "data.batch_size", default=None)
+    replicas = _data_parallel_size(trainer.get("strategy"), world_size)  # pipeline/TP ranks share batches
+    micro_global = batch * replicas if isinstance(batch, int) else 0
+    accumulate = _accumulation(cfg, micro_global)
+    scheduler = str(OmegaConf.select(cfg, "scheduler._target_", default="") or "none").rsplit(".", 1)[-1]
+    callbacks = tuple(sorted(name for name, node in (cfg.get("callbacks") or {}).items() if node is not None))
+    workers_text = f"num_workers={num_workers}" if num_workers is not None else ""
+    if "dataloader_tuner" in callbacks:  # the fit starts from `data.num_workers`; the tuner may change it
+        workers_text = f"DataLoaderTuner (from {workers_text})" if workers_text else "DataLoaderTuner"
+    accelerator = "cuda" if on_cuda else "cpu"
+    settings = {
+        "precision": resolved.value,
+        "workers": workers_text,
+        "processes": f"{world_size} {accelerator} process{'es' if world_size > 1 else ''}"
+        + (f" ({family})" if family not in ("auto", "single_device") else ""),
+        "accumulation": f"accumulate {accumulate}",
+        "scheduler": scheduler.replace("_schedule", ""),
+    }
+    return StagePlan(**shape, precision=resolved.value, num_workers=num_workers, accumulate=accumulate,
+                     global_batch=micro_global * accumulate if micro_global else None, settings=settings,
+                     callbacks=callbacks)  # fmt: skip
+
+
+def describe_changes(plans: Sequence[StagePlan]) -> dict[str, str]:
+    """The "what it changes" column: the first stage's settings, then each stage's differences from it."""
+    first = next((p for p in plans if p.settings), None)
+    described = {}
+    for plan in plans:
+        if not plan.settings or first is None:
+            described[plan.name] = " ".join(plan.overrides[:1])
+        elif plan is first:
+            described[plan.name] = ", ".join(v for v in plan.settings.values() if v)
+        else:
+            diff = [v for k, v in plan.settings.items() if v and v != first.settings.get(k)]
+            described[plan.name] = ", ".join(diff) or "same settings as " + first.name
+    return described
+
+
+def budget_overrides(
+    plan: StagePlan, settings: BenchSettings, reference_batch: int | None
+) -> tuple[int | None, list[str]]:
+    """(optimizer steps, overrides): steps (or time), validation cadence and the tuner's bound for one stage."""
+    extra = ["test=false", "++trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"]
+    if settings.quick and "dataloader_tuner" in plan.callbacks:  # its search (up to 60 s) would dwarf a quick stage
+        extra.append(f"callbacks.dataloader_tuner.max_tuning_time_s={QUICK_TUNING_S:g}")
+    if settings.time_budget_s is not None:
+        seconds = int(math.ceil(settings.time_budget_s))
+        days, rest = divmod(seconds, 86400)
+        extra += ["trainer.max_steps=-1", f"++trainer.max_time='{days:02d}:{rest // 3600:02d}:"
+                  f"{rest % 3600 // 60:02d}:{rest % 60:02d}'"]  # fmt: skip
+        return None, extra
+    steps = settings.steps
+    if settings.match == "samples" and reference_batch and plan.global_batch:
+        steps = max(1, round(settings.steps * reference_batch / plan.global_batch))
+    batches = steps * plan.accumulate
+    interval = max(1, batches // max(1, settings.val_checks))
+    extra += [f"trainer.max_steps={steps}", "trainer.max_epochs=-1", f"trainer.val_check_interval={interval}",
+              "++trainer.check_val_every_n_epoch=null"]  # fmt: skip
+    return steps, extra
+
+
+def monitor_overrides(plan: StagePlan, settings: BenchSettings) -> list[str]:
+    """The BenchMonitor (and, on CUDA, GPUMonitor) callbacks; checkpoints off, they are not what is measured. Where
+    each run writes is added by `StagePlan.command`."""
+    key = "++callbacks.bench_monitor"
+    extra = [f"{key}._target_=lightning_accel.callbacks.BenchMonitor", f"{key}.metric={settings.metric}",
+             f"{key}.mode={settings.mode}"]  # fmt: skip
+    if settings.target is not None:
+        extra += [f"{key}.target={settings.target}", f"{key}.stop_at_target={str(settings.until_target).lower()}"]
+    if plan.on_cuda:
+        gpu = "++callbacks.gpu_monitor"
+        extra += [f"{gpu}._target_=lightning_accel.callbacks.GPUMonitor", f"{gpu}.print_report=false",
+                  f"{gpu}.warmup_steps=0"]  # fmt: skip
+    if "model_checkpoint" in plan.callbacks:
+        extra += ["~callbacks.model_checkpoint", "++trainer.enable_checkpointing=false"]
+    return extra
+
+
+def plan_stages(
+    ladder: Sequence[str],
+    user_overrides: Sequence[str],
+    settings: BenchSettings,
+    out_dir: Path,
+    visible_cuda: int | None = None,
+) -> tuple[list[StagePlan], int | None]:
+    """Compose and check every stage, then give each its budget and callbacks; nothing runs yet.
+
+    Returns the plans and the seed of the first round (`settings.seed`, else the config's `seed`, else
+    `DEFAULT_SEED`; None when the config sets `seed: null` and `--seed` is not given).
+
+    Raises:
+        ConfigError: for an unknown stage name, or user overrides that do not compose or fail `check_config`.
+    """
+    presets = available_presets()
+    selections = [(name, stage_overrides(name, presets)) for name in ladder]
+    user_cfg = compose_user_config(list(user_overrides), str(out_dir / "check"))
+    quick = []
+    if settings.quick and str(user_cfg.model.get("_target_", "")).endswith("GPTLanguageModel"):
+        quick = [o for o in QUICK_GPT if not any(u.split("=")[0] == o.split("=")[0] for u in user_overrides)]
+    plans = [plan_stage(name, [*selection, *quick, *user_overrides], str(out_dir / "stages" / f"{index}-{name}"),
+                        visible_cuda) for index, (name, selection) in enumerate(selections)]  # fmt: skip
+    reference_batch = next((p.global_batch for p in plans if p.global_batch), None)
+    for index, plan in enumerate(plans):
+        if plan.status == "ok":
+            steps, budget = budget_overrides(plan, settings, reference_batch)
+            plans[index] = replace(plan, steps=steps, budget=(*budget, *monitor_overrides(plan, settings)))
+    seed = settings.seed
+    if seed is None:
+        configured = user_cfg.get("seed", DEFAULT_SEED)
+        seed = configured if isinstance(configured, int) else None
+    return plans, seed
