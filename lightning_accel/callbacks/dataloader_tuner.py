@@ -18,11 +18,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel.errors import LightningAccelWarning
+from lightning_accel.measure import InterferenceProbe
 from lightning_accel.system import read_cpu_budget, read_shm
 from lightning_accel.tuning.dataloader import cache, policy, report
 from lightning_accel.tuning.dataloader import loop as loop_internals
 from lightning_accel.tuning.dataloader.decision import TunerDecision
 from lightning_accel.tuning.dataloader.timing import (
+    LiveWait,
     LoaderSettings,
     Trial,
     TrialError,
@@ -38,6 +40,9 @@ __all__ = ["DataLoaderTuner"]
 
 log = logging.getLogger(__name__)
 
+VERIFY_MARGIN = 0.15
+"""A cached decision fails its verification when the live loop waits for data more than this share of step time
+above what the decision recorded (and more than `tolerance`)."""
 TRIAL_STALL_S = 120.0
 """The longest a trial waits for one batch from its workers (when the loader sets no `timeout`): a stalled worker
 fails the trial on its rank, and the others learn it at their next collective, instead of waiting forever."""
@@ -122,11 +127,13 @@ class DataLoaderTuner(Callback):
         cache_dir: str | os.PathLike[str] | None = None,
         use_cache: bool = True,
         print_table: bool = True,
+        verify_steps: int = 20,
     ) -> None:
         if not max_tuning_time_s > 0:
             raise ValueError(f"`max_tuning_time_s={max_tuning_time_s!r}` must be > 0 seconds.")
         for name, value, low in (("steps_per_trial", steps_per_trial, 1), ("warmup_steps", warmup_steps, 0),
-                                 ("max_workers", 1 if max_workers is None else max_workers, 1)):  # fmt: skip
+                                 ("max_workers", 1 if max_workers is None else max_workers, 1),
+                                 ("verify_steps", verify_steps, 0)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}={value!r}` must be an integer >= {low}.")
         if not 0.0 <= tolerance < 1.0:
@@ -139,6 +146,12 @@ class DataLoaderTuner(Callback):
         self.max_workers, self.prefetch_factors, self.tune_pin_memory = max_workers, factors, tune_pin_memory
         self.apply_to_val, self.force, self.use_cache, self.print_table = apply_to_val, force, use_cache, print_table
         self.cache_dir = None if cache_dir is None else str(cache_dir)
+        self.verify_steps = verify_steps
+        self.live_wait_share: float | None = None
+        """The live loop's data-wait share measured to verify a reused decision; None when not measured."""
+        self.retuned = False
+        """True when a reused decision failed its verification and the loader was tuned again."""
+        self._live: LiveWait | None = None
         self.trials: list[Trial] = []
         """The trials of the last tuning, in the order run (empty after a cache hit)."""
         self.decision: LoaderSettings | None = None
@@ -163,6 +176,7 @@ class DataLoaderTuner(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trials, self.decision, self.result, self.tuning_time_s, self.cache_hit = [], None, None, 0.0, False
+        self._live, self.live_wait_share, self.retuned = None, None, False
         loop, start = trainer.fit_loop, time.perf_counter()
         early = loop._combined_loader is not None  # set up by another callback: its RNG draws are done
         with frozen_rng():  # the fit loop's own call finds the loaders set up; their iterator is recreated below
@@ -209,6 +223,8 @@ class DataLoaderTuner(Callback):
             loop_internals.swap_loaders(loop, train, reiterate=True, frozen=early)
         if self.decision is not None:
             self._report(trainer, loader_settings(train[0]))
+            if self.cache_hit and self.verify_steps:  # reused: checked on the live loop's first steps
+                self._live = LiveWait(skip=max(self.warmup_steps, self.decision.num_workers), steps=self.verify_steps)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -225,10 +241,98 @@ class DataLoaderTuner(Callback):
         loop = trainer.fit_loop  # `reload_dataloaders_every_n_epochs` brought new loaders; the epoch loop makes
         # their iterator itself only past the first epoch and when not resuming (`_TrainingEpochLoop.on_run_start`)
         makes_iterator = trainer.current_epoch > 0 and not loop.is_resuming and not loop.epoch_loop.restarting
+        if self._live is not None and self._verification_failed(trainer, final=False):
+            self._retune(trainer, pl_module, reiterate=not makes_iterator)
         self._reapply(loop, reiterate=not makes_iterator)
 
     @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+                             ) -> None:  # fmt: skip
+        if self._live is not None:
+            self._live.batch_start(time.perf_counter())
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        if self._live is not None:
+            self._live.batch_end(time.perf_counter())
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._live is not None:
+            self._live.pause()
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._live is not None and self._verification_failed(trainer, final=True):  # no epoch start came
+            self._forget(trainer, "it failed its verification and the fit ended before the next epoch")
+
+    def _verification_failed(self, trainer: pl.Trainer, final: bool) -> bool:
+        """Whether the reused decision failed its check on any rank; every rank calls this at the same hook.
+
+        Failed: the live loop waited for data more than `tolerance` and more than `VERIFY_MARGIN` above the share
+        the decision recorded, over `verify_steps` steps (or, at the fit's end, at least a quarter of them). Ends the
+        verification once every rank has its window, or it failed."""
+        live, result = self._live, self.result
+        assert live is not None and result is not None
+        enough = live.complete or (final and live.counted >= max(1, self.verify_steps // 4))
+        failed = enough and live.share > max(self.tolerance, result.wait_share + VERIFY_MARGIN)
+        any_failed, incomplete = loop_internals.rank_sync(trainer.strategy.root_device)(
+            [float(failed), float(not live.complete)])  # fmt: skip
+        if any_failed or not incomplete or final:
+            self.live_wait_share, self._live = live.share if enough else None, None
+            verdict = "failed" if any_failed else "passed"
+            if enough:
+                log.info("DataLoaderTuner: the reused decision %s its check: the loop waited for data %.0f%% of "
+                         "%d steps (recorded when tuned: %.0f%%).", verdict, 100 * live.share, live.counted,
+                         100 * result.wait_share)  # fmt: skip
+        return bool(any_failed)
+
+    def _forget(self, trainer: pl.Trainer, why: str) -> None:
+        """Drop this fit's decision from the cache and from the checkpoint state: the next fit tunes again."""
+        key = self.result.fingerprint if self.result is not None else None
+        self._state = {}
+        if key is None or not self.use_cache or not trainer.is_global_zero:
+            return
+        try:
+            cache.DecisionCache(self.cache_path).remove(key)
+            log.warning("DataLoaderTuner: the cached decision was dropped: %s.", why)
+        except Exception as err:
+            rank_zero_warn(f"DataLoaderTuner could not drop its cached decision from {self.cache_path} ({err}).",
+                           category=LightningAccelWarning)  # fmt: skip
+
+    def _retune(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reiterate: bool) -> None:
+        """Tune again at an epoch start, on every rank in lockstep, and give the fit loop the new decision; the cache
+        entry is replaced (or dropped, when the new decision may not be cached)."""
+        fit_loop, start, old = trainer.fit_loop, time.perf_counter(), self.result
+        loaders = list(fit_loop._combined_loader.flattened)
+        self.trials, self.cache_hit, self.retuned = [], False, True
+        try:
+            with frozen_rng(loaders):
+                decision = self._decide(trainer, pl_module, fit_loop, loaders[0], start, force=True)
+        except Exception as err:
+            if trainer.world_size > 1 and not isinstance(err, TrialError):
+                raise RuntimeError(f"DataLoaderTuner failed on rank {trainer.global_rank} while tuning again "
+                                   f"({type(err).__name__}: {err}).") from err  # fmt: skip
+            decision = None
+            rank_zero_warn(f"DataLoaderTuner could not tune again ({type(err).__name__}: {err}); training goes on "
+                           "with the reused decision.", category=LightningAccelWarning)  # fmt: skip
+        self.tuning_time_s += time.perf_counter() - start
+        if decision is None or self.result is None or not self.result.confident:
+            self._forget(trainer, "it failed its verification, and no decision that may be cached replaced it")
+        if decision is not None:
+            self.decision = decision
+            new = [loop_internals.rebuilt(dl, decision) for dl in loaders]
+        else:
+            new = loaders
+        loop_internals.swap_loaders(fit_loop, new, reiterate=reiterate)
+        if decision is not None and old is not None:
+            self._report(trainer, old.settings)
+
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._live is not None:  # validation comes between two training batches: not a wait for data
+            self._live.pause()
         if self.apply_to_val and not trainer.sanity_checking:  # first time, or reloaded
             self._reapply(trainer.fit_loop.epoch_loop.val_loop, reiterate=trainer.validating)
 
@@ -238,8 +342,8 @@ class DataLoaderTuner(Callback):
             rebuilt = [loop_internals.rebuilt(dl, self.decision) for dl in loaders]
             loop_internals.swap_loaders(loop, rebuilt, reiterate=reiterate)
 
-    def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: Any, loader: Any, start: float
-                ) -> LoaderSettings | None:  # fmt: skip
+    def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: Any, loader: Any, start: float,
+                force: bool = False) -> LoaderSettings | None:  # fmt: skip
         """Rank zero's decision, from the checkpoint, the cache or trials, on every rank, in `result` and `_state`."""
         strategy = trainer.strategy
         sync = loop_internals.rank_sync(strategy.root_device)
@@ -258,8 +362,9 @@ class DataLoaderTuner(Callback):
             raise TrialError(f"reading this rank's facts failed: {local_error!r}" if local_error else
                              "reading its facts failed on another rank") from local_error  # fmt: skip
         known, bound = None, max(budget, self.max_workers or 4 * budget)  # the most workers a search tries
-        if not self.force and self.use_cache:  # loaded from a checkpoint, or the previous fit of this callback
+        if not (self.force or force) and self.use_cache:  # from a checkpoint, or the previous fit of this callback
             known = TunerDecision.from_dict(self._state, fingerprint=key, max_workers=bound)
+            known = known if known is not None and known.confident else None  # never reuse one made under load
             if known is None and trainer.is_global_zero:
                 known = self._cached(key, bound)
         known = strategy.broadcast(known, src=0)
@@ -284,12 +389,20 @@ class DataLoaderTuner(Callback):
         assert isinstance(batch_size, int)
         deadline = start + self.max_tuning_time_s
 
+        pids = loop_internals.same_host_pids()  # the other ranks on this host (and their workers) are ours
+
         def measure(settings: LoaderSettings, cut: float | None) -> Trial:
             warmup, window = trial_window(settings.num_workers, self.warmup_steps, self.steps_per_trial, length)
-            return run_trial(lambda s: rebuild_loader(loader, replace(s, persistent_workers=False),
-                                                      stall_timeout_s=TRIAL_STALL_S), step, settings,
-                             warmup=warmup, steps=window, samples_per_batch=batch_size, cut_s_per_step=cut,
-                             deadline=deadline, sync=sync)  # fmt: skip
+            probe = InterferenceProbe(pids=lambda: pids)
+            with probe:
+                trial = run_trial(lambda s: rebuild_loader(loader, replace(s, persistent_workers=False),
+                                                           stall_timeout_s=TRIAL_STALL_S), step, settings,
+                                  warmup=warmup, steps=window, samples_per_batch=batch_size, cut_s_per_step=cut,
+                                  deadline=deadline, sync=sync)  # fmt: skip
+            seen = probe.result
+            if sync([float(seen is not None and seen.flagged)])[0]:  # any rank's flag, on every rank
+                trial.flag = seen.describe() if seen is not None and seen.flagged else "interference on another rank"
+            return trial
 
         with loop_internals.untouched(pl_module):
             self.trials = policy.search(
@@ -299,14 +412,19 @@ class DataLoaderTuner(Callback):
                 guard=lambda s: policy.memory_note(s, batch_bytes, shm_free, memory_free),
             )  # fmt: skip
         chosen = policy.choose(self.trials, self.tolerance)
-        decision = None if chosen is None else TunerDecision.from_trials(key, facts, chosen, self.trials, original)
+        flags = [t.flag for t in self.trials if t.flag]
+        note = f"measured under interference ({flags[0]})" if flags else ""
+        decision = None if chosen is None else TunerDecision.from_trials(key, facts, chosen, self.trials, original,
+                                                                         confident=not flags, note=note)  # fmt: skip
         decision = strategy.broadcast(decision, src=0)
         if decision is None:
             rank_zero_warn(f"DataLoaderTuner timed no setting to the end within `max_tuning_time_s="
                            f"{self.max_tuning_time_s}`; raise it. The DataLoaders are left alone.",
                            category=LightningAccelWarning)  # fmt: skip
             return None
-        if self.use_cache and trainer.is_global_zero:
+        if not decision.confident:
+            log.warning("DataLoaderTuner: %s, so the decision is applied to this fit but not cached.", decision.note)
+        elif self.use_cache and trainer.is_global_zero:
             try:
                 cache.DecisionCache(self.cache_path).put(decision)
             except Exception as err:  # rank zero alone writes: nothing it raises may part it from the other ranks
@@ -329,9 +447,11 @@ class DataLoaderTuner(Callback):
             return
         result, decision = self.result, self.decision
         assert result is not None and decision is not None
-        chosen = next((t for t in self.trials if t.settings == decision and t.status == "done"), None)
+        chosen = next((t for t in policy.medians(self.trials) if t.settings == decision), None)
         rows = report.table_rows(self.trials, chosen)
         source = "cache" if self.cache_hit else f"{len(self.trials)} trials in {self.tuning_time_s:.1f} s"
+        if not result.confident:
+            source += f"; not cached: {result.note}"
         changed = ", ".join(f"{k} {getattr(original, k)} -> {v}" for k, v in decision.as_dict().items()
                             if getattr(original, k) != v) or "no change"  # fmt: skip
         line = (f"DataLoaderTuner ({source}): {changed}; {result.samples_per_s:,.1f} samples/s per rank "

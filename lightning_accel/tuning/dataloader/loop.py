@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -27,7 +29,7 @@ from lightning_accel.tuning.dataloader.timing import (
 )
 
 __all__ = ["StepMode", "batch_size_of", "facts", "is_tuned", "make_step", "memory_free", "rank_sync", "rebuilt",
-           "stop_workers", "swap_loaders", "untouched", "untunable"]  # fmt: skip
+           "same_host_pids", "stop_workers", "swap_loaders", "untouched", "untunable"]  # fmt: skip
 
 StepMode = Literal["train", "forward", "data"]
 _TUNED = "_lightning_accel_tuned"  # marks the DataLoaders this package built, so a reloaded one is told apart
@@ -114,6 +116,17 @@ def rank_sync(device: torch.device) -> Callable[[Sequence[float]], list[float]]:
         return tensor.tolist()
 
     return sync
+
+
+def same_host_pids() -> list[int]:
+    """The process ids of the other ranks on this host (their DataLoader workers count as ours, not as interference
+    from another job); exchanged once through the default process group, empty outside one."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return []
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (socket.gethostname(), os.getpid()))
+    return [pid for host, pid in everyone if host == socket.gethostname() and pid != os.getpid()]
 
 
 def is_tuned(loader: object) -> bool:

@@ -5,12 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from lightning_accel.measure import Interval, interleaved, ratio
 from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
 
-__all__ = ["LOADER_BOUND_SHARE", "choose", "memory_note", "no_data_wait", "search", "worker_counts"]
+__all__ = ["LOADER_BOUND_SHARE", "choose", "clearly_apart", "medians", "memory_note", "no_data_wait", "search",
+           "worker_counts"]  # fmt: skip
 
 LOADER_BOUND_SHARE = 0.1
 """Above this share of step time waiting for data, more workers than CPUs are tried (the loader may wait on I/O)."""
+NOISE_FACTOR = 4.0
+MIN_NOISE = 0.2
+"""Two timings of different settings closer than `max(MIN_NOISE, NOISE_FACTOR x tolerance)` (relative) are within
+the noise of a shared machine: their comparison is repeated before it decides anything."""
 _MIB = 2**20
 
 
@@ -32,17 +38,28 @@ def no_data_wait(trial: Trial, tolerance: float) -> bool:
 
     Workers can at most take the loading off the step: the best any setting can reach is `samples_per_s / (1 -
     wait_share)`, within `tolerance` of this trial's own rate when `wait_share <= tolerance`. Then no worker can pay,
-    and a faster measurement with workers is noise (or another job's load on this trial).
+    and a faster measurement with workers is noise (or another job's load on this trial). The share is read with
+    the median step time (`Trial.loader_share`), so a few steps slowed by another job do not hide the loading.
     """
     return trial.settings.num_workers == 0 and trial.status == "done" and trial.steps > 0 and (
-        trial.wait_share <= tolerance)  # fmt: skip
+        trial.loader_share <= tolerance)  # fmt: skip
+
+
+def medians(trials: Sequence[Trial]) -> list[Trial]:
+    """One finished trial per setting, in first-run order: the median-throughput one of its repeats (the lower of
+    the middle two for an even count), so a repeated setting is judged by its median, not its luckiest run."""
+    runs: dict[LoaderSettings, list[Trial]] = {}
+    for t in trials:
+        if t.status == "done" and t.steps > 0:
+            runs.setdefault(t.settings, []).append(t)
+    return [sorted(r, key=lambda t: t.samples_per_s)[(len(r) - 1) // 2] for r in runs.values()]
 
 
 def choose(trials: Sequence[Trial], tolerance: float) -> Trial | None:
-    """The cheapest finished trial (fewest workers, then least prefetch, then no pinning) within `tolerance` of the
-    fastest, or the one without workers when it hardly waits for data (`no_data_wait`); None when no trial
-    finished."""
-    finished = [t for t in trials if t.status == "done" and t.steps > 0]
+    """The cheapest setting (fewest workers, then least prefetch, then no pinning) whose median throughput is within
+    `tolerance` of the fastest median, or the one without workers when it hardly waits for data (`no_data_wait`);
+    its median trial. None when no trial finished."""
+    finished = medians(trials)
     if not finished:
         return None
     if tolerance > 0:
@@ -64,6 +81,14 @@ def memory_note(settings: LoaderSettings, batch_bytes: int, shm_free: int | None
     return ""
 
 
+def clearly_apart(a: Trial, b: Trial, tolerance: float) -> bool:
+    """Whether one timing of each settles which is faster: both quiet (no interference flag) and their throughputs
+    apart by more than `NOISE_FACTOR` x `tolerance` (at least `MIN_NOISE`). Otherwise the comparison is repeated."""
+    if a.flag or b.flag or a.samples_per_s <= 0 or b.samples_per_s <= 0:
+        return False
+    return abs(b.samples_per_s / a.samples_per_s - 1.0) > max(MIN_NOISE, NOISE_FACTOR * tolerance)
+
+
 def search(
     measure: Callable[[LoaderSettings, float | None], Trial],
     *,
@@ -74,37 +99,70 @@ def search(
     tolerance: float,
     guard: Callable[[LoaderSettings], str],
     original: LoaderSettings | None = None,
+    repeats: int = 3,
 ) -> list[Trial]:
     """Try settings in a deterministic order that depends only on the trials' (rank-synchronised) results.
 
     1. Worker counts within the CPU budget (`worker_counts`), and the loader's own settings, with the first prefetch
-       factor and no pinning; when the first, without workers, hardly waits for data (`no_data_wait`), only the
-       loader's own settings after it, for the speedup figure.
-    2. While the fastest setting still waits for data more than `LOADER_BOUND_SHARE` of the time, twice as many
-       workers as the last count tried above the budget, up to `max_workers`, while each doubling is faster than
-       the fastest before it by more than `tolerance` (on a loader that waits on I/O each doubling pays; on a
-       CPU-bound one they bring nothing, and under a CPU quota they cost).
+       factor and no pinning; when the first, without workers, hardly waits for data (`no_data_wait`) and was timed
+       without interference, only the loader's own settings after it, for the speedup figure.
+    2. Twice as many workers as the last count tried above the budget, up to `max_workers`, when the fastest setting
+       still waits for data more than `LOADER_BOUND_SHARE` of the time (read with the median step,
+       `Trial.loader_share`) or was timed under interference, and again for as long as each doubling pays: its
+       throughput over the fastest before it, as a median of paired rounds, exceeds 1 + `tolerance`. On a loader
+       that waits on I/O each doubling pays; on a CPU-bound one they bring nothing, under a CPU quota they cost.
+       Doublings are never cut short: one slow stretch of another job's load must not end the search.
     3. The other prefetch factors, then pinned memory (`pin_memory`, CUDA only), on the fastest count.
+    4. When the cheapest setting within `tolerance` is not the fastest, and the two are not `clearly_apart`, that
+       comparison is repeated too.
 
-    `measure(settings, cut_s_per_step)` times one setting, cutting it short once slower than `cut_s_per_step`;
-    `guard(settings)` returns why a setting cannot run ("" when it can). Stops at the first trial that ran out of
-    time. Returns every trial, skipped ones included.
+    A comparison that is not `clearly_apart` (a trial under interference, or within the noise) is repeated
+    interleaved, A B A B, `repeats` more rounds uncut (as long as time is left), and decided on medians (`ratio`);
+    the repeats are trials of their own, noted "repeat", and `choose` takes each setting's median.
+
+    `measure(settings, cut_s_per_step)` times one setting, cutting it short once slower than `cut_s_per_step` (None:
+    never); `guard(settings)` returns why a setting cannot run ("" when it can). Stops at the first trial that ran
+    out of time. Returns every trial, skipped ones and repeats included.
     """
     trials: list[Trial] = []
     seen: set[LoaderSettings] = set()
+    out_of_time = False
 
     def bar() -> float | None:
-        finished = [t.s_per_step for t in trials if t.status == "done" and t.steps > 0]
+        finished = [t.s_per_step for t in medians(trials)]
         return min(finished) / (1.0 - tolerance) if finished else None
 
-    def attempt(settings: LoaderSettings) -> Trial | None:
+    def attempt(settings: LoaderSettings, cut: bool = True) -> Trial | None:
+        nonlocal out_of_time
         if settings in seen:
             return next(t for t in trials if t.settings == settings)
         seen.add(settings)
         note = guard(settings)
-        trial = Trial(settings=settings, status="skipped", note=note) if note else measure(settings, bar())
+        trial = Trial(settings=settings, status="skipped", note=note) if note else measure(settings, bar() if cut
+                                                                                           else None)  # fmt: skip
         trials.append(trial)
-        return None if trial.status == "time" else trial
+        out_of_time = trial.status == "time"
+        return None if out_of_time else trial
+
+    def compare(a: LoaderSettings, b: LoaderSettings) -> Interval | None:
+        """`b`'s throughput over `a`'s, repeated interleaved unless one timing of each settles it."""
+        nonlocal out_of_time
+        first = {t.settings: t for t in medians(trials) if t.settings in (a, b)}
+        rates = {s: [first[s].samples_per_s] for s in (a, b)}
+        if not clearly_apart(first[a], first[b], tolerance):
+            for _, settings in interleaved([a, b], repeats):
+                trial = measure(settings, None)
+                trial.note = trial.note or "repeat"
+                trials.append(trial)
+                if trial.status == "time":
+                    out_of_time = True
+                    break
+                if trial.status == "done" and trial.steps:
+                    rates[settings].append(trial.samples_per_s)
+        try:
+            return ratio(rates[b], rates[a])
+        except ValueError:
+            return None
 
     def base(workers: int) -> LoaderSettings:
         return LoaderSettings(num_workers=workers, prefetch_factor=prefetch_factors[0] if workers else None,
@@ -118,26 +176,29 @@ def search(
         trial = attempt(settings)
         if trial is None:
             return trials
-        if no_data_wait(trial, tolerance):  # no worker can pay; the loader's own settings timed for the speedup
+        if no_data_wait(trial, tolerance) and not trial.flag:  # no worker can pay; the loader's own for the speedup
             if original is not None and original != settings:
                 attempt(original)
             return trials
         if trial.status == "cut" and settings != original:
             cut_at = settings.num_workers
-    top, workers = choose(trials, 0.0), budget
-    while top is not None and top.settings.num_workers > 0 and top.wait_share > LOADER_BOUND_SHARE:
+    top, workers, paid = choose(trials, 0.0), budget, False
+    while top is not None and top.settings.num_workers > 0 and (
+        paid or top.loader_share > LOADER_BOUND_SHARE or top.flag
+    ):
         more = min(2 * workers, max_workers)
         if more <= workers:
             break
-        trial = attempt(base(more))
-        if trial is None:
+        trial = attempt(base(more), cut=False)
+        if trial is None or trial.status != "done":
             return trials
-        if trial.status != "done":
-            break  # cut short: slower than the fastest by more than the tolerance
-        paid = trial.samples_per_s > top.samples_per_s * (1.0 + tolerance)
-        workers, top = more, max(top, trial, key=lambda t: t.samples_per_s)
+        gain = compare(top.settings, trial.settings)
+        if out_of_time:
+            return trials
+        paid = gain is not None and gain.median > 1.0 + tolerance
+        workers, top = more, choose(trials, 0.0)
         if not paid:
-            break  # within the noise of the fastest: the next doubling would not pay either
+            break  # within the noise of the fastest, or slower: the next doubling would not pay either
     fastest = choose(trials, 0.0)
     if fastest is None or fastest.settings.num_workers == 0:
         return trials
@@ -146,5 +207,9 @@ def search(
             return trials
     if pin_memory:
         fastest = choose(trials, 0.0) or fastest
-        attempt(replace(fastest.settings, pin_memory=True))
+        if attempt(replace(fastest.settings, pin_memory=True)) is None:
+            return trials
+    cheap, fastest = choose(trials, tolerance), choose(trials, 0.0)
+    if cheap is not None and fastest is not None and cheap.settings != fastest.settings:
+        compare(cheap.settings, fastest.settings)  # its repeats count in `choose`'s medians
     return trials

@@ -11,11 +11,12 @@ from lightning_accel.tuning.dataloader.timing import Trial
 
 __all__ = ["COLUMNS", "decision_metrics", "rich_table", "table_rows", "table_text"]
 
-COLUMNS = ("workers", "prefetch", "pin", "samples/s", "data wait", "startup s", "steps", "note")
+COLUMNS = ("workers", "prefetch", "pin", "samples/s", "data wait", "startup s", "steps", "interference", "note")
 
 
 def table_rows(trials: Sequence[Trial], chosen: Trial | None) -> list[list[str]]:
-    """One row of strings per trial: workers, prefetch, pin, samples/s, data wait, startup, steps, note."""
+    """One row of strings per trial: workers, prefetch, pin, samples/s, data wait, startup, steps, interference (yes
+    when the trial was timed while another process took our CPUs: see `Trial.flag`), note."""
     rows = []
     for trial in trials:
         s = trial.settings
@@ -24,7 +25,7 @@ def table_rows(trials: Sequence[Trial], chosen: Trial | None) -> list[list[str]]
             str(s.num_workers), str(s.prefetch_factor or "-"), "yes" if s.pin_memory else "no",
             f"{trial.samples_per_s:,.1f}" if measured and trial.steps else "-",
             f"{100 * trial.wait_share:.0f}%" if measured and trial.steps else "-",
-            f"{trial.startup_s:.2f}" if measured else "-", str(trial.steps),
+            f"{trial.startup_s:.2f}" if measured else "-", str(trial.steps), "yes" if trial.flag else "-",
             "chosen" if trial is chosen else (trial.note or trial.status),
         ])  # fmt: skip
     return rows

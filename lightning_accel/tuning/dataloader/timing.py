@@ -14,8 +14,8 @@ import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch.utils.data import DataLoader, IterableDataset
 
-__all__ = ["LoaderSettings", "Trial", "TrialError", "batch_nbytes", "frozen_rng", "loader_settings", "rebuild_loader",
-           "run_trial", "trial_window"]  # fmt: skip
+__all__ = ["LiveWait", "LoaderSettings", "Trial", "TrialError", "batch_nbytes", "frozen_rng", "loader_settings",
+           "rebuild_loader", "run_trial", "trial_window"]  # fmt: skip
 
 Status = Literal["done", "cut", "skipped", "time"]
 Sync = Callable[[Sequence[float]], list[float]]
@@ -57,6 +57,11 @@ class Trial:
     startup_s: float = 0.0
     """From `iter(loader)` to the first batch: what a non-persistent loader pays again every epoch."""
     samples_per_batch: int = 0
+    step_s_median: float = 0.0
+    """Median time of one training step (without the wait for its batch): a burst of another job's load lengthens
+    a few steps, not the median."""
+    flag: str = ""
+    """Why the trial was measured under interference (another process took our CPUs, steal), "" when quiet."""
     note: str = ""
 
     @property
@@ -72,10 +77,21 @@ class Trial:
         """Share of the step time spent waiting for data, 0..1."""
         return self.wait_s / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def loader_share(self) -> float:
+        """Share of the step time waiting for data, with each step taken at the median step time (0..1).
+
+        What the search reads to decide whether more workers may pay: another job's load lengthens some training
+        steps, which shrinks `wait_share` although the loader is as slow as before; the median step is not lengthened
+        by a few slow ones."""
+        compute = self.steps * self.step_s_median if self.step_s_median > 0 else self.seconds - self.wait_s
+        return self.wait_s / (self.wait_s + compute) if self.wait_s + compute > 0 else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         return {**self.settings.as_dict(), "status": self.status, "steps": self.steps, "seconds": self.seconds,
                 "wait_s": self.wait_s, "startup_s": self.startup_s, "samples_per_s": self.samples_per_s,
-                "wait_share": self.wait_share, "note": self.note}  # fmt: skip
+                "wait_share": self.wait_share, "step_s_median": self.step_s_median, "flag": self.flag,
+                "note": self.note}  # fmt: skip
 
 
 class TrialError(RuntimeError):
@@ -207,6 +223,7 @@ def run_trial(
     iterator: Any = None
     timed = wait = 0.0
     done, exhausted, check = 0, False, max(1, steps // 4, settings.num_workers)
+    computes: list[float] = []
     try:
         start = clock()
         try:
@@ -227,7 +244,9 @@ def run_trial(
                     batch = next(iterator)
                     t1 = clock()
                     step(batch, warmup + index)
-                    timed, wait, done = timed + clock() - t0, wait + t1 - t0, done + 1
+                    t2 = clock()
+                    timed, wait, done = timed + t2 - t0, wait + t1 - t0, done + 1
+                    computes.append(t2 - t1)
                 except StopIteration:
                     exhausted = True
                 except Exception as err:
@@ -249,11 +268,56 @@ def run_trial(
             _shutdown(iterator)
         except Exception as err:  # reported to every rank by the collective below, like a failed step
             error = error or err
-    seconds, wait_s, startup_s, fewest, failed = sync([timed, wait, trial.startup_s, -done, float(error is not None)])
+    median = sorted(computes)[len(computes) // 2] if computes else 0.0
+    seconds, wait_s, startup_s, fewest, step_s, failed = sync([timed, wait, trial.startup_s, -done, median,
+                                                               float(error is not None)])  # fmt: skip
     if failed:
         raise TrialError(f"DataLoader trial {settings} failed: {error!r}" if error else
                          f"DataLoader trial {settings} failed on another rank") from error  # fmt: skip
     trial.steps, trial.seconds, trial.wait_s, trial.startup_s = int(-fewest), seconds, wait_s, startup_s
+    trial.step_s_median = step_s
     if trial.steps == 0 and trial.status == "done":
         trial.status, trial.note = "time", "no batch was timed"
     return trial
+
+
+@dataclass(kw_only=True, slots=True)
+class LiveWait:
+    """The share of step time the live training loop waits for batches, from the times of its batch hooks.
+
+    A wait is the time from the end of one batch (`batch_end`) to the start of the next (`batch_start`), a step from
+    start to end; the first `skip` batches (workers starting) are not counted, then `steps` pairs are. `pause()`
+    forgets the last end (validation or an epoch boundary comes between two batches).
+    """
+
+    skip: int
+    steps: int
+    seen: int = 0
+    counted: int = 0
+    wait_s: float = 0.0
+    step_s: float = 0.0
+    _end: float | None = None
+    _start: float | None = None
+    _gap: float | None = None
+
+    def batch_start(self, now: float) -> None:
+        self._gap = now - self._end if self._end is not None and self.seen >= self.skip else None
+        self._start = now
+
+    def batch_end(self, now: float) -> None:
+        if self._start is not None and self._gap is not None and not self.complete:
+            self.wait_s, self.step_s, self.counted = self.wait_s + self._gap, self.step_s + now - self._start, (
+                self.counted + 1)  # fmt: skip
+        self.seen, self._end, self._start, self._gap = self.seen + 1, now, None, None
+
+    def pause(self) -> None:
+        self._end = self._start = self._gap = None
+
+    @property
+    def complete(self) -> bool:
+        return self.counted >= self.steps
+
+    @property
+    def share(self) -> float:
+        total = self.wait_s + self.step_s
+        return self.wait_s / total if total > 0 else 0.0
