@@ -73,14 +73,14 @@ def test_a_skipped_baseline_makes_the_first_stage_that_ran_the_reference() -> No
         (0.8819, "max", "FAIL"),
         (0.95, "max", "pass"),
         (None, "min", "n/a"),
-        (math.nan, "min", "n/a"),
+        (math.nan, "min", "FAIL"),  # diverged
     ],
 )
 def test_quality_verdict_at_the_tolerance_boundaries(value, mode, expected) -> None:
     reference = 2.0 if mode == "min" else 0.9
     verdict, delta = quality_verdict(value, reference, mode, 0.02)
     assert verdict == expected
-    if expected != "n/a":
+    if expected != "n/a" and value is not None and math.isfinite(value):
         assert delta == pytest.approx(100 * (value - reference) / reference)
 
 
@@ -246,7 +246,7 @@ def test_bad_input_is_named_before_any_stage_runs(argv, words, tmp_path: Path, c
 # --- a failing stage and the outputs, without training ------------------------------------------------------------
 
 
-def test_a_failing_stage_is_a_failed_row_and_the_ladder_goes_on(tmp_path: Path) -> None:
+def test_a_failing_stage_is_a_failed_row_and_the_ladder_goes_on(tmp_path: Path, monkeypatch) -> None:
     """The middle stage's process raises; the stages around it still run and the outputs are written."""
     times = {"baseline": 12.0, "model_parallel": 3.0}
 
@@ -260,6 +260,7 @@ def test_a_failing_stage_is_a_failed_row_and_the_ladder_goes_on(tmp_path: Path) 
         return subprocess.CompletedProcess(command, 0, "", "")
 
     lines: list[str] = []
+    monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([]))
     run = run_bench(["baseline", "amp", "model_parallel"], ["trainer.accelerator=cpu"],
                     BenchSettings(steps=4, repeats=2), tmp_path, launcher=launcher, echo=lines.append)  # fmt: skip
     statuses = {r.name: r.status for r in run.results}
@@ -439,3 +440,179 @@ def test_fp32_on_a_gpu_without_tf32_is_measured_against_its_fp32_peak() -> None:
                                                        "compute_capability": [8, 0]})  # fmt: skip
     _derive(ampere, None)
     assert ampere.dtype == "tf32"
+
+
+# --- repeats, intervals, interference, noise-aware quality, energy -------------------------------------------------
+
+
+def _fake_launcher(times: dict[str, list[float]], metrics: dict[str, list[float]] | None = None):
+    """A launcher that writes each stage's next recorded time (and metric) as its measurement, in call order."""
+    calls: list[str] = []
+
+    def launcher(command: list[str], stage_dir: Path, timeout: float | None) -> subprocess.CompletedProcess[str]:
+        name = stage_dir.parent.name.split("-", 1)[1]
+        count = calls.count(name)
+        calls.append(name)
+        metric = (metrics or {}).get(name, [2.0] * 10)[count]
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        (stage_dir / "stage.json").write_text(json.dumps(_measurement(times[name][count], metric)))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    return launcher, calls
+
+
+class _ScriptedProbe:
+    """An interference probe whose verdicts are scripted per call (a stand-in for a busy /proc/stat)."""
+
+    def __init__(self, flags: list[bool]) -> None:
+        self.flags = flags
+        self.calls = 0
+
+    def __call__(self, settings: BenchSettings, on_cuda: bool) -> object:
+        from lightning_accel.measure import Interference
+
+        flagged = self.flags[self.calls] if self.calls < len(self.flags) else False
+        self.calls += 1
+        reasons = ("other processes used 1.00 of 2 CPU(s) (50%)",) if flagged else ()
+        result = Interference(wall_s=1.0, cpus=2, other_cpu_s=1.0 if flagged else 0.01, own_cpu_s=1.0,
+                              steal_s=0.0, load_start=1.0, load_end=1.0, flagged=flagged, reasons=reasons)  # fmt: skip
+
+        class Probe:
+            def start(self) -> None:
+                pass
+
+            def stop(self) -> Interference:
+                return result
+
+        return Probe()
+
+
+def test_rounds_interleave_and_a_flagged_run_is_run_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher, calls = _fake_launcher({"baseline": [10.0, 10.2, 9.8, 10.1], "amp": [20.0, 5.0, 5.1, 4.9]})
+    # the first amp run is measured under interference (20 s), its rerun is quiet
+    probe = _ScriptedProbe([False, True, False, False, False, False, False])
+    monkeypatch.setattr("lightning_accel.benchmark.run._probe", probe)
+    lines: list[str] = []
+    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
+                    BenchSettings(steps=4, repeats=3), tmp_path, launcher=launcher, echo=lines.append)  # fmt: skip
+    assert calls == ["baseline", "amp", "amp", "baseline", "amp", "baseline", "amp"]
+    amp = run.results[1]
+    assert [(r.round, r.flagged, r.replaced) for r in amp.runs] == [(0, True, True), (0, False, False),
+                                                                     (1, False, False), (2, False, False)]
+    assert amp.time_s == 5.0 and not amp.interference  # the flagged 20 s run is not counted
+    assert amp.speedup == pytest.approx(2.0) and amp.speedup_verdict == "faster"  # 10/5, 10.2/5.1, 9.8/4.9
+    assert amp.speedup_interval is not None and amp.speedup_interval["n"] == 3
+    assert any("ran under interference" in line and "again" in line for line in lines)
+    assert "1 rerun(s)" in amp.interference_note
+
+
+def test_a_stage_under_interference_in_every_run_is_flagged_in_every_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launcher, calls = _fake_launcher({"baseline": [10.0, 10.0], "amp": [2.0, 2.1, 2.2, 2.3]})
+    probe = _ScriptedProbe([False, True, True, False, True, True])  # amp: flagged, rerun flagged, in both rounds
+    monkeypatch.setattr("lightning_accel.benchmark.run._probe", probe)
+    lines: list[str] = []
+    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
+                    BenchSettings(steps=4, repeats=2, max_reruns=1), tmp_path, launcher=launcher,
+                    echo=lines.append)  # fmt: skip
+    assert calls == ["baseline", "amp", "amp", "baseline", "amp"]  # one rerun in all (--max-reruns 1)
+    amp = run.results[1]
+    assert amp.interference and "FLAGGED" in run.table and "(interference)" in run.table
+    assert any("measured under interference: amp" in line for line in lines)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["stages"][1]["interference"] is True and report["stages"][1]["runs"][0]["flagged"] is True
+    row = list(csv.DictReader((tmp_path / "bench.csv").open()))[1]
+    assert row["interference"] == "True" and "under interference" in row["interference_note"]
+
+
+def test_a_speedup_whose_interval_holds_one_is_no_clear_difference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([]))  # quiet, whatever the machine
+    launcher, _ = _fake_launcher({"baseline": [10.0, 10.0, 10.0], "amp": [9.0, 10.5, 10.0]})
+    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
+                    BenchSettings(steps=4, repeats=3), tmp_path, launcher=launcher, echo=lambda _: None)  # fmt: skip
+    amp = run.results[1]
+    assert amp.speedup_verdict == "no clear difference"
+    assert "no clear difference [0.95, 1.11]x" in run.table
+    assert "1.00x" not in run.table.splitlines()[3]  # no number that reads as a win
+
+
+def test_quality_fails_only_beyond_both_the_tolerance_and_the_references_own_noise() -> None:
+    # the reference's seeds spread over 0.1 (5% of 2.0): a stage 4% worse is within that noise
+    assert quality_verdict(2.08, 2.0, "min", 0.02, noise=0.1)[0] == "pass"
+    assert quality_verdict(2.11, 2.0, "min", 0.02, noise=0.1)[0] == "FAIL"
+    assert quality_verdict(2.05, 2.0, "min", 0.02, noise=0.01)[0] == "FAIL"  # beyond the tolerance and the noise
+    assert quality_verdict(0.86, 0.9, "max", 0.02, noise=0.05)[0] == "pass"
+    assert quality_verdict(math.nan, 2.0, "min", 0.02, noise=0.1)[0] == "FAIL"  # a loss that diverged lost quality
+
+
+def test_repeats_one_runs_the_reference_twice_for_its_noise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([]))
+    launcher, calls = _fake_launcher({"baseline": [10.0, 10.0], "amp": [5.0]},
+                                     metrics={"baseline": [2.0, 2.1], "amp": [2.09]})  # fmt: skip
+    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
+                    BenchSettings(steps=4, repeats=1), tmp_path, launcher=launcher, echo=lambda _: None)  # fmt: skip
+    assert calls == ["baseline", "amp", "baseline"]
+    base, amp = run.results
+    assert [r.seed for r in base.runs] == [1234, 1235]
+    assert base.quality_noise == pytest.approx(0.1) and amp.quality == "pass"  # +2.1% vs median 2.05, noise 0.1
+
+
+def test_a_stage_on_fewer_steps_says_so(tmp_path: Path) -> None:
+    rows = [_row("baseline", 10.0, 2.0), _row("ddp", 5.0, 2.01)]
+    rows[0].steps, rows[1].steps = 40, 20
+    finalize(rows, mode="min", tolerance=0.02)
+    assert rows[1].reference_steps == 40 and rows[0].reference_steps is None
+    assert "pass (+0.5%); steps 20 vs 40" in markdown_table(rows, "val/loss", 0.02, None)
+
+
+def test_a_broken_learning_rate_still_fails_quality(run_cli, tmp_path: Path) -> None:
+    """A rung that really loses quality (its LR 100x too low: the loss hardly moves) fails the gate whatever the
+    noise, and exits 1."""
+    conf = tmp_path / "conf" / "preset"
+    conf.mkdir(parents=True)
+    (conf / "hot.yaml").write_text("# @package _global_\nmodel:\n  optimizer:\n    lr: 0.00003\n")
+    out = tmp_path / "bench"
+    args = ["--quick", "--ladder", "baseline,hot", "--steps", "30", "--out", str(out), "--max-reruns", "0",
+            f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "data.max_chars=120000", "model.n_layer=1"]  # fmt: skip
+    result = run_cli(args, cwd=tmp_path, timeout=300, module="lightning_accel.bench")
+    stages = {s["name"]: s for s in json.loads((out / "bench.json").read_text())["stages"]}
+    assert stages["hot"]["quality"] == "FAIL", (stages["hot"]["metric_interval"], stages["baseline"]["metric_interval"])
+    assert result.returncode == 1
+
+
+def test_energy_from_the_fake_nvml_counter_leaves_validation_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    from _fake_nvml import FakeClock, FakeGPU, FakeNVML, install
+
+    from lightning_accel.telemetry.energy import open_energy_meter
+
+    clock = FakeClock()
+    gpus = [FakeGPU("GPU-a", energy_mj=lambda t: 300_000.0 * t), FakeGPU("GPU-b", energy_mj=lambda t: 100_000.0 * t)]
+    install(monkeypatch, FakeNVML(gpus, clock=clock))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    meter, reason = open_energy_meter([0, 1])
+    assert meter is not None and reason == "" and "2 GPU(s)" in meter.source
+    clock.advance(10.0)  # training: 400 W for 10 s
+    meter.pause()
+    clock.advance(5.0)  # validation: not counted
+    meter.resume()
+    clock.advance(2.0)
+    assert meter.pause() == pytest.approx(4800.0)
+
+
+def test_energy_from_rapl_or_n_a_with_the_reason(tmp_path: Path) -> None:
+    from lightning_accel.telemetry.energy import open_energy_meter
+
+    meter, reason = open_energy_meter(None, root=tmp_path)
+    assert meter is None and "no RAPL" in reason
+    domain = tmp_path / "sys" / "class" / "powercap" / "intel-rapl:0"
+    domain.mkdir(parents=True)
+    (domain / "name").write_text("package-0\n")
+    (domain / "max_energy_range_uj").write_text("1000000\n")
+    (domain / "energy_uj").write_text("900000\n")
+    meter, reason = open_energy_meter(None, root=tmp_path)
+    assert meter is not None and "package-0" in meter.source
+    (domain / "energy_uj").write_text("100000\n")  # wrapped: 0.1 J to the top, then 0.1 J
+    assert meter.pause() == pytest.approx(0.2)

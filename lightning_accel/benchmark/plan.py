@@ -289,6 +289,19 @@ def monitor_overrides(plan: StagePlan, settings: BenchSettings) -> list[str]:
     return extra
 
 
+def _selection(name: str, presets: Sequence[str], user_overrides: Sequence[str], out_dir: Path) -> list[str]:
+    """A stage's overrides: a packaged preset or built-in stage, else a preset of the user's own config tree
+    (`hydra.searchpath`) when `preset=<name>` composes with the user's overrides."""
+    try:
+        return stage_overrides(name, presets)
+    except ConfigError as err:
+        try:
+            compose_config([f"preset={name}", *user_overrides], str(out_dir / "check"))
+        except Exception:
+            raise err from None
+        return [f"preset={name}"]
+
+
 def plan_stages(
     ladder: Sequence[str],
     user_overrides: Sequence[str],
@@ -305,7 +318,7 @@ def plan_stages(
         ConfigError: for an unknown stage name, or user overrides that do not compose or fail `check_config`.
     """
     presets = available_presets()
-    selections = [(name, stage_overrides(name, presets)) for name in ladder]
+    selections = [(name, _selection(name, presets, user_overrides, out_dir)) for name in ladder]
     user_cfg = compose_user_config(list(user_overrides), str(out_dir / "check"))
     quick = []
     if settings.quick and str(user_cfg.model.get("_target_", "")).endswith("GPTLanguageModel"):

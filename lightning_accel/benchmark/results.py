@@ -214,8 +214,10 @@ def quality_verdict(
     `reference + max(tolerance * |reference|, noise)` when lower is better (`mode="min"`), below `reference -
     max(...)` when higher is better. Exactly at the boundary passes.
     """
-    if value is None or reference is None or not math.isfinite(value) or not math.isfinite(reference):
+    if value is None or reference is None or not math.isfinite(reference):
         return "n/a", None
+    if not math.isfinite(value):  # the stage diverged (NaN/inf) where the reference did not
+        return "FAIL", None
     delta_pct = 100.0 * (value - reference) / abs(reference) if reference else 0.0
     worse = (value - reference) if mode == "min" else (reference - value)
     limit = max(tolerance * abs(reference), noise if math.isfinite(noise) else 0.0)
