@@ -7,6 +7,7 @@ from lightning_accel.callbacks.bench_monitor import BenchMonitor
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.callbacks.float8 import Float8Training
 from lightning_accel.callbacks.gpu_monitor import GPUMonitor
+from lightning_accel.callbacks.lr_scaling import LRScaling
 from lightning_accel.callbacks.nonfinite import NonFiniteGuard
 from lightning_accel.callbacks.parallelize import Parallelize
 from lightning_accel.callbacks.preflight import Preflight
@@ -18,6 +19,7 @@ __all__ = [
     "DataLoaderTuner",
     "Float8Training",
     "GPUMonitor",
+    "LRScaling",
     "NonFiniteGuard",
     "Parallelize",
     "Preflight",
