@@ -11,9 +11,15 @@ Cases: `gpt` (GPTLanguageModel on StdlibTextDataModule, 1,098 steps), `digits` (
 DigitsDataModule, 19 steps; needs scikit-learn), and `gpt-latency`: the GPT case with a simulated 2 ms storage
 latency per window (a dataset that waits on I/O), its epoch cut to `--latency-batches` batches.
 
+`io-busy` (issue 14's criterion) is run alone: `--runs` tunings of an I/O-bound dataset (3 ms sleep per item, the
+tests' SleepyDataset) while a CPU-bound process that is not ours runs beside them; after each, the tests' Referee
+times every worker count 0..8 under the same load and the choice against the best, interleaved. Printed per run:
+the choice, its share of the best, whether the tuner flagged interference, and how many runs reached 80%.
+
 Run:
     python tests/benchmarks/bench_dataloader_tuner.py [--cases gpt digits gpt-latency] [--repeats 2] [--threads N]
         [--max-tuning-time-s 60] [--latency-batches 300] [--table]
+    python tests/benchmarks/bench_dataloader_tuner.py --cases io-busy [--runs 10] [--max-tuning-time-s 30]
 """
 
 from __future__ import annotations
@@ -22,9 +28,13 @@ import argparse
 import logging
 import os
 import platform
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -35,6 +45,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.examples import DigitsClassifier, DigitsDataModule, GPTLanguageModel, StdlibTextDataModule
 from lightning_accel.system import read_cpu_budget, read_cpu_info
+from lightning_accel.tuning.dataloader.timing import LoaderSettings
 
 
 class EpochTimer(pl.Callback):
@@ -102,10 +113,50 @@ def one_epoch(name: str, tuner: DataLoaderTuner | None, latency_batches: int) ->
     return timer
 
 
+def io_busy(runs: int, max_tuning_time_s: float, table: bool = False) -> list[tuple[LoaderSettings, float, bool]]:
+    """Issue 14's criterion: (choice, share of the sweep's best, flagged) of `runs` tunings of an I/O-bound dataset
+    beside a CPU-bound process that is not ours (started through a shell that exits, so init adopts it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "callbacks"))
+    import _dataloader_tuner_cases as cases
+
+    space = [LoaderSettings(num_workers=w, prefetch_factor=2 if w else None) for w in range(9)]
+    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    busy, results = int(out), []
+    try:
+        time.sleep(0.5)
+        with tempfile.TemporaryDirectory() as root:
+            for run in range(runs):
+                tuner = DataLoaderTuner(max_tuning_time_s=max_tuning_time_s, use_cache=False, print_table=table)
+                referee = cases.Referee(tuner, space)
+                load = os.getloadavg()[0]
+                cases.fit(cases.SleepyDataset(delay_s=0.003), [tuner, referee], root, max_steps=2)
+                assert tuner.decision is not None
+                flagged = any(t.flag for t in tuner.trials)
+                results.append((tuner.decision, referee.share_of_best, flagged))
+                print(f"run {run + 1:>2}: {tuner.decision.num_workers} workers (prefetch "
+                      f"{tuner.decision.prefetch_factor}), {100 * referee.share_of_best:.0f}% of the best "
+                      f"({referee.best and referee.best.num_workers} workers), tuning {tuner.tuning_time_s:.1f} s, "
+                      f"interference flagged: {'yes' if flagged else 'no'}, load {load:.1f}; {referee.summary()}",
+                      flush=True)  # fmt: skip
+    finally:
+        os.kill(busy, signal.SIGKILL)
+    reached = sum(share >= 0.8 for _, share, _ in results)
+    print(f"\nio-busy: the choice reached >= 80% of the exhaustive sweep's best in {reached} of {len(results)} runs "
+          f"(criterion: >= 9 of 10); choices: {[d.num_workers for d, _, _ in results]} workers; not cached: "
+          f"{sum(f for _, _, f in results)} of {len(results)} (flagged under interference).")
+    return results
+
+
 def main(args: argparse.Namespace) -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if "io-busy" in args.cases:
+        io_busy(args.runs, args.max_tuning_time_s, args.table)
+        args.cases = [c for c in args.cases if c != "io-busy"]
+        if not args.cases:
+            return
     budget = read_cpu_budget()
     print(f"machine: {read_cpu_info().model_name or platform.processor()}, {budget.effective} effective CPU(s) "
           f"(affinity {budget.affinity}, quota {budget.quota}); torch {torch.__version__} with "
@@ -150,4 +201,5 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=2, help="epochs of each kind; the fastest counts")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0: torch's default")
     parser.add_argument("--table", action="store_true", help="print the tuner's table of trials")
+    parser.add_argument("--runs", type=int, default=10, help="tunings of the io-busy case")
     main(parser.parse_args())

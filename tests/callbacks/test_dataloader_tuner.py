@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +24,7 @@ import lightning_accel.callbacks.dataloader_tuner as tuner_module
 import lightning_accel.tuning.dataloader.loop as loop_module
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.errors import LightningAccelWarning
+from lightning_accel.measure import Interference
 from lightning_accel.system import ShmInfo
 from lightning_accel.tuning.dataloader.cache import DecisionCache
 from lightning_accel.tuning.dataloader.policy import choose, memory_note, search, worker_counts
@@ -455,3 +459,100 @@ def test_a_failing_worker_shutdown_fails_the_trial_on_every_rank() -> None:
         run_trial(lambda s: Loader(), lambda batch, index: None, LoaderSettings(), warmup=1, steps=4,
                   samples_per_batch=1, sync=sync)  # fmt: skip
     assert reports[-1][-1] == 1.0  # the last collective carried the failure
+
+
+@pytest.fixture
+def busy_process() -> Iterator[int]:
+    """A CPU-bound process that is not ours (started through a shell that exits, so init adopts it)."""
+    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    pid = int(out)
+    time.sleep(0.2)
+    yield pid
+    os.kill(pid, signal.SIGKILL)
+
+
+class _FlaggingProbe(cases.QuietProbe):
+    def stop(self) -> Interference:
+        self.result = Interference(wall_s=1.0, cpus=CPUS, other_cpu_s=1.0, own_cpu_s=1.0, steal_s=0.0, load_start=None,
+                                   load_end=None, flagged=True, reasons=("other processes used 1.00 of 2 CPU(s)",))
+        return self.result
+
+
+def test_a_decision_under_interference_is_applied_but_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(tuner_module, "InterferenceProbe", _FlaggingProbe)  # the seam: every trial flagged
+    tuner = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache", print_table=True)
+    fitter, _ = cases.fit(cases.SleepyDataset(400, 0.002), [tuner], str(tmp_path), max_steps=2)
+    assert tuner.decision is not None and fitter.train_dataloader.num_workers == tuner.decision.num_workers
+    assert tuner.result is not None and not tuner.result.confident and "interference" in tuner.result.note
+    assert all(t.flag for t in tuner.trials if t.status != "skipped")
+    assert not (tmp_path / "cache" / "dataloader_tuner.json").exists()
+    assert tuner.state_dict()["confident"] is False
+    out = capsys.readouterr().out
+    assert "not cached" in out and "interference" in out
+    again = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache")
+    again.load_state_dict(tuner.state_dict())  # a checkpoint's decision made under load is not reused either
+    monkeypatch.setattr(tuner_module, "InterferenceProbe", cases.QuietProbe)
+    cases.fit(cases.SleepyDataset(400, 0.002), [again], str(tmp_path), max_steps=2)
+    assert not again.cache_hit and again.trials and again.result is not None and again.result.confident
+
+
+def test_a_decision_beside_a_real_busy_process_is_not_cached(tmp_path: Path, real_probe: None,
+                                                             busy_process: int) -> None:  # fmt: skip
+    tuner = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache")
+    cases.fit(cases.SleepyDataset(400, 0.002), [tuner], str(tmp_path), max_steps=2)
+    assert tuner.result is not None and not tuner.result.confident, tuner.trials
+    assert any("other processes used" in t.flag for t in tuner.trials)
+    assert not (tmp_path / "cache" / "dataloader_tuner.json").exists()
+
+
+def test_a_wrong_decision_planted_in_the_cache_is_replaced(tmp_path: Path) -> None:
+    data, folder = cases.SleepyDataset(400, 0.003), tmp_path / "cache"  # 50 batches an epoch, 24 ms each unloaded
+    first = _tuner(steps_per_trial=8, cache_dir=folder)
+    cases.fit(data, [first], str(tmp_path), max_steps=2)
+    assert first.decision is not None and first.decision.num_workers > CPUS
+    path = folder / "dataloader_tuner.json"
+    stored = json.loads(path.read_text())
+    ((key, entry),) = stored["entries"].items()
+    entry["settings"] = {"num_workers": 0, "prefetch_factor": None, "pin_memory": False, "persistent_workers": False}
+    entry["wait_share"] = 0.02  # as a decision made while another job inflated the step would record it
+    path.write_text(json.dumps(stored))
+    seen, second = _LoaderSeen(), _tuner(steps_per_trial=8, cache_dir=folder)
+    fitter, _ = cases.fit(data, [second, seen], str(tmp_path), max_steps=60)  # the check, then epoch 2 re-tunes
+    assert second.retuned and second.live_wait_share is not None and second.live_wait_share > 0.5
+    assert second.decision is not None and second.decision.num_workers > CPUS
+    assert seen.workers == fitter.train_dataloader.num_workers == second.decision.num_workers  # trains with it
+    assert json.loads(path.read_text())["entries"][key]["settings"]["num_workers"] == second.decision.num_workers
+
+
+def test_a_right_cached_decision_passes_its_check(tmp_path: Path) -> None:
+    data, folder = cases.SleepyDataset(400, 0.003), tmp_path / "cache"
+    first = _tuner(steps_per_trial=8, cache_dir=folder)
+    cases.fit(data, [first], str(tmp_path), max_steps=2)
+    second = _tuner(steps_per_trial=8, cache_dir=folder, verify_steps=10)
+    cases.fit(data, [second], str(tmp_path), max_steps=60)
+    assert second.cache_hit or second.retuned
+    assert second.decision is not None and second.decision.num_workers > CPUS
+
+
+@pytest.mark.slow  # up to 90 s on a loaded 2-core machine, and failed once at load 7 (out of tuning time): not yet fit
+def test_io_bound_choice_beside_a_busy_process_reaches_80_percent_of_the_best(
+    tmp_path: Path, real_probe: None, busy_process: int
+) -> None:
+    """Issue 14's criterion, once (the benchmark's `io-busy` case runs it 10 times): wide margins, as the sweep's
+    best is 4-8x the 2-CPU counts here."""
+    torch.set_num_threads(2)  # as a user's run: the step's second thread waits for the busy core, steps swell
+    tuner, referee = _tune_and_referee(cases.SleepyDataset(delay_s=0.006), tmp_path)
+    assert referee.share_of_best >= 0.8, referee.summary()
+    assert tuner.result is not None and not tuner.result.confident  # measured beside the busy process: not cached
+
+
+@pytest.mark.slow
+def test_io_busy_benchmark_meets_the_criterion_in_most_runs() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_dataloader_tuner as bench
+
+    results = bench.io_busy(runs=4, max_tuning_time_s=30)
+    assert sum(share >= 0.8 for _, share, _ in results) >= 3, results
