@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_accel.benchmark.results import StageResult
+from lightning_accel.benchmark.results import StageResult, counted_runs
 
 __all__ = ["CSV_COLUMNS", "JSON_SCHEMA_VERSION", "markdown_table", "plot", "to_json", "write_outputs"]
 
@@ -101,7 +101,7 @@ def markdown_table(results: Sequence[StageResult], metric: str, tolerance: float
             energy = f"n/a ({r.energy_note or 'not measured'})" if r.energy_j is None else f"{r.energy_j / 3600:.3g} Wh"
             if r.energy_j_per_sample is not None:
                 energy += f" ({r.energy_j_per_sample:.3g} J/sample)"
-            counted = sum(run.status == "ok" and not run.replaced for run in r.runs)
+            counted = len(counted_runs(r)[0])
             cells = [
                 r.name, r.changes, str(counted), _time_cell(r),
                 speedup_cell(r), _number(r.samples_per_s) + _interval(r.samples_interval, ",.0f"),
@@ -118,7 +118,7 @@ def markdown_table(results: Sequence[StageResult], metric: str, tolerance: float
 def _csv_row(r: StageResult) -> dict[str, Any]:
     row = {key: getattr(r, key, None) for key in CSV_COLUMNS if hasattr(r, key)}
     row["stage"] = r.name
-    row["runs"] = sum(run.status == "ok" and not run.replaced for run in r.runs)
+    row["runs"] = len(counted_runs(r)[0])
     for prefix, interval in (("time", r.time_interval), ("speedup", r.speedup_interval),
                              ("samples_per_s", r.samples_interval), ("metric", r.metric_interval)):  # fmt: skip
         row[f"{prefix}_low"] = interval.get("low") if interval else None

@@ -17,6 +17,7 @@ __all__ = [
     "StageResult",
     "StageRun",
     "StageStatus",
+    "counted_runs",
     "bottleneck",
     "finalize",
     "higher_is_better",

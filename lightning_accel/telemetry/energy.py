@@ -40,7 +40,7 @@ def rapl_domains(root: str | os.PathLike[str] = "/") -> tuple[list[Path], str]:
     """The readable top-level RAPL package domains (`intel-rapl:N`), or none and why."""
     base = Path(root) / "sys" / "class" / "powercap"
     if not base.is_dir():
-        return [], f"no RAPL on this machine ({base} does not exist)"
+        return [], f"no RAPL on this machine: {base} does not exist"
     domains = sorted(p for p in base.iterdir() if re.fullmatch(r"intel-rapl:\d+", p.name))
     if not domains:
         return [], f"no RAPL package domain under {base}"
@@ -52,7 +52,7 @@ def rapl_domains(root: str | os.PathLike[str] = "/") -> tuple[list[Path], str]:
         except (OSError, ValueError):
             continue
     if not readable:
-        return [], f"RAPL counters under {base} are not readable by this user (root only since Linux 5.10)"
+        return [], f"RAPL counters under {base} are not readable by this user: root only since Linux 5.10"
     return readable, ""
 
 
