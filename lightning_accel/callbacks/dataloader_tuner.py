@@ -94,6 +94,17 @@ class DataLoaderTuner(Callback):
         use_cache: reuse a decision from the cache, a checkpoint or an earlier fit of this callback, and write the
             cache.
         print_table: print the table of trials with rich on rank zero (it is logged at INFO either way).
+        verify_steps: after a decision is reused (cache or checkpoint), the live loop's data-wait share (the time
+            from one `on_train_batch_end` to the next `on_train_batch_start` over the step) is measured on this many
+            steps after `max(warmup_steps, num_workers)` warm-up steps. When it exceeds both `tolerance` and the
+            recorded share + `VERIFY_MARGIN` on any rank, the loader is tuned again at the next epoch start (every
+            rank together) and the cache entry is replaced; when the fit ends before that, the entry is dropped so
+            the next fit tunes again. 0: no check.
+
+    Interference: every trial runs under a `lightning_accel.measure.InterferenceProbe` (other ranks on the host are
+    ours); a flagged trial shows "yes" in the table's interference column, comparisons near the noise or under load
+    are repeated interleaved and decided on medians, and a decision made under interference is applied to the fit
+    but neither cached nor reused from a checkpoint (the report line says "not cached").
 
     Raises:
         ValueError: for a non-positive time, step count or worker count, a tolerance outside [0, 1), or an empty
