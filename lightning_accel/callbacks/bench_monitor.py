@@ -103,6 +103,10 @@ class BenchMonitor(Callback):
         warmup_batches: first batches left out of the split and the rates (allocation, caches, worker start-up).
         sync_cuda: synchronise the CUDA device at each phase boundary.
         count_flops: count the FLOPs of the first batch when the model declares none.
+        validate_at_end: when the fit stops at `max_steps` after a batch that is not a validation batch, validate
+            there too (through `trainer.should_stop`), so the final metric is the trained model's. Without it, a fit
+            whose epochs end in a partial accumulation window (an extra optimizer step per epoch) can stop short of
+            its last `val_check_interval` and report an earlier validation.
 
     Raises:
         ValueError: for an unknown `mode` or a negative `warmup_batches`.
@@ -122,6 +126,7 @@ class BenchMonitor(Callback):
         warmup_batches: int = 2,
         sync_cuda: bool = True,
         count_flops: bool = True,
+        validate_at_end: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"`mode={mode!r}` must be 'min' (lower is better) or 'max' (higher is better).")
@@ -137,6 +142,7 @@ class BenchMonitor(Callback):
         self.warmup_batches = warmup_batches
         self.sync_cuda = sync_cuda
         self.count_flops = count_flops
+        self.validate_at_end = validate_at_end
         self._reset()
 
     def _reset(self) -> None:
@@ -272,6 +278,9 @@ class BenchMonitor(Callback):
         m.tokens += tokens
         m.optimizer_steps = trainer.global_step
         marks, self._last_end = self._marks, now
+        last_validated = m.validations[-1]["step"] if m.validations else None
+        if self.validate_at_end and 0 < trainer.max_steps <= trainer.global_step != last_validated:
+            trainer.should_stop = True  # Lightning validates a fit that stops early (every rank does the same)
         if m.batches <= self.warmup_batches or "data" not in marks:
             return
         start = marks["start"]

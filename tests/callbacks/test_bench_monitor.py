@@ -91,3 +91,25 @@ def test_bad_arguments_are_named() -> None:
         BenchMonitor(stop_at_target=True)
     with pytest.raises(ValueError, match="warmup_batches"):
         BenchMonitor(warmup_batches=-1)
+
+
+@pytest.mark.parametrize("validate_at_end", [True, False])
+def test_the_last_step_is_validated_when_epoch_ends_shift_the_validation_batches(tmp_path, validate_at_end) -> None:
+    """16 batches an epoch, accumulate 3: each epoch ends in a partial window (6 optimizer steps an epoch), so 8
+    steps end at batch 22, before the second `val_check_interval=12` batch: without the final validation the metric
+    would be the one of step 4."""
+    monitor = BenchMonitor(metric="val/score", validate_at_end=validate_at_end)
+    data = TensorDataset(torch.randint(0, 16, (64, 5), generator=torch.Generator().manual_seed(0)))
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=8, max_epochs=-1, accumulate_grad_batches=3, val_check_interval=12,
+        check_val_every_n_epoch=None, limit_val_batches=1, num_sanity_val_steps=0, callbacks=[monitor], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(_TokenModel(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    m = monitor.measurement
+    assert trainer.global_step == 8 and m.batches == 22
+    steps = [v["step"] for v in m.validations]
+    if validate_at_end:
+        assert steps == [4, 8] and m.final_metric == 9.0
+    else:
+        assert steps == [4] and m.final_metric == 10.0  # what accel-bench --quick reported for model_parallel
