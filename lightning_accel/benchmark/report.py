@@ -133,8 +133,9 @@ def to_json(results: Sequence[StageResult], header: dict[str, Any]) -> dict[str,
     return {"schema_version": JSON_SCHEMA_VERSION, **header, "stages": [asdict(r) for r in results]}
 
 
-def plot(results: Sequence[StageResult], path: Path, title: str) -> str | None:
-    """Draw each stage's median time as a bar with its interval as an error bar, labelled with its speedup (orange:
+def plot(results: Sequence[StageResult], path: Path, title: str, by: str = "time") -> str | None:
+    """Draw each stage's median time (`by="time"`; samples/s when the stages trained different amounts) as a bar with
+    its interval as an error bar, labelled with its speedup (orange:
     measured under interference, red: quality FAIL); returns why not when matplotlib is missing."""
     try:
         import matplotlib
@@ -144,9 +145,11 @@ def plot(results: Sequence[StageResult], path: Path, title: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install 'lightning_accel[plot]'): bench.png not written"
     names = [r.name for r in results]
-    times = [r.time_s if r.status == "ok" and r.time_s else 0.0 for r in results]
-    errors = [[t - (r.time_interval or {}).get("low", t) for t, r in zip(times, results, strict=True)],
-              [(r.time_interval or {}).get("high", t) - t for t, r in zip(times, results, strict=True)]]  # fmt: skip
+    value, spread = ("time_s", "time_interval") if by == "time" else ("samples_per_s", "samples_interval")
+    times = [getattr(r, value) if r.status == "ok" and getattr(r, value) else 0.0 for r in results]
+    intervals = [getattr(r, spread) or {} for r in results]
+    errors = [[t - i.get("low", t) for t, i in zip(times, intervals, strict=True)],
+              [i.get("high", t) - t for t, i in zip(times, intervals, strict=True)]]  # fmt: skip
     fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(results)), 3.8))
     colors = ["tab:red" if r.quality == "FAIL" else "tab:orange" if r.interference else "tab:blue" for r in results]
     bars = ax.bar(names, times, color=colors, yerr=errors, capsize=4, ecolor="black")
@@ -156,7 +159,7 @@ def plot(results: Sequence[StageResult], path: Path, title: str) -> str | None:
             label += "\nquality FAIL"
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height() + high), ha="center", va="bottom",
                     fontsize=9, xytext=(0, 2), textcoords="offset points")  # fmt: skip
-    ax.set_ylabel("training time (s), median [range]")
+    ax.set_ylabel("training time (s), median [range]" if by == "time" else "samples/s, median [range]")
     ax.set_title(title, fontsize=10)
     ax.margins(y=0.25)
     fig.tight_layout()
@@ -177,7 +180,7 @@ def write_outputs(
         writer.writeheader()
         writer.writerows(_csv_row(r) for r in results)
     files[2].write_text(json.dumps(to_json(results, header), indent=2, default=str) + "\n")
-    note = plot(results, out_dir / "bench.png", title)
+    note = plot(results, out_dir / "bench.png", title, by=header.get("settings", {}).get("speedup_by", "time"))
     if note is None:
         files.append(out_dir / "bench.png")
     return files, note
