@@ -575,12 +575,14 @@ def test_a_broken_learning_rate_still_fails_quality(run_cli, tmp_path: Path) -> 
     conf.mkdir(parents=True)
     (conf / "hot.yaml").write_text("# @package _global_\nmodel:\n  optimizer:\n    lr: 0.00003\n")
     out = tmp_path / "bench"
-    args = ["--quick", "--ladder", "baseline,hot", "--steps", "30", "--out", str(out), "--max-reruns", "0",
-            f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "data.max_chars=120000", "model.n_layer=1"]  # fmt: skip
+    args = ["--ladder", "baseline,hot", "--steps", "30", "--repeats", "1", "--val-checks", "1", "--out", str(out),
+            "--max-reruns", "0", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "data.max_chars=120000",
+            "model.n_layer=1", "model.n_embd=32", "trainer.limit_val_batches=4"]  # fmt: skip
     result = run_cli(args, cwd=tmp_path, timeout=300, module="lightning_accel.bench")
     stages = {s["name"]: s for s in json.loads((out / "bench.json").read_text())["stages"]}
     assert stages["hot"]["quality"] == "FAIL", (stages["hot"]["metric_interval"], stages["baseline"]["metric_interval"])
-    assert result.returncode == 1
+    assert [r["seed"] for r in stages["baseline"]["runs"]] == [1234, 1235]  # --repeats 1: a second seed, for noise
+    assert stages["baseline"]["quality_noise"] > 0 and result.returncode == 1
 
 
 def test_energy_from_the_fake_nvml_counter_leaves_validation_out(monkeypatch: pytest.MonkeyPatch) -> None:
