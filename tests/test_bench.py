@@ -618,3 +618,21 @@ def test_energy_from_rapl_or_n_a_with_the_reason(tmp_path: Path) -> None:
     assert meter is not None and "package-0" in meter.source
     (domain / "energy_uj").write_text("100000\n")  # wrapped: 0.1 J to the top, then 0.1 J
     assert meter.pause() == pytest.approx(0.2)
+
+
+def test_a_failed_rerun_leaves_the_flagged_run_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    inner, calls = _fake_launcher({"baseline": [10.0], "amp": [5.0]})
+
+    def launcher(command: list[str], stage_dir: Path, timeout: float | None) -> subprocess.CompletedProcess[str]:
+        if stage_dir.name.endswith("-rerun1"):
+            return subprocess.CompletedProcess(command, 1, "", "RuntimeError: the rerun broke")
+        return inner(command, stage_dir, timeout)
+
+    monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([False, True, False]))
+    lines: list[str] = []
+    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
+                    BenchSettings(steps=4, repeats=1), tmp_path, launcher=launcher, echo=lines.append)  # fmt: skip
+    amp = run.results[1]
+    assert [(r.status, r.flagged, r.replaced) for r in amp.runs] == [("ok", True, False), ("failed", False, False)]
+    assert amp.status == "ok" and amp.time_s == 5.0 and amp.interference
+    assert any("rerun of `amp` failed" in line for line in lines)

@@ -58,10 +58,15 @@ def _interval(interval: dict[str, Any] | None, spec: str, unit: str = "") -> str
 
 
 def _time_cell(r: StageResult) -> str:
+    """`12.3 s [11.9, 12.8]`: the median, then the interval in the median's unit."""
     interval = r.time_interval
-    if not interval or interval.get("n", 0) < 2:
+    if r.time_s is None or not interval or interval.get("n", 0) < 2:
         return _seconds(r.time_s)
-    return f"{_seconds(r.time_s)} [{_seconds(interval['low']).split()[0]}, {_seconds(interval['high'])}]"
+    text = _seconds(r.time_s)
+    unit = text.split()[-1]
+    scale = {"s": 1.0, "min": 60.0, "h": 3600.0}[unit]
+    digits = 2 if unit == "h" else 1
+    return f"{text} [{interval['low'] / scale:.{digits}f}, {interval['high'] / scale:.{digits}f}]"
 
 
 def speedup_cell(r: StageResult) -> str:

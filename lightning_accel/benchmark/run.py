@@ -117,10 +117,13 @@ def run_bench(
             reruns_left[index] -= 1
             reasons = "; ".join((run.interference or {}).get("reasons") or [])
             echo(f"accel-bench: `{plan.name}` round {round_index + 1} ran under interference ({reasons}): again")
-            run.replaced = True
-            run = _run(plan, index, round_index, run_seed, out_dir, settings, launcher,
-                       attempt=settings.max_reruns - reruns_left[index])  # fmt: skip
-            result.runs.append(run)
+            rerun = _run(plan, index, round_index, run_seed, out_dir, settings, launcher,
+                         attempt=settings.max_reruns - reruns_left[index])  # fmt: skip
+            result.runs.append(rerun)
+            if rerun.status != "ok":  # the flagged run stays the round's measurement
+                echo(f"accel-bench: the rerun of `{plan.name}` failed ({rerun.reason}); its flagged run counts")
+                break
+            run.replaced, run = True, rerun
         if run.status != "ok":
             echo(f"accel-bench: `{plan.name}` round {round_index + 1} failed: {run.reason}")
         else:
