@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "holds 1.0 reads 'no clear difference', and a stage measured while other processes took the CPUs is "
         "flagged. Writes bench.md, bench.csv, bench.json and "
         "bench.png into --out. Exit code: 0 when every stage that ran kept quality, 1 when one failed quality "
-        "or crashed, 2 for a usage error.",
+        "or crashed, 2 for a usage error, 130 after Ctrl-C (the outputs then hold the runs that finished).",
         epilog="Trailing Hydra overrides apply to every stage: accel-bench --quick model=classifier "
         "trainer.accelerator=cpu",
     )
@@ -163,7 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="DIR",
-        help="run directory (default $ACCEL_LOG_DIR or outputs, then bench/<time>)",
+        help="run directory (default $ACCEL_LOG_DIR or outputs, then bench/<time>); one that holds files is refused "
+        "unless --overwrite",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out (its earlier results are replaced, never read)",
     )
     return parser  # fmt: skip
 
@@ -223,11 +229,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         out = args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "bench" / stamp
+        if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+            raise ConfigError(f"`--out={out}` already holds files (an earlier bench?); pass another `--out`, or "
+                              "`--overwrite` to replace them.")  # fmt: skip
         run = run_bench(ladder, args.overrides, settings, out.resolve(), peak_tflops=args.peak_tflops,
                         argv=sys.argv if argv is None else ["accel-bench", *argv])  # fmt: skip
     except ConfigError as err:
         print(f"accel-bench: error: {err}", file=sys.stderr)
         return 2
+    if run.interrupted:
+        return 130
     bad = [r for r in run.results if r.status == "failed" or r.quality == "FAIL"]
     return 1 if bad else 0
 

@@ -636,3 +636,41 @@ def test_a_failed_rerun_leaves_the_flagged_run_counted(tmp_path: Path, monkeypat
     assert [(r.status, r.flagged, r.replaced) for r in amp.runs] == [("ok", True, False), ("failed", False, False)]
     assert amp.status == "ok" and amp.time_s == 5.0 and amp.interference
     assert any("rerun of `amp` failed" in line for line in lines)
+
+
+def test_a_rerun_into_the_same_out_never_reports_an_old_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([]))
+    old = tmp_path / "stages" / "0-baseline" / "run0"
+    old.mkdir(parents=True)
+    (old / "stage.json").write_text(json.dumps(_measurement(1.0, 2.0)))  # an earlier bench's result
+
+    def trains_nothing(command: list[str], stage_dir: Path, timeout: float | None) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(command, 0, "", "")  # `fit=false`: exit 0, no measurement
+
+    run = run_bench(["baseline"], ["trainer.accelerator=cpu", "trainer.devices=1"], BenchSettings(steps=4, repeats=1),
+                    tmp_path, launcher=trains_nothing, echo=lambda _: None)  # fmt: skip
+    assert run.results[0].status == "failed" and "wrote no measurement" in run.results[0].reason
+
+
+def test_a_non_empty_out_is_refused_unless_overwrite(tmp_path: Path, capsys) -> None:
+    (tmp_path / "bench.md").write_text("an earlier table")
+    assert bench.main(["--out", str(tmp_path), "--ladder", "baseline"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_ctrl_c_keeps_the_runs_that_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([]))
+    inner, calls = _fake_launcher({"baseline": [10.0, 10.0], "amp": [5.0, 5.0]})
+
+    def launcher(command: list[str], stage_dir: Path, timeout: float | None) -> subprocess.CompletedProcess[str]:
+        if len(calls) == 3:  # round 2's amp: the user presses Ctrl-C
+            raise KeyboardInterrupt
+        return inner(command, stage_dir, timeout)
+
+    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
+                    BenchSettings(steps=4, repeats=2), tmp_path, launcher=launcher, echo=lambda _: None)  # fmt: skip
+    assert run.interrupted and calls == ["baseline", "amp", "baseline"]
+    assert [r.status for r in run.results] == ["ok", "ok"] and run.results[1].speedup == 2.0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["interrupted"] is True and len(report["stages"][0]["runs"]) == 2
+    assert (tmp_path / "bench.md").is_file()

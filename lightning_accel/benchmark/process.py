@@ -94,8 +94,13 @@ def run_once(
     launcher: Launcher = launch,
     probe: InterferenceProbe | None = None,
 ) -> StageRun:
-    """Run one stage's command once, under `probe`, and read its measurement; a failure is a `failed` run."""
+    """Run one stage's command once, under `probe`, and read its measurement; a failure is a `failed` run.
+
+    A `stage.json` left in `run_dir` by an earlier bench is removed first: a run that writes none fails instead of
+    reporting the old one.
+    """
     run = StageRun(round=round_index, seed=seed)
+    (run_dir / "stage.json").unlink(missing_ok=True)
     started = time.perf_counter()
     if probe is not None:
         probe.start()

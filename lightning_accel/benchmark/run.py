@@ -32,6 +32,8 @@ class BenchRun:
     note: str | None = None
     total_s: float = 0.0
     header: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False
+    """Ctrl-C stopped the bench: the outputs hold the runs that finished."""
 
 
 def _machine() -> dict[str, Any]:
@@ -73,6 +75,35 @@ def _run(plan: StagePlan, index: int, round_index: int, seed: int | None, out_di
                     timeout=settings.stage_timeout_s, launcher=launcher, probe=_probe(settings, plan.on_cuda))
 
 
+def _run_schedule(schedule: list[tuple[int, int]], plans: list[StagePlan], results: list[StageResult],
+                  seed: int | None, changes: dict[str, str], reruns_left: dict[int, int], out_dir: Path,
+                  settings: BenchSettings, launcher: Launcher, echo: Callable[[str], None]) -> None:  # fmt: skip
+    """Run every (round, stage) of `schedule` in order, rerunning a flagged run while `reruns_left` allows."""
+    for position, (round_index, index) in enumerate(schedule):
+        plan, result = plans[index], results[index]
+        run_seed = None if seed is None else seed + round_index
+        echo(f"accel-bench: run {position + 1}/{len(schedule)}: `{plan.name}` round {round_index + 1} "
+             f"(seed {run_seed}): {changes[plan.name]}" + (f", {plan.steps} steps" if plan.steps else ""))
+        run = _run(plan, index, round_index, run_seed, out_dir, settings, launcher)
+        result.runs.append(run)
+        while run.status == "ok" and run.flagged and reruns_left[index] > 0:
+            reruns_left[index] -= 1
+            reasons = "; ".join((run.interference or {}).get("reasons") or [])
+            echo(f"accel-bench: `{plan.name}` round {round_index + 1} ran under interference ({reasons}): again")
+            rerun = _run(plan, index, round_index, run_seed, out_dir, settings, launcher,
+                         attempt=settings.max_reruns - reruns_left[index])  # fmt: skip
+            result.runs.append(rerun)
+            if rerun.status != "ok":  # the flagged run stays the round's measurement
+                echo(f"accel-bench: the rerun of `{plan.name}` failed ({rerun.reason}); its flagged run counts")
+                break
+            run.replaced, run = True, rerun
+        if run.status != "ok":
+            echo(f"accel-bench: `{plan.name}` round {round_index + 1} failed: {run.reason}")
+        else:
+            flag = " (under interference)" if run.flagged else ""
+            echo(f"accel-bench: `{plan.name}` round {round_index + 1} done in {run.process_s:.1f} s{flag}")
+
+
 def run_bench(
     ladder: Sequence[str],
     overrides: Sequence[str],
@@ -106,29 +137,15 @@ def run_bench(
     if settings.repeats == 1 and runnable:  # a second seed of the reference: its own noise, for the quality verdict
         schedule.append((1, runnable[0]))
     reruns_left = {i: settings.max_reruns for i in runnable}
-    for position, (round_index, index) in enumerate(schedule):
-        plan, result = plans[index], results[index]
-        run_seed = None if seed is None else seed + round_index
-        echo(f"accel-bench: run {position + 1}/{len(schedule)}: `{plan.name}` round {round_index + 1} "
-             f"(seed {run_seed}): {changes[plan.name]}" + (f", {plan.steps} steps" if plan.steps else ""))
-        run = _run(plan, index, round_index, run_seed, out_dir, settings, launcher)
-        result.runs.append(run)
-        while run.status == "ok" and run.flagged and reruns_left[index] > 0:
-            reruns_left[index] -= 1
-            reasons = "; ".join((run.interference or {}).get("reasons") or [])
-            echo(f"accel-bench: `{plan.name}` round {round_index + 1} ran under interference ({reasons}): again")
-            rerun = _run(plan, index, round_index, run_seed, out_dir, settings, launcher,
-                         attempt=settings.max_reruns - reruns_left[index])  # fmt: skip
-            result.runs.append(rerun)
-            if rerun.status != "ok":  # the flagged run stays the round's measurement
-                echo(f"accel-bench: the rerun of `{plan.name}` failed ({rerun.reason}); its flagged run counts")
-                break
-            run.replaced, run = True, rerun
-        if run.status != "ok":
-            echo(f"accel-bench: `{plan.name}` round {round_index + 1} failed: {run.reason}")
-        else:
-            flag = " (under interference)" if run.flagged else ""
-            echo(f"accel-bench: `{plan.name}` round {round_index + 1} done in {run.process_s:.1f} s{flag}")
+    interrupted = False
+    try:
+        _run_schedule(schedule, plans, results, seed, changes, reruns_left, out_dir, settings, launcher, echo)
+    except KeyboardInterrupt:  # the running stage's processes are ended by `launch`; keep what finished
+        interrupted = True
+        echo("accel-bench: interrupted; writing the runs that finished")
+        for result in results:
+            if result.status == "ok" and not any(r.status == "ok" for r in result.runs):
+                result.status, result.reason = "skipped", "not run: accel-bench was interrupted"
     settings_by_stage = {p.name: {"num_workers": p.num_workers, "precision": p.precision, "accumulate": p.accumulate,
                                   "family": p.family} for p in plans}  # fmt: skip
     by = "time" if settings.match == "samples" and settings.time_budget_s is None else "throughput"
@@ -154,6 +171,7 @@ def run_bench(
         },  # fmt: skip
         "reference": reference.name if reference else None,
         "total_s": total_s,
+        "interrupted": interrupted,
     }
     files, note = write_outputs(results, out_dir, header, table, title)
     footer = (f"Speedup over `{reference.name}`" if reference else "No stage ran") + \
@@ -168,4 +186,5 @@ def run_bench(
         if line:
             echo(f"accel-bench: note: {line}")
     echo(f"accel-bench: wrote {', '.join(str(f) for f in files)}")
-    return BenchRun(results=results, table=table, files=files, note=note, total_s=total_s, header=header)
+    return BenchRun(results=results, table=table, files=files, note=note, total_s=total_s, header=header,
+                    interrupted=interrupted)
