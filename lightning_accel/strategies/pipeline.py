@@ -24,8 +24,10 @@ from typing_extensions import override
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.strategies.pipeline_stages import (
     StagePlan,
+    check_dcp_metadata,
     check_microbatches,
     check_torch_pipelining,
+    load_metadata,
     microbatches_for,
     plan_stages,
     prune_to_stages,
@@ -532,6 +534,9 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         if not path.is_dir():
             raise ConfigError(f"`ckpt_path={str(path)!r}` is not a PipelineStrategy checkpoint directory.")
+        meta = load_metadata(path / _METADATA_FILENAME, weights_only)  # before any state is touched
+        if weights_only is not False:  # the caller's explicit trust skips the index check too
+            check_dcp_metadata(path)
         assert self.model is not None
         state: dict[str, Any] = {"state_dict": self.lightning_module_state_dict()}
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -541,7 +546,7 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         set_model_state_dict(self.model, state["state_dict"], options=self._options())
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"], options=self._options())
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only or False)
+        return meta
 
 
 def _shard_group(grad: Any) -> Any:

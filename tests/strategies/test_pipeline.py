@@ -315,3 +315,55 @@ def test_consolidating_a_non_checkpoint_fails(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is not a distributed checkpoint directory"):
         consolidate_checkpoint(tmp_path)
     assert stages_module.SCHEDULES["gpipe"][0] == "ScheduleGPipe"
+
+
+class _Payload:
+    """Pickles into a call of `marker.touch()`: what a planted checkpoint would run on load."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (Path.touch, (self.marker,))
+
+
+def _checkpoint_with_payload(tmp_path: Path) -> tuple[Path, Path]:
+    """A real distributed-checkpoint directory (one process) whose `meta.pt` carries a payload."""
+    import torch.distributed.checkpoint as dcp
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    path, marker = tmp_path / "last.ckpt", tmp_path / "payload-ran"
+    dcp.save({"state_dict": {"w": torch.ones(2)}}, checkpoint_id=path)
+    torch.save({"epoch": 1, "global_step": 10, "hyper_parameters": {"x": _Payload(marker)}}, path / _METADATA_FILENAME)
+    return path, marker
+
+
+def test_a_planted_payload_in_the_metadata_never_runs(tmp_path: Path) -> None:
+    from lightning_accel.strategies.pipeline_stages import load_metadata
+
+    path, marker = _checkpoint_with_payload(tmp_path)
+    with pytest.raises(ConfigError, match="holds more than tensors and plain types") as err:
+        consolidate_checkpoint(path, out=tmp_path / "plain.ckpt")
+    assert "weights_only=False" in str(err.value) and "meta.pt" in str(err.value)
+    with pytest.raises(ConfigError, match="could run code"):
+        load_metadata(path / "meta.pt")  # what PipelineStrategy.load_checkpoint calls first (weights_only=None)
+    assert not marker.exists() and not (tmp_path / "plain.ckpt").exists()
+    load_metadata(path / "meta.pt", weights_only=False)  # the caller's explicit trust: it runs
+    assert marker.exists()
+
+
+def test_a_planted_payload_in_the_checkpoint_index_never_runs(tmp_path: Path) -> None:
+    """torch reads a distributed checkpoint's `.metadata` with plain pickle: it is checked against an allowlist."""
+    import pickle
+
+    from lightning_accel.strategies.pipeline_stages import check_dcp_metadata
+
+    path, marker = _checkpoint_with_payload(tmp_path)
+    torch.save({"epoch": 1}, path / "meta.pt")  # a clean metadata file: the index is what carries the payload here
+    check_dcp_metadata(path)  # a real index passes
+    index = pickle.loads((path / ".metadata").read_bytes())
+    index.planted = _Payload(marker)
+    (path / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(ConfigError, match="pathlib.Path.touch|could run code"):
+        consolidate_checkpoint(path)
+    assert not marker.exists()
