@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -189,6 +190,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError("`--until-target` needs `--target VALUE`, the metric value to stop at.")
     if args.time_budget is not None and args.steps is not None:
         raise ConfigError("`--time-budget` and `--steps` both set the budget; pass one of them.")
+    if not re.fullmatch(r"[\w./\-]+", args.metric):
+        raise ConfigError(f"`--metric={args.metric!r}` must be one metric key as logged, e.g. `val/loss` (no commas "
+                          "or spaces); the table follows one metric.")  # fmt: skip
     if not args.metric.startswith("val"):
         raise ConfigError(f"`--metric={args.metric}` should be a validation metric (`val/...`), e.g. `val/loss`.")
     for override in args.overrides:
@@ -197,6 +201,16 @@ def _check(args: argparse.Namespace) -> None:
         if override.split("=", 1)[0].lstrip("+~") in ("preset", "hydra.run.dir", "trainer.max_steps"):
             raise ConfigError(f"`{override}` is set by accel-bench for each stage; use `--ladder`, `--out` or "
                               "`--steps` instead.")  # fmt: skip
+
+
+def _check_writable(out: Path) -> None:
+    """`--out` can be created and written, before any stage runs."""
+    probe = out
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if probe.exists() and (not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK)):
+        what = "is a file" if not probe.is_dir() else "is not writable by this user"
+        raise ConfigError(f"`--out={out}` cannot be written: {probe} {what}; pass a writable directory.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -229,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         out = args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "bench" / stamp
+        _check_writable(out)
         if out.is_dir() and any(out.iterdir()) and not args.overwrite:
             raise ConfigError(f"`--out={out}` already holds files (an earlier bench?); pass another `--out`, or "
                               "`--overwrite` to replace them.")  # fmt: skip

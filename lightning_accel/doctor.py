@@ -30,6 +30,13 @@ def _count(text: str) -> int:
     return value
 
 
+def _positive_count(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `accel-doctor`; argparse exits 2 on a usage error."""
     parser = argparse.ArgumentParser(
@@ -43,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GPUs the run will use on this node (default: every visible GPU; 0: a CPU run)")
     parser.add_argument("--num-workers", type=_count, default=None, metavar="N",
                         help="DataLoader workers per process, to judge /dev/shm, CPUs and memory")
-    parser.add_argument("--num-nodes", type=_count, default=1, metavar="N", help="nodes of the run (default: 1)")
+    parser.add_argument("--num-nodes", type=_positive_count, default=1, metavar="N",
+                        help="nodes of the run (default: 1)")
     parser.add_argument("--check", action="append", choices=list(CHECKS), dest="checks", metavar="NAME",
                         help=f"run only this check (repeatable): {', '.join(CHECKS)}")
     parser.add_argument("--root", default=os.environ.get(ROOT_ENV, "/"), help=argparse.SUPPRESS)  # fake trees
@@ -127,8 +135,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         argv: the arguments (None: `sys.argv[1:]`).
         env: the environment to read `PYTHON_CPU_COUNT`, `CUDA_VISIBLE_DEVICES` and `NCCL_*` from (None: `os.environ`).
     """
-    args = build_parser().parse_args(argv)
-    request = CheckRequest(gpus=args.devices, num_workers=args.num_workers, num_nodes=max(1, args.num_nodes))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.root):
+        parser.error(f"`{ROOT_ENV}={args.root}` (the root the machine's facts are read under) is not a directory; "
+                     f"unset it to read this machine's /proc and /sys.")  # fmt: skip
+    request = CheckRequest(gpus=args.devices, num_workers=args.num_workers, num_nodes=args.num_nodes)
     facts = collect_facts(args.root, env)
     checks = run_checks(facts, request, args.checks)
     if args.json:

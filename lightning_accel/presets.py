@@ -52,6 +52,12 @@ def check_config(cfg: DictConfig) -> None:
     _check_int("trainer.num_nodes", trainer.get("num_nodes", 1), minimum=1)
     _check_int("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), minimum=1)
     _check_int("trainer.max_steps", trainer.get("max_steps", -1), minimum=-1)
+    if trainer.get("max_steps", -1) == 0 and cfg.get("fit", True):
+        raise ConfigError("`trainer.max_steps=0` trains nothing; use -1 (no step limit, `max_epochs` decides) or a "
+                          "number of optimizer steps >= 1 (or `fit=false` to skip training).")  # fmt: skip
+    _check_val_check_interval(trainer.get("val_check_interval"))
+    _check_fractions(cfg.get("data"))
+    _check_nccl(cfg.get("nccl"))
     if trainer.get("max_epochs") is not None:
         _check_int("trainer.max_epochs", trainer.max_epochs, minimum=-1)
     seed = cfg.get("seed")
@@ -78,11 +84,50 @@ def _check_devices(devices: Any) -> None:
             return
     elif isinstance(devices, (ListConfig, Sequence)):
         if len(devices) > 0 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
-            return
+            if len(set(devices)) == len(devices):
+                return
+            raise ConfigError(f"`trainer.devices={_show(devices)}` names a device twice; list each index once, e.g. "
+                              "`trainer.devices=[0,1]`.")  # fmt: skip
     raise ConfigError(
         f"`trainer.devices={_show(devices)}` is not a device count or list of device indices; use a count "
         "(`trainer.devices=2`), indices (`trainer.devices=[0,1]`), -1 for all devices, or `auto`."
     )
+
+
+def _check_val_check_interval(value: Any) -> None:
+    """Lightning's `val_check_interval`: a fraction of the epoch in (0, 1], or a number of batches >= 1."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"`trainer.val_check_interval={_show(value)}` must be a fraction of the epoch (0 < x <= 1.0) "
+                          "or a number of batches (an integer >= 1).")  # fmt: skip
+    if (isinstance(value, int) and value < 1) or (isinstance(value, float) and not 0.0 < value <= 1.0):
+        raise ConfigError(f"`trainer.val_check_interval={value}` validates never or always; use a fraction of the "
+                          "epoch (0 < x <= 1.0, e.g. 0.25) or a number of batches (an integer >= 1, e.g. 200).")
+
+
+def _check_fractions(data: Any) -> None:
+    """`data.val_fraction` and `data.test_fraction` (the examples' splits) are fractions that leave training data."""
+    if not isinstance(data, (DictConfig, Mapping)):
+        return
+    total = 0.0
+    for key in ("val_fraction", "test_fraction"):
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ConfigError(f"`data.{key}={_show(value)}` must be a fraction within [0, 1), e.g. 0.05.")
+        total += float(value)
+    if total >= 1.0:
+        raise ConfigError(f"`data.val_fraction` + `data.test_fraction` = {total:g} leaves no training data; keep "
+                          "their sum below 1, e.g. 0.05 each.")  # fmt: skip
+
+
+def _check_nccl(nccl: Any) -> None:
+    if isinstance(nccl, (DictConfig, Mapping)) and nccl.get("preset") is not None:
+        from lightning_accel.strategies.nccl import NCCL_PRESETS
+
+        _check_choice("nccl.preset", nccl.get("preset"), NCCL_PRESETS, hint="or pick `nccl=NAME`")
 
 
 def _check_choice(setting: str, value: Any, choices: Sequence[str], hint: str = "") -> None:
@@ -133,7 +178,7 @@ def _check_accumulation(cfg: DictConfig) -> None:
     if accumulate != 1:
         raise ConfigError(
             f"`trainer.accumulate_grad_batches={accumulate}` conflicts with `callbacks.{name}`, which sets it per "
-            "window; use `accumulation=none` with the callback, or remove it with `~callbacks.{name}`."
+            f"window; use `accumulation=none` with the callback, or remove it with `~callbacks.{name}`."
         )
     global_batch = node.get("global_batch_size")
     micro = node.get("micro_batch_size")

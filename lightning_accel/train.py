@@ -118,6 +118,60 @@ def config_digest(cfg: DictConfig) -> str:
     return hashlib.sha256(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()
 
 
+def instantiate_callbacks(cfg: DictConfig) -> list[Any]:
+    """The run's callbacks, sorted by name; a callback whose constructor rejects its arguments is a ConfigError
+    naming `callbacks.<name>`.
+
+    Raises:
+        ConfigError: with the callback's own message (the value and the fix).
+    """
+    built = []
+    for name, node in sorted((cfg.get("callbacks") or {}).items()):
+        if node is None:
+            continue
+        try:
+            built.append(instantiate(node))
+        except Exception as err:
+            cause = err.__cause__ or err  # Hydra wraps the constructor's error in an InstantiationException
+            target = node.get("_target_", "?") if isinstance(node, DictConfig) else "?"
+            raise ConfigError(f"`callbacks.{name}` ({target}) cannot be built: {cause}") from None
+    return built
+
+
+def check_ckpt_path(cfg: DictConfig) -> None:
+    """`ckpt_path` names a checkpoint this run can resume: `last` needs the run directory's `last.ckpt`; a path must
+    be a `torch.save` file (a zip archive) or a distributed checkpoint directory (with `.metadata`).
+
+    Raises:
+        ConfigError: naming the path, what it is, and the fix.
+    """
+    path = cfg.get("ckpt_path")
+    if path is None or not cfg.get("fit", True) or str(path) in ("best", "hpc", "registry"):
+        return
+    if str(path) == "last":
+        dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
+        if dirpath is not None and not (Path(str(dirpath)) / "last.ckpt").exists():
+            raise ConfigError(f"`ckpt_path=last` finds no {Path(str(dirpath)) / 'last.ckpt'}: this run directory "
+                              "holds no earlier run. Resume in the earlier run's directory "
+                              "(`hydra.run.dir=<its directory> ckpt_path=last`) or pass its checkpoint file "
+                              "(`ckpt_path=<dir>/checkpoints/last.ckpt`).")  # fmt: skip
+        return
+    import zipfile
+
+    file = Path(str(path))
+    if not file.exists():
+        raise ConfigError(f"`ckpt_path={str(path)!r}` does not exist; pass a checkpoint file (`.../checkpoints/"
+                          "last.ckpt`) or `ckpt_path=last` in the run directory to resume.")  # fmt: skip
+    if file.is_dir() and not (file / ".metadata").is_file():
+        raise ConfigError(f"`ckpt_path={str(path)!r}` is a directory but not a distributed checkpoint (no "
+                          "`.metadata`); pass a checkpoint file or a directory a PipelineStrategy or "
+                          "ModelParallelStrategy run saved.")  # fmt: skip
+    if file.is_file() and not zipfile.is_zipfile(file):
+        raise ConfigError(f"`ckpt_path={str(path)!r}` is not a checkpoint (not a torch.save archive: truncated, "
+                          "corrupt or another kind of file); pass the run's `checkpoints/last.ckpt` or another "
+                          "checkpoint.")  # fmt: skip
+
+
 def _drop_logger_callbacks(callbacks: list[Any]) -> list[Any]:
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.utilities import rank_zero_warn
@@ -148,6 +202,8 @@ def run(cfg: DictConfig) -> RunSummary | None:
     if compression:
         log.info(compression)
     apply_nccl(cfg)
+    check_ckpt_path(cfg)
+    callbacks = instantiate_callbacks(cfg)  # their own argument checks, before anything is built or spawned
     if cfg.get("check", False):
         print_check(cfg, resolved)
         return None
@@ -158,7 +214,6 @@ def run(cfg: DictConfig) -> RunSummary | None:
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     loggers = instantiate_named(cfg.get("logger"))
-    callbacks = instantiate_named(cfg.get("callbacks"))
     if not loggers:
         callbacks = _drop_logger_callbacks(callbacks)
     callbacks += [cb for cb in resolved.callbacks if not any(type(have) is type(cb) for have in callbacks)]

@@ -232,11 +232,13 @@ def test_plan_matches_samples_across_stages_with_bigger_global_batches(
         (["--until-target"], ["--target"]),
         (["preset=amp"], ["--ladder"]),
         (["--metric", "train/loss"], ["val/"]),
+        (["--metric", "val/loss,val/bpc"], ["`--metric='val/loss,val/bpc'`", "one metric key"]),
+        (["--out", "/proc/version/x"], ["`--out=/proc/version/x` cannot be written", "is a file"]),
     ],
 )
 def test_bad_input_is_named_before_any_stage_runs(argv, words, tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr("lightning_accel.benchmark.run.run_once", lambda *a, **k: pytest.fail("a stage ran"))
-    assert bench.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert bench.main(["--out", str(tmp_path / "out"), *argv]) == 2  # an --out in argv wins
     err = capsys.readouterr().err
     assert err.startswith("accel-bench: error:")
     for word in words:

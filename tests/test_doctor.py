@@ -74,11 +74,19 @@ def test_only_the_named_checks_run(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert [c["name"] for c in json.loads(capsys.readouterr().out)["checks"]] == ["cpus", "bf16"]
 
 
-@pytest.mark.parametrize("argv", [["--devices", "-1"], ["--num-workers", "many"], ["--check", "gpu"], ["--bogus"]])
+@pytest.mark.parametrize("argv", [["--devices", "-1"], ["--num-workers", "many"], ["--check", "gpu"], ["--bogus"],
+                                  ["--num-nodes", "0"], ["--root", "/nonexistent"]])  # fmt: skip
 def test_usage_errors_exit_2(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         doctor.main(argv)
     assert exit_info.value.code == 2 and "accel-doctor: error" in capsys.readouterr().err
+
+
+def test_a_root_that_is_no_directory_is_named(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setenv("ACCEL_DOCTOR_ROOT", "/nonexistent")
+    with pytest.raises(SystemExit) as exit_info:
+        doctor.main([])
+    assert exit_info.value.code == 2 and "`ACCEL_DOCTOR_ROOT=/nonexistent`" in capsys.readouterr().err
 
 
 def test_this_machine(capsys) -> None:

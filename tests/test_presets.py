@@ -28,10 +28,18 @@ def test_valid_devices_pass(compose_train, devices: str) -> None:
         ("trainer.accumulate_grad_batches=0", "`trainer.accumulate_grad_batches=0`", ">= 1"),
         ("trainer.max_steps=ten", "`trainer.max_steps='ten'`", "integer"),
         ("seed=abc", "`seed='abc'`", "integer or null"),
+        # found by the fault probe of issue 16: tracebacks or silent acceptance before
+        ("trainer.devices=[0,0]", "`trainer.devices=[0, 0]` names a device twice", "`trainer.devices=[0,1]`"),
+        ("trainer.val_check_interval=0", "`trainer.val_check_interval=0`", "an integer >= 1"),
+        ("trainer.val_check_interval=1.5", "`trainer.val_check_interval=1.5`", "0 < x <= 1.0"),
+        ("trainer.max_steps=0", "`trainer.max_steps=0` trains nothing", "`fit=false`"),
+        ("data.val_fraction=1.5", "`data.val_fraction=1.5`", "within [0, 1)"),
+        ("data.val_fraction=0.6 data.test_fraction=0.5", "leaves no training data", "below 1"),
+        ("nccl.preset=bogus", "`nccl.preset='bogus'`", "`nccl=NAME`"),
     ],
 )
 def test_bad_setting_names_setting_value_and_fix(compose_train, override: str, setting: str, fix: str) -> None:
-    cfg = compose_train([override])
+    cfg = compose_train(override.split())
     with pytest.raises(ConfigError) as err:
         check_config(cfg)
     assert setting in str(err.value)

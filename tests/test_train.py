@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 from _run_logs import config_digests
 
@@ -191,3 +192,39 @@ def test_external_launch_ids() -> None:
     assert external_rank_job_name("train", {"RANK": "3"}) == "train_rank3"
     assert external_rank_job_name("train", {"SLURM_PROCID": "2", "SLURM_NTASKS": "8"}) == "train_rank2"
     assert external_rank_job_name("train", {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == "train"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["ckpt_path=/nonexistent/last.ckpt"], ["`ckpt_path='/nonexistent/last.ckpt'` does not exist"]),
+        (["ckpt_path=last"], ["`ckpt_path=last` finds no", "last.ckpt", "hydra.run.dir"]),
+        (["ckpt_path={tmp}/text.ckpt"], ["is not a checkpoint", "corrupt"]),
+        (["ckpt_path={tmp}/truncated.ckpt"], ["is not a checkpoint"]),
+        (["ckpt_path={tmp}"], ["is a directory but not a distributed checkpoint"]),
+        (["+callbacks.accumulation._target_=lightning_accel.callbacks.AccumulationScheduler",
+          "+callbacks.accumulation.scheduling={{0:0}}"], ["`callbacks.accumulation`", "`scheduling[0]=0`"]),
+    ],
+)
+def test_bad_resume_and_callback_settings_fail_before_anything_is_built(
+    compose_train, tmp_path: Path, overrides: list[str], words: list[str]
+) -> None:
+    import torch
+
+    from lightning_accel.errors import ConfigError
+    from lightning_accel.train import run
+
+    (tmp_path / "text.ckpt").write_text("not a checkpoint\n")
+    torch.save({"state_dict": {"w": torch.ones(1000)}}, tmp_path / "whole.ckpt")
+    (tmp_path / "truncated.ckpt").write_bytes((tmp_path / "whole.ckpt").read_bytes()[:2000])  # a full disk's leftover
+    cfg = compose_train([o.format(tmp=tmp_path) for o in overrides] + ["check=true"])
+    with pytest.raises(ConfigError) as err:
+        run(cfg)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_a_bad_ckpt_path_exits_2_without_a_traceback(run_cli, tmp_path: Path) -> None:
+    result = run_cli(["ckpt_path=/nonexistent/last.ckpt", "trainer=smoke"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert "accel-train: error: `ckpt_path=" in result.stderr and "Traceback" not in result.stderr
