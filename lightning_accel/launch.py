@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,6 +21,8 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
+
+from lightning_accel.errors import ConfigError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -147,13 +150,22 @@ def external_run_id(default: str, env: Mapping[str, str] | None = None) -> str:
 
     torchrun gives every rank the same `TORCHELASTIC_RUN_ID` (a fresh one per `--standalone` launch, else the
     `--rdzv-id`), so ranks started a second apart still write into one run directory; `ACCEL_RUN_ID` (e.g.
-    `$SLURM_JOB_ID` under srun) wins over it.
+    `$SLURM_JOB_ID` under srun) wins over it. The id names one directory: characters other than letters, digits,
+    `.`, `_` and `-` become `_` (`../../x` -> `.._.._x`, never a path outside the log directory), and an id of dots
+    alone is refused.
+
+    Raises:
+        ConfigError: for an id that is empty or only dots after that.
     """
     env = os.environ if env is None else env
     for key in ("ACCEL_RUN_ID", "TORCHELASTIC_RUN_ID"):
         value = env.get(key, "")
         if value and value != "none":
-            return value
+            safe = re.sub(r"[^A-Za-z0-9._-]", "_", value)
+            if not safe.strip("."):
+                raise ConfigError(f"`{key}={value!r}` cannot name a run directory; use letters, digits, `.`, `_` or "
+                                  "`-` (e.g. the job id).")  # fmt: skip
+            return safe
     return default
 
 

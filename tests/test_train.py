@@ -187,6 +187,12 @@ def test_external_launch_ids() -> None:
     assert external_run_id("T", {"TORCHELASTIC_RUN_ID": "none"}) == "T"
     assert external_run_id("T", {"TORCHELASTIC_RUN_ID": "abc"}) == "abc"
     assert external_run_id("T", {"TORCHELASTIC_RUN_ID": "abc", "ACCEL_RUN_ID": "slurm7"}) == "slurm7"
+    assert external_run_id("T", {"ACCEL_RUN_ID": "../../x"}) == ".._.._x"  # one directory, inside the log dir
+    assert external_run_id("T", {"ACCEL_RUN_ID": "job 7/a"}) == "job_7_a"
+    from lightning_accel.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="`ACCEL_RUN_ID='..'` cannot name a run directory"):
+        external_run_id("T", {"ACCEL_RUN_ID": ".."})
     assert external_rank_job_name("train", {}) == "train"
     assert external_rank_job_name("train", {"RANK": "0"}) == "train"
     assert external_rank_job_name("train", {"RANK": "3"}) == "train_rank3"
