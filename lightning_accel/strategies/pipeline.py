@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -512,15 +514,21 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("`PipelineStrategy.save_checkpoint(..., storage_options=...)` is not supported.")
         path = Path(self.broadcast(filepath))
-        if self.global_rank == 0 and path.exists():  # no stale shards of an earlier save (last.ckpt)
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        # Written beside its target under a temporary name, then renamed over it: a save that dies (SIGKILL, a full
+        # disk) leaves the previous checkpoint whole, and no stale shards of an earlier save mix in (last.ckpt).
+        staging = path.with_name(f".{path.name}.saving-{self.broadcast(uuid.uuid4().hex[:8])}")
+        if self.global_rank == 0:
+            staging.mkdir(parents=True)
         self.barrier()
-        path.mkdir(parents=True, exist_ok=True)
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        dcp.save(state, checkpoint_id=path)
+        dcp.save(state, checkpoint_id=staging)
         if self.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
+            torch.save(checkpoint, staging / _METADATA_FILENAME)
+        self.barrier()  # every rank's shards are complete
+        if self.global_rank == 0:
+            replace_directory(staging, path)
+        self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -547,6 +555,23 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"], options=self._options())
         return meta
+
+
+def replace_directory(new: Path, path: Path) -> None:
+    """Put the complete directory `new` at `path`: the old one (a directory or file) is moved aside, `new` renamed into
+    place, then the old one removed; if the second rename fails, the old one is moved back."""
+    old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+    had_old = path.exists()
+    if had_old:
+        os.replace(path, old)
+    try:
+        os.replace(new, path)
+    except BaseException:
+        if had_old:
+            os.replace(old, path)
+        raise
+    if had_old:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 def _shard_group(grad: Any) -> Any:

@@ -367,3 +367,35 @@ def test_a_planted_payload_in_the_checkpoint_index_never_runs(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="pathlib.Path.touch|could run code"):
         consolidate_checkpoint(path)
     assert not marker.exists()
+
+
+def test_a_save_that_dies_leaves_the_previous_checkpoint_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory is written under a temporary name and renamed over the old one only when complete."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_accel.strategies.pipeline import replace_directory
+
+    strategy = PipelineStrategy()
+    monkeypatch.setattr(type(strategy), "global_rank", property(lambda self: 0))
+    monkeypatch.setattr(strategy, "broadcast", lambda obj, src=0: obj)
+    monkeypatch.setattr(strategy, "barrier", lambda *a, **k: None)
+    last = tmp_path / "last.ckpt"
+    strategy.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, last)
+    assert (last / ".metadata").is_file() and torch.load(last / "meta.pt", weights_only=True) == {"epoch": 1}
+
+    def dies(state: Any, checkpoint_id: Path) -> None:  # SIGKILL / a full disk half-way through the shards
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", dies)
+    with pytest.raises(OSError, match="No space"):
+        strategy.save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "epoch": 2}, last)
+    assert torch.load(last / "meta.pt", weights_only=True) == {"epoch": 1}  # the previous one, whole
+    assert (last / ".metadata").is_file()
+    # the swap itself: the new directory replaces the old, which is gone afterwards
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "marker").write_text("new")
+    replace_directory(new, last)
+    assert (last / "marker").read_text() == "new" and not new.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.old")]
