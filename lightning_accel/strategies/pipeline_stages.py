@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_accel.errors import ConfigError
+from lightning_accel.strategies.checkpoint_io import atomic_torch_save
 
 __all__ = [
     "SCHEDULES",
@@ -371,5 +372,5 @@ def consolidate_checkpoint(path: str | Path, out: str | Path | None = None) -> d
     model_state = {k: v for k, v in state["state_dict"].items() if isinstance(v, torch.Tensor)}
     if out is not None:
         extra = {k: meta[k] for k in ("hyper_parameters", "epoch", "global_step") if k in meta}
-        torch.save({"state_dict": model_state, **extra}, out)
+        atomic_torch_save({"state_dict": model_state, **extra}, out)
     return model_state
