@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -270,15 +271,25 @@ def _mps_available() -> bool:
 
 
 def _probe_cuda() -> tuple[tuple[int, int] | None, str]:
-    """Capability and name of the first visible CUDA device through NVML (no CUDA context), else through torch."""
+    """Capability and name of CUDA device 0 of this process through NVML (no CUDA context), else through torch.
+
+    NVML is read through `lightning_accel.telemetry.nvml`, which maps `CUDA_VISIBLE_DEVICES` (indices, GPU and MIG
+    UUIDs) as CUDA does; torch's own NVML path gives up on MIG UUIDs, and asking the CUDA runtime instead would
+    initialise CUDA and break a fork-based launch after it. torch is asked only when NVML cannot be used at all.
+    """
+    from lightning_accel.telemetry import nvml
+
+    if nvml.init_nvml() is None:
+        try:
+            [device] = nvml.resolve_devices([0], os.environ.get("CUDA_VISIBLE_DEVICES"))
+            major, minor = nvml.pynvml.nvmlDeviceGetCudaComputeCapability(device.handle)
+            return (int(major), int(minor)), device.name
+        except ValueError:  # NVML works and this process sees no device
+            return None, ""
+        except Exception:  # an NVML too old for a call, a device lost: ask torch below
+            pass
+        finally:
+            nvml.shutdown_nvml()
     if torch.cuda.device_count() == 0:  # NVML-based in torch: does not initialise CUDA
         return None, ""
-    try:
-        import pynvml
-
-        handle = torch.cuda._get_pynvml_handler(0)  # honours CUDA_VISIBLE_DEVICES, including UUIDs
-        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-        name = pynvml.nvmlDeviceGetName(handle)
-        return (int(major), int(minor)), name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # NVML missing or too old: ask the CUDA runtime instead
-        return torch.cuda.get_device_capability(0), torch.cuda.get_device_name(0)
+    return torch.cuda.get_device_capability(0), torch.cuda.get_device_name(0)

@@ -1,41 +1,70 @@
-"""A scripted stand-in for the `pynvml` module: GPUs (and MIG devices) whose readings are functions of a fake clock.
+"""A scripted stand-in for the `pynvml` module, as strict as the real one: GPUs (and MIG devices) whose readings are
+functions of a fake clock.
 
 Install it where the telemetry code looks the module up: `monkeypatch.setattr(lightning_accel.telemetry.nvml, "pynvml",
 fake)` (or `install(monkeypatch, fake)`). Readings are numbers or functions of the clock's time, in NVML's own units
-(mW, bytes, KB/s, mJ), so tests check the conversions too. `unsupported` makes named NVML functions raise
-NotSupported on a device; `fail_at` makes every device call raise GPU_IS_LOST from that time on. The driver's
-version and the CUDA version it supports, compute capabilities, NVLink links and the PCIe topology serve
+(mW, bytes, KB/s, mJ), so tests check the conversions too.
+
+Where the real module is unkind, so is this one (tests/telemetry/test_fake_nvml_contract.py holds it to that):
+- errors are nvidia-ml-py's own classes: `NVMLError(3)` is an `NVMLError_NotSupported`, and so on;
+- `FakeGPU.errors` makes a named call raise a chosen NVML error on that device (`unsupported` is the shorthand for
+  NOT_SUPPORTED); `FakeNVML.errors` does the same for calls that take no device; `fail_at` makes every device call
+  raise GPU_IS_LOST from that time on;
+- `missing` names functions the driver's libnvidia-ml lacks: the Python attribute exists (as in nvidia-ml-py) and
+  calling it raises FUNCTION_NOT_FOUND;
+- `denied` holds NVML indices whose `nvmlDeviceGetHandleByIndex` raises NO_PERMISSION (cgroup-restricted containers,
+  SLURM jobs): `nvmlDeviceGetCount` still counts them, as nvml.h says;
+- calls return the real binding's types: ctypes structs from nvidia-ml-py (`c_nvmlMemory_t`, `c_nvmlUtilization_t`,
+  `c_nvmlGpmMetricsGet_t` with its NVML_GPM_METRIC_MAX slots), str names under `binding="13"` and bytes under "12";
+- `nvmlDeviceGetPcieThroughput` blocks for `pcie_block_s` (the real call samples for about 20 ms).
+
+The driver's version and the CUDA version it supports, compute capabilities, NVLink links and the PCIe topology serve
 lightning_accel.system (accel-doctor and Preflight).
 """
 
 from __future__ import annotations
 
+import ctypes
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
-NVML_ERROR_INVALID_ARGUMENT = 2
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_NOT_FOUND = 6
-NVML_ERROR_LIBRARY_NOT_FOUND = 12
-NVML_ERROR_GPU_IS_LOST = 15
-NVML_GPM_METRICS_GET_VERSION = 1
-NVML_P2P_STATUS_NOT_SUPPORTED = 5
-_NAMES = {2: "Invalid Argument", 3: "Not Supported", 6: "Not Found", 12: "NVML Shared Library Not Found",
-          15: "GPU is lost"}  # fmt: skip
+import pynvml as _real
+
+# nvidia-ml-py's own error classes and codes: `NVMLError(code)` builds the subclass for that code.
+NVMLError = _real.NVMLError
+nvmlExceptionClass = _real.nvmlExceptionClass
+NVML_ERROR_INVALID_ARGUMENT = _real.NVML_ERROR_INVALID_ARGUMENT
+NVML_ERROR_NOT_SUPPORTED = _real.NVML_ERROR_NOT_SUPPORTED
+NVML_ERROR_NO_PERMISSION = _real.NVML_ERROR_NO_PERMISSION
+NVML_ERROR_NOT_FOUND = _real.NVML_ERROR_NOT_FOUND
+NVML_ERROR_LIBRARY_NOT_FOUND = _real.NVML_ERROR_LIBRARY_NOT_FOUND
+NVML_ERROR_FUNCTION_NOT_FOUND = _real.NVML_ERROR_FUNCTION_NOT_FOUND
+NVML_ERROR_GPU_IS_LOST = _real.NVML_ERROR_GPU_IS_LOST
+NVML_GPM_METRICS_GET_VERSION = _real.NVML_GPM_METRICS_GET_VERSION
+NVML_P2P_STATUS_NOT_SUPPORTED = _real.NVML_P2P_STATUS_NOT_SUPPORTED
+NVML_NVLINK_MAX_LINKS = _real.NVML_NVLINK_MAX_LINKS
+NVML_FEATURE_ENABLED = _real.NVML_FEATURE_ENABLED
+NVML_P2P_CAPS_INDEX_NVLINK = _real.NVML_P2P_CAPS_INDEX_NVLINK
+NVML_TEMPERATURE_GPU = _real.NVML_TEMPERATURE_GPU
+NVML_CLOCK_SM = _real.NVML_CLOCK_SM
+NVML_CLOCK_MEM = _real.NVML_CLOCK_MEM
+NVML_PCIE_UTIL_TX_BYTES = _real.NVML_PCIE_UTIL_TX_BYTES
+NVML_PCIE_UTIL_RX_BYTES = _real.NVML_PCIE_UTIL_RX_BYTES
+nvmlMemory_v2 = _real.nvmlMemory_v2
+nvmlTemperature_v1 = _real.nvmlTemperature_v1
+_GPM_SLOTS_12 = 98  # NVML_GPM_METRIC_MAX of the 12.x binding (13.x: 477)
 
 Reading = float | Callable[[float], float]
 
 
-class NVMLError(Exception):
-    def __init__(self, value: int) -> None:
-        super().__init__(value)
-        self.value = value
+class _GpmMetricsGet12(ctypes.Structure):
+    """`c_nvmlGpmMetricsGet_t` as the 12.x binding lays it out (fewer metric slots)."""
 
-    def __str__(self) -> str:
-        return _NAMES.get(self.value, f"NVML Error with code {self.value}")
+    _fields_ = [("version", ctypes.c_uint), ("numMetrics", ctypes.c_uint), ("sample1", _real.c_nvmlGpmSample_t),
+                ("sample2", _real.c_nvmlGpmSample_t), ("metrics", _real.c_nvmlGpmMetric_t * _GPM_SLOTS_12)]  # fmt: skip
 
 
 class FakeClock:
@@ -61,7 +90,10 @@ class FakeGPU:
     utilization: Reading = 90.0
     memory_utilization: Reading = 40.0
     memory_used_mib: Reading = 20_000.0
+    """What processes allocated; the v1 struct's `used` adds `memory_reserved_mib`, the v2 one does not."""
     memory_total_mib: float = 81_559.0
+    memory_reserved_mib: float = 0.0
+    """Memory the driver keeps for itself (`reserved` of `c_nvmlMemory_v2_t`)."""
     power_mw: Reading = 400_000.0
     power_limit_mw: Reading = 700_000.0
     temperature_c: Reading = 60.0
@@ -76,35 +108,69 @@ class FakeGPU:
     architecture: int = 9  # Hopper
     gpm: dict[int, Reading] = field(default_factory=lambda: {2: 80.0, 3: 30.0, 5: 50.0, 10: 60.0})
     unsupported: set[str] = field(default_factory=set)
+    """NVML functions that raise NVMLError_NotSupported on this device."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """NVML function -> the NVML error code it raises on this device (NO_PERMISSION, GPU_IS_LOST, ...)."""
     mig: list[FakeGPU] = field(default_factory=list)
     parent: FakeGPU | None = None
     gpu_instance_id: int = 0
+    mig_profile: str = "1g.10gb"
+    """A MIG device's profile, in its NVML name (`<parent name> MIG 1g.10gb`)."""
+    multiprocessor_count: int = 132
+    """SMs: the whole GPU's, or a MIG device's share (`nvmlDeviceGetAttributes`)."""
     compute_capability: tuple[int, int] = (9, 0)
     nvlinks: int = 0  # active NVLink links; 0: the GPU has none (NVML says NotSupported)
 
 
 class FakeNVML:
-    """The subset of `pynvml` that lightning_accel.telemetry calls, over `gpus` in NVML (PCI) order."""
+    """The subset of `pynvml` that lightning_accel calls, over `gpus` in NVML (PCI) order.
+
+    Args:
+        gpus: the GPUs, in NVML order.
+        clock: the time readings are functions of (a FakeClock by default).
+        fail_at: from this time on every device call raises GPU_IS_LOST.
+        init_error: `nvmlInit` raises this NVML error code.
+        driver_version: `nvmlSystemGetDriverVersion`.
+        cuda_driver_version: `nvmlSystemGetCudaDriverVersion`; None: NotSupported.
+        topology_level: `nvmlDeviceGetTopologyCommonAncestor` of every pair (30: PHB).
+        missing: functions the driver's NVML lacks (calling one raises FUNCTION_NOT_FOUND).
+        denied: NVML indices whose handle raises NO_PERMISSION.
+        errors: function -> NVML error code, for calls without a device (`nvmlSystemGetDriverVersion`, ...).
+        binding: "13" (str names, 477 GPM slots) or "12" (bytes names, 98 GPM slots).
+        pcie_block_s: seconds `nvmlDeviceGetPcieThroughput` blocks (wall time).
+    """
 
     NVMLError = NVMLError
-    NVML_GPM_METRICS_GET_VERSION = NVML_GPM_METRICS_GET_VERSION
+    nvmlExceptionClass = staticmethod(nvmlExceptionClass)
 
     def __init__(self, gpus: list[FakeGPU], clock: Callable[[], float] | None = None, fail_at: float | None = None,
                  init_error: int | None = None, *, driver_version: str = "550.54.15",
-                 cuda_driver_version: int | None = 12040, topology_level: int = 30) -> None:  # fmt: skip
+                 cuda_driver_version: int | None = 12040, topology_level: int = 30, missing: set[str] | None = None,
+                 denied: set[int] | None = None, errors: dict[str, int] | None = None, binding: str = "13",
+                 pcie_block_s: float = 0.0) -> None:  # fmt: skip
+        assert binding in ("12", "13"), binding
         self.gpus = gpus
         self.driver_version = driver_version
-        self.cuda_driver_version = cuda_driver_version  # None: this driver does not say (NotSupported)
-        self.topology_level = topology_level  # nvmlDeviceGetTopologyCommonAncestor of every pair; 30: PHB
+        self.cuda_driver_version = cuda_driver_version
+        self.topology_level = topology_level
         self.clock = clock or FakeClock()
         self.fail_at = fail_at
         self.init_error = init_error
+        self.missing = set(missing or ())
+        self.denied = set(denied or ())
+        self.errors = dict(errors or {})
+        self.binding = binding
+        self.pcie_block_s = pcie_block_s
         self.calls: Counter[str] = Counter()
         self.inits = 0
         self.shutdowns = 0
+        self._samples: dict[int, tuple[float, FakeGPU]] = {}
         for gpu in gpus:
             for mig in gpu.mig:
                 mig.parent = gpu
+        for name in dir(_real):  # NVMLError_NotSupported, NVML_ERROR_*, ... as the real module has them
+            if name.startswith(("NVMLError_", "NVML_")) and not hasattr(type(self), name):
+                setattr(self, name, getattr(_real, name))
 
     # library
     def nvmlInit(self) -> None:
@@ -118,21 +184,31 @@ class FakeNVML:
 
     def _call(self, function: str, device: FakeGPU | None = None) -> float:
         self.calls[function] += 1
+        if function in self.missing:
+            raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
         now = self.clock()
-        if self.fail_at is not None and now >= self.fail_at:
-            raise NVMLError(NVML_ERROR_GPU_IS_LOST)
-        if device is not None and function in device.unsupported:
-            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        if device is None and function in self.errors:
+            raise NVMLError(self.errors[function])
+        if device is not None:
+            if self.fail_at is not None and now >= self.fail_at:
+                raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+            if function in device.errors:
+                raise NVMLError(device.errors[function])
+            if function in device.unsupported:
+                raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         return now
+
+    def _str(self, text: str) -> str | bytes:
+        return text.encode() if self.binding == "12" else text
 
     @staticmethod
     def _at(reading: Reading, now: float) -> float:
         return reading(now) if callable(reading) else reading
 
     # system
-    def nvmlSystemGetDriverVersion(self) -> str:
+    def nvmlSystemGetDriverVersion(self) -> str | bytes:
         self._call("nvmlSystemGetDriverVersion")
-        return self.driver_version
+        return self._str(self.driver_version)
 
     def nvmlSystemGetCudaDriverVersion(self) -> int:
         self._call("nvmlSystemGetCudaDriverVersion")
@@ -143,21 +219,25 @@ class FakeNVML:
     # devices
     def nvmlDeviceGetCount(self) -> int:
         self._call("nvmlDeviceGetCount")
-        return len(self.gpus)
+        return len(self.gpus)  # nvml.h: includes the devices this process may not open
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGPU:
         self._call("nvmlDeviceGetHandleByIndex")
         if not 0 <= index < len(self.gpus):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        if index in self.denied:
+            raise NVMLError(NVML_ERROR_NO_PERMISSION)
         return self.gpus[index]
 
-    def nvmlDeviceGetUUID(self, device: FakeGPU) -> str:
-        self._call("nvmlDeviceGetUUID", device)
-        return device.uuid
+    def nvmlDeviceGetUUID(self, handle: FakeGPU) -> str | bytes:
+        self._call("nvmlDeviceGetUUID", handle)
+        return self._str(handle.uuid)
 
-    def nvmlDeviceGetName(self, device: FakeGPU) -> bytes:
-        self._call("nvmlDeviceGetName", device)
-        return device.name.encode()  # older nvidia-ml-py returns bytes
+    def nvmlDeviceGetName(self, handle: FakeGPU) -> str | bytes:
+        self._call("nvmlDeviceGetName", handle)
+        if handle.parent is not None and " MIG " not in handle.name:  # e.g. "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
+            return self._str(f"{handle.parent.name} MIG {handle.mig_profile}")
+        return self._str(handle.name)
 
     def nvmlDeviceGetMigMode(self, device: FakeGPU) -> list[int]:
         self._call("nvmlDeviceGetMigMode", device)
@@ -177,6 +257,15 @@ class FakeNVML:
         self._call("nvmlDeviceGetGpuInstanceId", device)
         return device.gpu_instance_id
 
+    def nvmlDeviceGetAttributes(self, device: FakeGPU) -> Any:
+        self._call("nvmlDeviceGetAttributes", device)
+        if device.parent is None:  # nvml.h: "currently only supports MIG device handles"
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        attributes = _real.c_nvmlDeviceAttributes()
+        attributes.multiprocessorCount = device.multiprocessor_count
+        attributes.memorySizeMB = int(device.memory_total_mib)
+        return attributes
+
     # readings
     def _whole_gpu_only(self, function: str, device: FakeGPU) -> float:
         now = self._call(function, device)
@@ -184,109 +273,142 @@ class FakeNVML:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         return now
 
-    def nvmlDeviceGetUtilizationRates(self, device: FakeGPU) -> Any:
-        now = self._whole_gpu_only("nvmlDeviceGetUtilizationRates", device)
-        return SimpleNamespace(gpu=int(self._at(device.utilization, now)),
-                               memory=int(self._at(device.memory_utilization, now)))  # fmt: skip
+    def nvmlDeviceGetUtilizationRates(self, handle: FakeGPU) -> Any:
+        now = self._whole_gpu_only("nvmlDeviceGetUtilizationRates", handle)
+        rates = _real.c_nvmlUtilization_t()
+        rates.gpu, rates.memory = int(self._at(handle.utilization, now)), int(self._at(handle.memory_utilization, now))
+        return rates
 
-    def nvmlDeviceGetMemoryInfo(self, device: FakeGPU) -> Any:
-        now = self._call("nvmlDeviceGetMemoryInfo", device)
-        used, total = int(self._at(device.memory_used_mib, now) * 2**20), int(device.memory_total_mib * 2**20)
-        return SimpleNamespace(used=used, total=total, free=total - used)
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeGPU, version: int | None = None) -> Any:
+        now = self._call("nvmlDeviceGetMemoryInfo_v2" if version else "nvmlDeviceGetMemoryInfo", handle)
+        used, total = int(self._at(handle.memory_used_mib, now) * 2**20), int(handle.memory_total_mib * 2**20)
+        reserved = int(handle.memory_reserved_mib * 2**20)
+        if not version:
+            info = _real.c_nvmlMemory_t()
+            info.total, info.used, info.free = total, used + reserved, total - used - reserved
+            return info
+        if version != nvmlMemory_v2:
+            raise NVMLError(_real.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        info = _real.c_nvmlMemory_v2_t()
+        info.version, info.total, info.reserved = version, total, reserved
+        info.used, info.free = used, total - used - reserved
+        return info
 
-    def nvmlDeviceGetPowerUsage(self, device: FakeGPU) -> int:
-        return int(self._at(device.power_mw, self._whole_gpu_only("nvmlDeviceGetPowerUsage", device)))
+    def nvmlDeviceGetPowerUsage(self, handle: FakeGPU) -> int:
+        return int(self._at(handle.power_mw, self._whole_gpu_only("nvmlDeviceGetPowerUsage", handle)))
 
-    def nvmlDeviceGetEnforcedPowerLimit(self, device: FakeGPU) -> int:
-        return int(self._at(device.power_limit_mw, self._whole_gpu_only("nvmlDeviceGetEnforcedPowerLimit", device)))
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: FakeGPU) -> int:
+        return int(self._at(handle.power_limit_mw, self._whole_gpu_only("nvmlDeviceGetEnforcedPowerLimit", handle)))
 
-    def nvmlDeviceGetTemperature(self, device: FakeGPU, sensor: int) -> int:
-        assert sensor == 0
-        return int(self._at(device.temperature_c, self._whole_gpu_only("nvmlDeviceGetTemperature", device)))
+    def nvmlDeviceGetTemperature(self, handle: FakeGPU, sensor: int) -> int:
+        assert sensor == NVML_TEMPERATURE_GPU
+        return int(self._at(handle.temperature_c, self._whole_gpu_only("nvmlDeviceGetTemperature", handle)))
 
-    def nvmlDeviceGetClockInfo(self, device: FakeGPU, clock: int) -> int:
-        now = self._whole_gpu_only("nvmlDeviceGetClockInfo", device)
-        return int(self._at({1: device.sm_clock_mhz, 2: device.memory_clock_mhz}[clock], now))
+    def nvmlDeviceGetTemperatureV(self, handle: FakeGPU, sensor: int, version: int = nvmlTemperature_v1) -> int:
+        assert sensor == NVML_TEMPERATURE_GPU
+        if version != nvmlTemperature_v1:
+            raise NVMLError(_real.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        return int(self._at(handle.temperature_c, self._whole_gpu_only("nvmlDeviceGetTemperatureV", handle)))
 
-    def nvmlDeviceGetMaxClockInfo(self, device: FakeGPU, clock: int) -> int:
-        self._whole_gpu_only("nvmlDeviceGetMaxClockInfo", device)
-        return int({1: device.max_sm_clock_mhz, 2: device.max_memory_clock_mhz}[clock])
+    def nvmlDeviceGetClockInfo(self, handle: FakeGPU, type: int) -> int:  # noqa: A002 - the real parameter's name
+        now = self._whole_gpu_only("nvmlDeviceGetClockInfo", handle)
+        return int(self._at({NVML_CLOCK_SM: handle.sm_clock_mhz, NVML_CLOCK_MEM: handle.memory_clock_mhz}[type], now))
 
-    def nvmlDeviceGetCurrentClocksEventReasons(self, device: FakeGPU) -> int:
-        return int(self._at(device.throttle_mask,
-                            self._whole_gpu_only("nvmlDeviceGetCurrentClocksEventReasons", device)))  # fmt: skip
+    def nvmlDeviceGetMaxClockInfo(self, handle: FakeGPU, type: int) -> int:  # noqa: A002
+        self._whole_gpu_only("nvmlDeviceGetMaxClockInfo", handle)
+        return int({NVML_CLOCK_SM: handle.max_sm_clock_mhz, NVML_CLOCK_MEM: handle.max_memory_clock_mhz}[type])
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: FakeGPU) -> int:
+        now = self._whole_gpu_only("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        return int(self._at(handle.throttle_mask, now))
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeGPU) -> int:
+        now = self._whole_gpu_only("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+        return int(self._at(handle.throttle_mask, now))
 
     def nvmlDeviceGetPcieThroughput(self, device: FakeGPU, counter: int) -> int:
         now = self._whole_gpu_only("nvmlDeviceGetPcieThroughput", device)
-        return int(self._at({0: device.pcie_tx_kb_s, 1: device.pcie_rx_kb_s}[counter], now))
+        if self.pcie_block_s:
+            time.sleep(self.pcie_block_s)
+        readings = {NVML_PCIE_UTIL_TX_BYTES: device.pcie_tx_kb_s, NVML_PCIE_UTIL_RX_BYTES: device.pcie_rx_kb_s}
+        return int(self._at(readings[counter], now))
 
-    def nvmlDeviceGetTotalEnergyConsumption(self, device: FakeGPU) -> int:
-        now = self._whole_gpu_only("nvmlDeviceGetTotalEnergyConsumption", device)
-        return int(self._at(device.energy_mj, now))
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: FakeGPU) -> int:
+        now = self._whole_gpu_only("nvmlDeviceGetTotalEnergyConsumption", handle)
+        return int(self._at(handle.energy_mj, now))
 
     def nvmlDeviceGetArchitecture(self, device: FakeGPU) -> int:
         self._whole_gpu_only("nvmlDeviceGetArchitecture", device)
         return device.architecture
 
-    def nvmlDeviceGetCudaComputeCapability(self, device: FakeGPU) -> tuple[int, int]:
-        self._call("nvmlDeviceGetCudaComputeCapability", device)
-        return (device.parent or device).compute_capability
+    def nvmlDeviceGetCudaComputeCapability(self, handle: FakeGPU) -> tuple[int, int]:
+        self._call("nvmlDeviceGetCudaComputeCapability", handle)
+        return (handle.parent or handle).compute_capability
 
     def nvmlDeviceGetNvLinkState(self, device: FakeGPU, link: int) -> int:
         self._whole_gpu_only("nvmlDeviceGetNvLinkState", device)
         if not device.nvlinks:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-        if link >= device.nvlinks:
+        if not 0 <= link < NVML_NVLINK_MAX_LINKS:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-        return 1  # NVML_FEATURE_ENABLED
+        return int(link < device.nvlinks)  # NVML_FEATURE_ENABLED for the active links, DISABLED for the rest
 
-    def nvmlDeviceGetP2PStatus(self, first: FakeGPU, second: FakeGPU, index: int) -> int:
-        self._call("nvmlDeviceGetP2PStatus", first)
-        assert index == 2  # NVML_P2P_CAPS_INDEX_NVLINK
-        return 0 if first.nvlinks and second.nvlinks else NVML_P2P_STATUS_NOT_SUPPORTED
+    def nvmlDeviceGetP2PStatus(self, device1: FakeGPU, device2: FakeGPU, p2pIndex: int) -> int:  # noqa: N803
+        self._call("nvmlDeviceGetP2PStatus", device1)
+        assert p2pIndex == NVML_P2P_CAPS_INDEX_NVLINK
+        return 0 if device1.nvlinks and device2.nvlinks else NVML_P2P_STATUS_NOT_SUPPORTED
 
-    def nvmlDeviceGetTopologyCommonAncestor(self, first: FakeGPU, second: FakeGPU) -> int:
-        self._call("nvmlDeviceGetTopologyCommonAncestor", first)
+    def nvmlDeviceGetTopologyCommonAncestor(self, device1: FakeGPU, device2: FakeGPU) -> int:
+        self._call("nvmlDeviceGetTopologyCommonAncestor", device1)
         return self.topology_level
 
     # GPM
     def nvmlGpmQueryDeviceSupport(self, device: FakeGPU) -> Any:
         self._whole_gpu_only("nvmlGpmQueryDeviceSupport", device)
-        return SimpleNamespace(isSupportedDevice=int(device.architecture >= 9))
+        support = _real.c_nvmlGpmSupport_t()
+        support.version, support.isSupportedDevice = _real.NVML_GPM_SUPPORT_VERSION, int(device.architecture >= 9)
+        return support
 
     def nvmlGpmSampleAlloc(self) -> Any:
         self._call("nvmlGpmSampleAlloc")
-        return SimpleNamespace(t=None, device=None)
-
-    def nvmlGpmSampleFree(self, sample: Any) -> None:
-        self.calls["nvmlGpmSampleFree"] += 1
-
-    def nvmlGpmSampleGet(self, device: FakeGPU, sample: Any) -> Any:
-        sample.t, sample.device = self._whole_gpu_only("nvmlGpmSampleGet", device), device
+        sample = _real.c_nvmlGpmSample_t(_real.struct_c_nvmlGpmSample_t())  # an opaque pointer, as the real one
         return sample
 
-    def nvmlGpmMigSampleGet(self, device: FakeGPU, gpu_instance_id: int, sample: Any) -> Any:
-        sample.t = self._whole_gpu_only("nvmlGpmMigSampleGet", device)
-        sample.device = next(m for m in device.mig if m.gpu_instance_id == gpu_instance_id)
-        return sample
+    def nvmlGpmSampleFree(self, gpmSample: Any) -> None:  # noqa: N803
+        self._call("nvmlGpmSampleFree")
+        self._samples.pop(ctypes.addressof(gpmSample.contents), None)
 
-    @staticmethod
-    def c_nvmlGpmMetricsGet_t() -> Any:
-        metrics = [SimpleNamespace(metricId=0, nvmlReturn=0, value=0.0) for _ in range(16)]
-        return SimpleNamespace(version=0, numMetrics=0, sample1=None, sample2=None, metrics=metrics)
+    def nvmlGpmSampleGet(self, device: FakeGPU, gpmSample: Any) -> Any:  # noqa: N803
+        self._samples[ctypes.addressof(gpmSample.contents)] = (self._whole_gpu_only("nvmlGpmSampleGet", device), device)
+        return gpmSample
 
-    def nvmlGpmMetricsGet(self, request: Any) -> Any:
+    def nvmlGpmMigSampleGet(self, device: FakeGPU, gpuInstanceId: int, gpmSample: Any) -> Any:  # noqa: N803
+        now = self._whole_gpu_only("nvmlGpmMigSampleGet", device)
+        mig = next(m for m in device.mig if m.gpu_instance_id == gpuInstanceId)
+        self._samples[ctypes.addressof(gpmSample.contents)] = (now, mig)
+        return gpmSample
+
+    @property
+    def c_nvmlGpmMetricsGet_t(self) -> type:
+        return _GpmMetricsGet12 if self.binding == "12" else _real.c_nvmlGpmMetricsGet_t
+
+    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:  # noqa: N803
         self._call("nvmlGpmMetricsGet")
-        assert request.version == NVML_GPM_METRICS_GET_VERSION and request.sample1.t < request.sample2.t
-        for metric in request.metrics[: request.numMetrics]:
-            reading = request.sample2.device.gpm.get(metric.metricId)
+        if metricsGet.version != NVML_GPM_METRICS_GET_VERSION:
+            raise NVMLError(_real.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        first = self._samples[ctypes.addressof(metricsGet.sample1.contents)]
+        t, device = self._samples[ctypes.addressof(metricsGet.sample2.contents)]
+        if not first[0] < t:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        for metric in metricsGet.metrics[: metricsGet.numMetrics]:
+            reading = device.gpm.get(metric.metricId)
             metric.nvmlReturn = NVML_ERROR_NOT_SUPPORTED if reading is None else 0
-            metric.value = 0.0 if reading is None else float(self._at(reading, request.sample2.t))
-        return request
+            metric.value = 0.0 if reading is None else float(self._at(reading, t))
+        return metricsGet
 
 
 def install(monkeypatch: Any, fake: FakeNVML) -> FakeNVML:
-    """Make lightning_accel.telemetry call `fake` instead of pynvml (undone by monkeypatch)."""
+    """Make lightning_accel call `fake` instead of pynvml (undone by monkeypatch)."""
     import lightning_accel.telemetry.nvml as nvml
 
     monkeypatch.setattr(nvml, "pynvml", fake)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from _fake_nvml import NVML_ERROR_LIBRARY_NOT_FOUND, FakeGPU, FakeNVML, install
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_accel import precision as precision_module
@@ -215,24 +214,35 @@ def test_probe_without_cuda_reads_the_cpu_root(tmp_path: Path) -> None:
 
 
 def test_probe_reads_capability_through_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = types.SimpleNamespace(
-        nvmlDeviceGetCudaComputeCapability=lambda handle: (9, 0), nvmlDeviceGetName=lambda handle: b"NVIDIA H200"
-    )
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "_get_pynvml_handler", lambda index: f"handle{index}")
+    fake = install(monkeypatch, FakeNVML([FakeGPU("GPU-a", name="NVIDIA H200", compute_capability=(9, 0))],
+                                         binding="12"))  # fmt: skip
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert precision_module._probe_cuda() == ((9, 0), "NVIDIA H200")
+    assert fake.inits == fake.shutdowns == 1
 
 
 def test_probe_falls_back_to_torch_when_nvml_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_nvml(index: int) -> None:
-        raise RuntimeError("NVML Shared Library Not Found")
-
+    install(monkeypatch, FakeNVML([], init_error=NVML_ERROR_LIBRARY_NOT_FOUND))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "_get_pynvml_handler", no_nvml)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "Tesla V100")
     assert precision_module._probe_cuda() == ((7, 0), "Tesla V100")
+
+
+def test_probe_with_a_mig_uuid_reads_nvml_and_never_initialises_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    mig = FakeGPU("MIG-1234abcd-0000", gpu_instance_id=7, mig_profile="1g.10gb")
+    fake = install(monkeypatch, FakeNVML([FakeGPU("GPU-a", compute_capability=(9, 0), mig=[mig])]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-1234abcd-0000")
+
+    def initialises_cuda(*args: object) -> None:
+        raise AssertionError("CUDA initialised: a fork-based launch would fail after this")
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "_get_pynvml_handler", initialises_cuda)  # torch's NVML path: -1 for MIG UUIDs
+    monkeypatch.setattr(torch.cuda, "get_device_capability", initialises_cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_name", initialises_cuda)
+    assert precision_module._probe_cuda() == ((9, 0), "NVIDIA H100 80GB HBM3 MIG 1g.10gb")
+    assert fake.inits == fake.shutdowns == 1  # NVML shut down again
 
 
 def test_probe_without_cuda_devices(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -226,12 +226,24 @@ def quality_verdict(
 
 
 def model_flops_utilization(
-    flops_per_batch: float | None, batches: int, seconds: float, peak_flops: float | None
+    flops_per_batch: float | None, batches: int, seconds: float, peak_flops: float | None, model_parallel_size: int = 1
 ) -> float | None:
-    """Achieved FLOP/s of one device (`flops_per_batch * batches / seconds`) over its peak; None when unknown."""
+    """Achieved FLOP/s of one device over its peak; None when unknown.
+
+    `flops_per_batch` is the whole model's over one data-parallel rank's batch; the `model_parallel_size` devices
+    (tensor-parallel ranks, pipeline stages) that share that batch each do their part of it.
+    """
     if not flops_per_batch or not peak_flops or seconds <= 0 or batches <= 0:
         return None
-    return flops_per_batch * batches / seconds / peak_flops
+    return flops_per_batch * batches / seconds / peak_flops / max(1, model_parallel_size)
+
+
+def _model_parallel_size(measurement: dict[str, Any]) -> int:
+    """Devices sharing one batch: `model_parallel_size` when recorded, else the world over the data-parallel size."""
+    if measurement.get("model_parallel_size"):
+        return max(1, int(measurement["model_parallel_size"]))
+    data_parallel = int(measurement.get("data_parallel_size") or 0)
+    return max(1, int(measurement.get("world_size", 1)) // data_parallel) if data_parallel > 0 else 1
 
 
 def bottleneck(
@@ -425,11 +437,14 @@ def _derive(result: StageResult, peak_tflops: float | None) -> None:
     tf32 = result.device != "cpu" and (not capability or tuple(capability) >= (8, 0))
     result.dtype = compute_dtype(m.get("precision", ""), m.get("float32_matmul_precision"), tf32_capable=tf32)
     peak = lookup_peak_flops(result.device, result.dtype, peak_tflops)
+    model_parallel = _model_parallel_size(m)
     result.mfu = model_flops_utilization(
-        m.get("flops_per_batch"), int(m.get("steady_batches", 0)), steady_s, peak.flops
+        m.get("flops_per_batch"), int(m.get("steady_batches", 0)), steady_s, peak.flops, model_parallel
     )
     if result.mfu is not None:
         result.mfu_note = f"{result.dtype} peak {peak.flops / 1e12:g} TFLOP/s ({peak.source})"  # type: ignore[operator]
+        if model_parallel > 1:
+            result.mfu_note += f", per device of model-parallel degree {model_parallel}"
     elif peak.flops is None:
         result.mfu_note = peak.reason
     else:

@@ -128,7 +128,10 @@ def check_gpus(facts: SystemFacts, request: CheckRequest) -> Check:
         return Check("gpus", "FAIL", f"{wanted} GPU(s) requested, none usable: {nvml.why}",
                      "install the NVIDIA driver (or expose the GPUs to the container with `--gpus all`)")  # fmt: skip
     visible = len(nvml.visible)
-    shown = f"{visible} of {len(nvml.gpus)} GPU(s) visible ({', '.join(sorted({g.name for g in nvml.gpus}))})"
+    names = ", ".join(sorted({g.name for g in nvml.gpus if g.accessible}))
+    shown = f"{visible} of {len(nvml.gpus)} GPU(s) visible ({names})"
+    shown += "".join(f"; NVML GPU {g.index} not accessible to this process ({g.why})"
+                     for g in nvml.gpus if not g.accessible)  # fmt: skip
     if wanted is None:
         return Check("gpus", "PASS" if visible else "SKIP", shown)
     if facts.torch.cuda is None:

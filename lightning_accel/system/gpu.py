@@ -15,7 +15,7 @@ __all__ = ["GpuInfo", "GpuLink", "NvmlFacts", "VisibleDevice", "read_nvml"]
 _T = TypeVar("_T")
 # nvmlDeviceGetTopologyCommonAncestor levels, named as `nvidia-smi topo -m` names them.
 _TOPOLOGY = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
-_P2P_CAPS_INDEX_NVLINK, _P2P_STATUS_OK, _MAX_NVLINKS = 2, 0, 18  # nvml.h; 18 links on Hopper
+_P2P_CAPS_INDEX_NVLINK, _P2P_STATUS_OK, _MAX_NVLINKS = 2, 0, 36  # nvml.h: NVML_NVLINK_MAX_LINKS
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +34,13 @@ class GpuInfo:
     """MIG devices created on it."""
     nvlinks: int | None = None
     """Active NVLink links; None where the GPU has no NVLink or NVML does not report it."""
+    why: str = ""
+    """Why this process may not open the GPU (`NVMLError_NoPermission: ...` under cgroups); empty when it may."""
+
+    @property
+    def accessible(self) -> bool:
+        """False for a GPU NVML counts but this process may not open (its name and UUID are then unknown)."""
+        return not self.why
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,9 +138,11 @@ def _read(visible: str | None) -> NvmlFacts:
     driver = _maybe(nvml.pynvml.nvmlSystemGetDriverVersion)
     cuda = _maybe(nvml.pynvml.nvmlSystemGetCudaDriverVersion)
     inventory = nvml._inventory()  # every GPU, each followed by its MIG devices
-    handles = {d.nvml_index: d.handle for d in inventory if d.parent is None}
+    handles = {d.nvml_index: d.handle for d in inventory if d.parent is None and d.accessible}
     migs = {index: sum(1 for d in inventory if d.parent is not None and d.nvml_index == index) for index in handles}
-    gpus = tuple(_gpu(index, handle, migs[index]) for index, handle in handles.items())
+    gpus = tuple(_gpu(d.nvml_index, d.handle, migs[d.nvml_index]) if d.accessible
+                 else GpuInfo(index=d.nvml_index, name="", uuid="", why=d.why)
+                 for d in inventory if d.parent is None)  # fmt: skip
     seen = tuple(VisibleDevice(uuid=d.uuid, gpu=d.nvml_index, mig=d.parent is not None)
                  for d in nvml._visible(inventory, visible))  # fmt: skip
     pairs = itertools.combinations(handles, 2)

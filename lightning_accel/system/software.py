@@ -23,7 +23,7 @@ class TorchBuild:
     cudnn: int | None = None
     """`torch.backends.cudnn.version()` (90100 = 9.1.0); None when torch has no cuDNN."""
     nccl: tuple[int, ...] | None = None
-    """`torch.cuda.nccl.version()` ((2, 21, 5)); None when torch was built without NCCL."""
+    """`torch.cuda.nccl.version()` without its build suffix ((2, 21, 5)); None when torch was built without NCCL."""
 
     @property
     def cudnn_text(self) -> str:
@@ -57,11 +57,16 @@ def read_torch_build() -> TorchBuild:
         cudnn = None
     try:
         raw = torch.cuda.nccl.version()
-        nccl = tuple(int(part) for part in raw) if isinstance(raw, tuple) else _nccl_int(int(raw))
+        nccl = _nccl_tuple(raw) if isinstance(raw, tuple) else _nccl_int(int(raw))
     except Exception:  # CPU-only builds have no `torch._C._nccl_version`
         nccl = None
     return TorchBuild(version=torch.__version__, cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None),
                       cudnn=cudnn, nccl=nccl)  # fmt: skip
+
+
+def _nccl_tuple(raw: tuple[object, ...]) -> tuple[int, ...]:
+    """`(major, minor, patch)` or, when the build has one, `(major, minor, patch, suffix)` with a str suffix."""
+    return tuple(int(part) for part in raw if isinstance(part, int))
 
 
 def _nccl_int(value: int) -> tuple[int, int, int]:

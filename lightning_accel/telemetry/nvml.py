@@ -11,7 +11,7 @@ try:
 except ImportError:  # pragma: no cover - a dependency; a broken install must not break training
     pynvml = None  # type: ignore[assignment]
 
-__all__ = ["GpuDevice", "init_nvml", "resolve_devices", "shutdown_nvml", "unsupported"]
+__all__ = ["GpuDevice", "init_nvml", "mig_sm_count", "resolve_devices", "shutdown_nvml", "unsupported"]
 
 _UNSUPPORTED = frozenset({3, 4, 13})  # NVML_ERROR_NOT_SUPPORTED, _NO_PERMISSION, _FUNCTION_NOT_FOUND (nvml.h)
 
@@ -57,6 +57,16 @@ class GpuDevice:
     parent: Any = None
     """A MIG device's parent GPU, whose power, temperature, clocks, PCIe and energy it shares."""
     gpu_instance_id: int | None = None
+    why: str = ""
+    """Why this process may not open the GPU (NO_PERMISSION in cgroup-restricted containers); empty when it may."""
+
+    @property
+    def accessible(self) -> bool:
+        return not self.why
+
+
+def _error_text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
 
 
 def _mig_devices(gpu: Any) -> list[Any]:
@@ -81,15 +91,34 @@ def _mig_devices(gpu: Any) -> list[Any]:
 def _inventory() -> list[GpuDevice]:
     """Every GPU in NVML order, each followed by its MIG devices (index -1 until a process ordinal is given)."""
     devices = []
-    for nvml_index in range(pynvml.nvmlDeviceGetCount()):
-        gpu = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
+    for nvml_index in range(pynvml.nvmlDeviceGetCount()):  # nvml.h: counts the GPUs this process may not open too
+        try:
+            gpu = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
+        except Exception as err:  # NVMLError_NoPermission (cgroups, SLURM), _GpuIsLost, ...: this GPU only
+            if getattr(err, "value", None) is None:
+                raise
+            devices.append(GpuDevice(-1, nvml_index, "", "", None, why=_error_text(err)))
+            continue
         name = _text(pynvml.nvmlDeviceGetName(gpu))
         devices.append(GpuDevice(-1, nvml_index, _text(pynvml.nvmlDeviceGetUUID(gpu)), name, gpu))
         for mig in _mig_devices(gpu):
             instance = int(pynvml.nvmlDeviceGetGpuInstanceId(mig))
             uuid = _text(pynvml.nvmlDeviceGetUUID(mig))
-            devices.append(GpuDevice(-1, nvml_index, uuid, f"{name} MIG", mig, parent=gpu, gpu_instance_id=instance))
+            mig_name = _text(pynvml.nvmlDeviceGetName(mig))  # "<GPU name> MIG 1g.10gb": the profile sizes its peak
+            devices.append(GpuDevice(-1, nvml_index, uuid, mig_name, mig, parent=gpu, gpu_instance_id=instance))
     return devices
+
+
+def mig_sm_count(device: GpuDevice) -> int | None:
+    """SMs of a MIG device (`nvmlDeviceGetAttributes`); None for a whole GPU or when NVML does not say."""
+    if device.parent is None:
+        return None
+    try:
+        return int(pynvml.nvmlDeviceGetAttributes(device.handle).multiprocessorCount) or None
+    except Exception as err:
+        if unsupported(err):
+            return None
+        raise
 
 
 def _strip(uuid: str) -> str:
@@ -101,8 +130,10 @@ def _visible(inventory: list[GpuDevice], visible: str | None) -> list[GpuDevice]
 
     Unset: every GPU in NVML (PCI) order, a MIG-enabled GPU contributing its MIG devices. Set: a comma list of GPU
     indices, GPU UUIDs or MIG UUIDs (`GPU-...`, `MIG-...`, also unique prefixes); as in CUDA, the list ends at the
-    first entry that names no device. Indices are NVML's, which are CUDA's under `CUDA_DEVICE_ORDER=PCI_BUS_ID`.
+    first entry that names no device. Indices count the GPUs this process may open in NVML (PCI) order, as CUDA
+    counts them under `CUDA_DEVICE_ORDER=PCI_BUS_ID`: CUDA does not enumerate a GPU it may not open.
     """
+    inventory = [d for d in inventory if d.accessible]
     gpus = [d for d in inventory if d.parent is None]
     if visible is None:
         seen = []
@@ -147,7 +178,8 @@ def resolve_devices(
     for position, index in enumerate(indices):
         device = None
         if uuids is not None and position < len(uuids):
-            device = next((d for d in inventory if _strip(d.uuid) == _strip(str(uuids[position]))), None)
+            wanted = _strip(str(uuids[position]))
+            device = next((d for d in inventory if d.accessible and wanted and _strip(d.uuid) == wanted), None)
         if device is None:
             if not 0 <= index < len(seen):
                 shown = "unset" if visible is None else repr(visible)

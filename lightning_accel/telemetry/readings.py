@@ -15,6 +15,8 @@ __all__ = ["METRICS", "READINGS", "DeviceReader", "Metric"]
 _TEMPERATURE_GPU, _CLOCK_SM, _CLOCK_MEM, _PCIE_TX, _PCIE_RX = 0, 1, 2, 0, 1
 _SW_POWER_CAP, _HW_SLOWDOWN, _SW_THERMAL, _HW_THERMAL, _HW_POWER_BRAKE = 0x4, 0x8, 0x20, 0x40, 0x80
 _ARCH_HOPPER = 9
+_MEMORY_V2 = 0x02000028  # nvmlMemory_v2: `used` leaves out what the driver reserves, v1's includes it
+_FUNCTION_NOT_FOUND = 13  # NVML_ERROR_FUNCTION_NOT_FOUND: this driver's libnvidia-ml lacks the symbol
 _MIB = 2**20
 _GPM = ((2, "sm_activity_pct"), (3, "sm_occupancy_pct"), (5, "tensor_activity_pct"), (10, "dram_bw_util_pct"))
 
@@ -36,7 +38,8 @@ _G, _M = ("mean", "min", "max"), ("mean",)
 METRICS: tuple[Metric, ...] = (
     Metric("utilization_pct", "%", _G, "utilization", "time a kernel was running (NVML utilization.gpu)"),
     Metric("memory_utilization_pct", "%", _G, "utilization", "time device memory was read or written"),
-    Metric("memory_used_mib", "MiB", _G, "memory", "device memory in use (all processes)"),
+    Metric("memory_used_mib", "MiB", _G, "memory",
+           "device memory allocated by all processes (driver-reserved memory left out where the driver says)"),
     Metric("memory_total_mib", "MiB", _M, "memory", "device memory"),
     Metric("memory_used_pct", "%", _G, "memory", "memory_used_mib / memory_total_mib"),
     Metric("power_w", "W", _G, "power", "board power draw"),
@@ -54,7 +57,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("pcie_rx_mb_s", "MB/s", _G, "pcie", "PCIe receive throughput (host to GPU)"),
     Metric("pcie_tx_mb_s", "MB/s", _G, "pcie", "PCIe transmit throughput (GPU to host)"),
     Metric("energy_wh", "Wh", ("last",), "energy", "energy used since the fit started (total-energy counter)"),
-    Metric("sm_activity_pct", "%", _G, "gpm", "GPM: time SMs had a warp resident (Hopper or newer)"),
+    Metric("sm_activity_pct", "%", _G, "gpm", "GPM: time SMs were busy executing (Hopper or newer)"),
     Metric("sm_occupancy_pct", "%", _G, "gpm", "GPM: resident warps / maximum (Hopper or newer)"),
     Metric("tensor_activity_pct", "%", _G, "gpm", "GPM: tensor-core pipe activity (Hopper or newer)"),
     Metric("dram_bw_util_pct", "%", _G, "gpm", "GPM: DRAM bandwidth / peak (Hopper or newer)"),
@@ -87,8 +90,7 @@ class DeviceReader:
             ("power", "power", lambda: {"power_w": nvml.pynvml.nvmlDeviceGetPowerUsage(self._whole) / 1000.0}),
             ("power_limit", "power", lambda: {
                 "power_limit_w": nvml.pynvml.nvmlDeviceGetEnforcedPowerLimit(self._whole) / 1000.0}),
-            ("temperature", "temperature", lambda: {
-                "temperature_c": float(nvml.pynvml.nvmlDeviceGetTemperature(self._whole, _TEMPERATURE_GPU))}),
+            ("temperature", "temperature", self._temperature),
             ("sm_clock", "clocks", lambda: self._clock(_CLOCK_SM, "sm_clock")),
             ("memory_clock", "clocks", lambda: self._clock(_CLOCK_MEM, "memory_clock")),
             ("throttle", "throttle", self._throttle),
@@ -137,12 +139,30 @@ class DeviceReader:
                 return None
             raise
 
+    def _newer_or_older(self, newer: Callable[[], Any], older: Callable[[], Any]) -> Any:
+        """`newer()`, or `older()` on a driver whose NVML lacks the newer function (FUNCTION_NOT_FOUND: the Python
+        attribute exists in nvidia-ml-py whatever the driver has)."""
+        try:
+            return newer()
+        except Exception as err:
+            if not (isinstance(err, AttributeError) or getattr(err, "value", None) == _FUNCTION_NOT_FOUND):
+                raise
+        return older()
+
+    def _temperature(self) -> dict[str, float]:
+        celsius = self._newer_or_older(  # nvmlDeviceGetTemperature is deprecated for removal in CUDA 14
+            lambda: nvml.pynvml.nvmlDeviceGetTemperatureV(self._whole, _TEMPERATURE_GPU),
+            lambda: nvml.pynvml.nvmlDeviceGetTemperature(self._whole, _TEMPERATURE_GPU),
+        )
+        return {"temperature_c": float(celsius)}
+
     def _utilization(self) -> dict[str, float]:
         rates = nvml.pynvml.nvmlDeviceGetUtilizationRates(self.device.handle)
         return {"utilization_pct": float(rates.gpu), "memory_utilization_pct": float(rates.memory)}
 
     def _memory(self) -> dict[str, float]:
-        info = nvml.pynvml.nvmlDeviceGetMemoryInfo(self.device.handle)
+        info = self._newer_or_older(lambda: nvml.pynvml.nvmlDeviceGetMemoryInfo(self.device.handle, _MEMORY_V2),
+                                    lambda: nvml.pynvml.nvmlDeviceGetMemoryInfo(self.device.handle))
         values = {"memory_used_mib": info.used / _MIB, "memory_total_mib": info.total / _MIB}
         if info.total:
             values["memory_used_pct"] = 100.0 * info.used / info.total
@@ -157,8 +177,8 @@ class DeviceReader:
         return values
 
     def _throttle(self) -> dict[str, float]:
-        read = getattr(nvml.pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-        mask = int((read or nvml.pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)(self._whole))
+        mask = int(self._newer_or_older(lambda: nvml.pynvml.nvmlDeviceGetCurrentClocksEventReasons(self._whole),
+                                        lambda: nvml.pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(self._whole)))
         thermal, power, slowdown = _SW_THERMAL | _HW_THERMAL, _SW_POWER_CAP | _HW_POWER_BRAKE, _HW_SLOWDOWN
         return {
             "throttle_thermal_frac": float(bool(mask & thermal)),

@@ -214,3 +214,17 @@ def test_end_to_end_from_fake_trees_and_fake_nvml(tmp_path: Path, monkeypatch: p
     plain = facts_to_dict(facts)
     assert plain["cpus"]["effective"] == 2 and plain["shm"]["size_bytes"] == 64 * MIB
     assert plain["nvml"]["cuda_driver_version"] == [11, 8] and "flags" not in plain["cpu"]
+
+
+def test_gpus_check_fails_only_for_gpus_the_run_asked_for() -> None:
+    infos = (GpuInfo(index=0, name="GPU0", uuid="GPU-0", capability=(9, 0)),
+             GpuInfo(index=1, name="", uuid="", why="NVMLError_NoPermission: Insufficient Permissions"))  # fmt: skip
+    nvml = NvmlFacts(available=True, driver_version="550.54.15", cuda_driver_version=(12, 4), gpus=infos,
+                     visible=(VisibleDevice(uuid="GPU-0", gpu=0),))  # fmt: skip
+    one = check("gpus", CheckRequest(gpus=1), nvml=nvml, torch=CUDA)
+    assert one.status == "PASS" and "NVML GPU 1 not accessible" in one.detail
+    assert "Insufficient Permissions" in one.detail
+    two = check("gpus", CheckRequest(gpus=2), nvml=nvml, torch=CUDA)
+    assert two.status == "FAIL" and "2 GPU(s) requested" in two.detail
+    assert "NVML GPU 1 not accessible" in two.detail
+    assert check("bf16", CheckRequest(gpus=1), nvml=nvml, torch=CUDA).status == "PASS"

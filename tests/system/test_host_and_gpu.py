@@ -129,3 +129,24 @@ def test_real_nvml_on_a_gpu_machine() -> None:
     assert facts.gpus and all(gpu.capability is not None for gpu in facts.gpus) and facts.visible
     assert len(facts.topology) == len(facts.gpus) * (len(facts.gpus) - 1) // 2
     assert not torch.cuda.is_initialized()
+
+
+def test_nvml_facts_list_a_gpu_this_process_may_not_open_as_inaccessible(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, FakeNVML([FakeGPU("GPU-a"), FakeGPU("GPU-b"), FakeGPU("GPU-c")], denied={1}))
+    facts = read_nvml({})
+    assert facts.available, facts.why
+    assert [(g.index, g.uuid, g.accessible) for g in facts.gpus] == [(0, "GPU-a", True), (1, "", False),
+                                                                     (2, "GPU-c", True)]  # fmt: skip
+    assert "Insufficient Permissions" in facts.gpus[1].why and "NoPermission" in facts.gpus[1].why
+    assert [d.uuid for d in facts.visible] == ["GPU-a", "GPU-c"]
+    assert facts.topology == (GpuLink(a=0, b=2, kind="PHB"),)
+
+
+def test_nvml_counts_nvlinks_up_to_nvmls_maximum(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, FakeNVML([FakeGPU("GPU-a", nvlinks=24)]))  # NVML_NVLINK_MAX_LINKS is 36
+    assert read_nvml({}).gpus[0].nvlinks == 24
+
+
+def test_nccl_version_with_a_build_suffix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3, "+cuda12.9"))
+    assert read_torch_build().nccl == (2, 27, 3)

@@ -158,3 +158,55 @@ def test_mig_device_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
     assert values["memory_used_mib"] == 4_928.0 and values["memory_used_pct"] == 50.0  # the MIG slice's memory
     assert (values["power_w"], values["temperature_c"]) == (250.0, 55.0)  # the parent GPU's
     assert values["sm_activity_pct"] == 33.0 and fake.calls["nvmlGpmMigSampleGet"] == 2
+
+
+# Faults the strict fake brings out (issue 15): each test fails on the code before its fix.
+
+
+def test_a_gpu_this_process_may_not_open_is_left_out_and_the_others_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(monkeypatch, denied={1})  # nvmlDeviceGetCount counts GPU 1; its handle raises NO_PERMISSION (cgroups)
+    devices = resolve_devices([0, 1, 2])  # CUDA enumerates only the GPUs it may open
+    assert [(d.index, d.nvml_index, d.uuid) for d in devices] == [(0, 0, UUIDS[0]), (1, 2, UUIDS[2]),
+                                                                   (2, 3, UUIDS[3])]  # fmt: skip
+    assert [d.uuid for d in resolve_devices([0, 1], "0,2")] == [UUIDS[0], UUIDS[3]]
+    [reader_device] = resolve_devices([0], UUIDS[3])
+    assert DeviceReader(reader_device, readings=["power"]).read()["power_w"] == 400.0
+
+
+def test_throttle_falls_back_to_throttle_reasons_on_a_driver_without_event_reasons(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    missing = {"nvmlDeviceGetCurrentClocksEventReasons"}  # an older driver's libnvidia-ml
+    fake = _fake(monkeypatch, [FakeGPU(UUIDS[0], throttle_mask=0x20)], missing=missing)
+    reader = DeviceReader(resolve_devices([0])[0], readings=["throttle"])
+    assert reader.read()["throttle_thermal_frac"] == 1.0 and reader.read()["throttle_any_frac"] == 1.0
+    assert "throttle" not in reader.dropped and fake.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 2
+
+
+def test_memory_used_leaves_out_what_the_driver_reserves(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(monkeypatch, [FakeGPU(UUIDS[0], memory_used_mib=20_000.0, memory_reserved_mib=600.0)])
+    values = DeviceReader(resolve_devices([0])[0], readings=["memory"]).read()
+    assert values["memory_used_mib"] == 20_000.0  # the v2 struct's `used`; v1's would be 20 600 MiB
+
+
+def test_memory_falls_back_to_the_v1_struct_on_an_older_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(monkeypatch, [FakeGPU(UUIDS[0], memory_used_mib=20_000.0, memory_reserved_mib=600.0)],
+          missing={"nvmlDeviceGetMemoryInfo_v2"})  # fmt: skip
+    reader = DeviceReader(resolve_devices([0])[0], readings=["memory"])
+    assert reader.read()["memory_used_mib"] == 20_600.0 and "memory" not in reader.dropped
+
+
+def test_temperature_reads_the_versioned_call_and_falls_back_on_an_older_driver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = _fake(monkeypatch, [FakeGPU(UUIDS[0], temperature_c=71.0)])
+    assert DeviceReader(resolve_devices([0])[0], readings=["temperature"]).read() == {"temperature_c": 71.0}
+    assert fake.calls["nvmlDeviceGetTemperatureV"] == 1 and fake.calls["nvmlDeviceGetTemperature"] == 0
+    fake = _fake(monkeypatch, [FakeGPU(UUIDS[0], temperature_c=71.0)], missing={"nvmlDeviceGetTemperatureV"})
+    assert DeviceReader(resolve_devices([0])[0], readings=["temperature"]).read() == {"temperature_c": 71.0}
+
+
+def test_a_mig_device_carries_its_own_nvml_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    mig = FakeGPU("MIG-1234abcd-0000", gpu_instance_id=7, mig_profile="1g.10gb")
+    _fake(monkeypatch, [FakeGPU(UUIDS[0], mig=[mig])], binding="12")  # the 12.x binding returns bytes
+    assert resolve_devices([0])[0].name == "NVIDIA H100 80GB HBM3 MIG 1g.10gb"

@@ -62,7 +62,7 @@ def test_a_failure_stops_sampling_and_keeps_what_was_read(monkeypatch: pytest.Mo
     assert sampler.sample_once()
     clock.t = 2.0
     assert not sampler.sample_once()
-    assert sampler.failure == "NVMLError: GPU is lost"
+    assert sampler.failure == "NVMLError_GpuIsLost: GPU is lost"
     clock.t = 3.0
     assert not sampler.sample_once()  # never again
     window = sampler.close_window()
