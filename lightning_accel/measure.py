@@ -14,7 +14,8 @@ they share one method (STYLE habit 15, after hyperfine and criterion.rs):
 - **Interference** is measured, not assumed (`InterferenceProbe`): the CPU time that processes other than ours took
   from the CPUs we may run on (`/proc/stat` minus our process tree's own time), steal time, the load average at the
   start and the end, and on CUDA other processes on the GPUs. A measurement taken while others held more than
-  `threshold` of our CPUs is flagged with the reason.
+  `threshold` of our CPUs, and the CPUs were busy (ours and theirs together above `1 - threshold` of them: they
+  took time we could have used), is flagged with the reason.
 
 No Lightning imports: the tuners, accel-bench and accel-tune all use it.
 """
@@ -278,7 +279,9 @@ class InterferenceProbe:
 
     Args:
         pids: more processes of ours (their descendants count too), read at start and at stop.
-        threshold: flag when others took more than this share of our CPUs (and at least `MIN_OTHER_CPUS`).
+        threshold: flag when others took more than this share of our CPUs (and at least `MIN_OTHER_CPUS`) while
+            the CPUs were busy: ours and theirs together above `1 - threshold` of them. Others on CPUs that stayed
+            idle otherwise (a large host shared under a CPU quota) took nothing from us.
         steal_threshold: flag when steal time exceeds this share of our CPUs' time.
         gpu_pids: returns the PIDs on the GPUs we use (None when unknown); any one not ours that this process can see
             flags the window.
@@ -318,7 +321,8 @@ class InterferenceProbe:
             other, steal = max(0.0, busy - own), max(0.0, (jiffies_end[1] - jiffies_start[1]) / tick)
         gpu = tuple(sorted(self._gpu_seen | set(self._gpu_others())))
         reasons = []
-        if other is not None and wall > 0 and other / wall > max(MIN_OTHER_CPUS, self.threshold * cpus):
+        saturated = other is not None and wall > 0 and (other + own) / wall > (1.0 - self.threshold) * cpus
+        if saturated and other / wall > max(MIN_OTHER_CPUS, self.threshold * cpus):  # type: ignore[operator]
             reasons.append(f"other processes used {other / wall:.2f} of {cpus} CPU(s) ({other / wall / cpus:.0%})")
         if steal is not None and wall > 0 and steal / (wall * cpus) > self.steal_threshold:
             reasons.append(f"the hypervisor stole {steal / (wall * cpus):.0%} of the CPU time")
