@@ -119,6 +119,8 @@ class FakeGPU:
     multiprocessor_count: int = 132
     """SMs: the whole GPU's, or a MIG device's share (`nvmlDeviceGetAttributes`)."""
     compute_capability: tuple[int, int] = (9, 0)
+    processes: list[int] = field(default_factory=list)
+    """PIDs of the compute processes on it (`nvmlDeviceGetComputeRunningProcesses`)."""
     nvlinks: int = 0  # active NVLink links; 0: the GPU has none (NVML says NotSupported)
 
 
@@ -265,6 +267,15 @@ class FakeNVML:
         attributes.multiprocessorCount = device.multiprocessor_count
         attributes.memorySizeMB = int(device.memory_total_mib)
         return attributes
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeGPU) -> list[Any]:
+        self._call("nvmlDeviceGetComputeRunningProcesses", handle)
+        found = []
+        for pid in handle.processes:
+            process = _real.c_nvmlProcessInfo_v3_t()
+            process.pid = pid
+            found.append(process)
+        return found
 
     # readings
     def _whole_gpu_only(self, function: str, device: FakeGPU) -> float:
