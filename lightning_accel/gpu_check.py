@@ -1,0 +1,297 @@
+"""One-command check of the GPU paths on a real GPU: `python -m lightning_accel.gpu_check` writes one Markdown report.
+
+Each part runs where it can and otherwise says why it was skipped, so the same command runs on a CPU machine (every
+CUDA part skipped with its reason) and on a one-GPU machine (about 5 minutes on an H100). It needs no network, works
+with torch >= 2.4 and does not import Hydra. Parts:
+
+- `nvml_vs_torch`: NVML's name, UUID mapping, total and used memory against torch's;
+- `gpu_monitor_overhead`: a CUDA fit with GPUMonitor against one with DeviceStatsMonitor, step-time ratio over 3
+  alternating repeats;
+- `gpt_precision`: the GPT example at a GPU-sized configuration in fp32 and bf16-mixed: speedup, validation loss
+  within 2%;
+- `mfu`: BenchMonitor's MFU is in (0, 1] and near the figure from a hand-timed bf16 matmul;
+- `doctor`: `accel-doctor` exits 0;
+- `fsdp` and `model_parallel`: one training step each on one GPU;
+- `fp8`: one fp8 step where the GPU (compute capability 8.9+) and Transformer Engine or torchao allow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["Part", "main", "run_checks"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Part:
+    """The outcome of one part of the check."""
+
+    name: str
+    status: str = "PASS"
+    """PASS, FAIL or SKIP."""
+    detail: str = ""
+    figures: dict[str, str] = field(default_factory=dict)
+
+
+class _Skip(Exception):
+    """A part that cannot run here, with the reason."""
+
+
+def _need_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise _Skip(f"no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+
+
+def _nvml_vs_torch() -> Part:
+    _need_cuda()
+    from lightning_accel.telemetry import nvml
+
+    why = nvml.init_nvml()
+    if why is not None:
+        raise _Skip(why)
+    try:
+        count = torch.cuda.device_count()
+        uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]
+        devices = nvml.resolve_devices(list(range(count)), os.environ.get("CUDA_VISIBLE_DEVICES"), uuids)
+        problems, figures = [], {}
+        for i, device in enumerate(devices):
+            free, total = torch.cuda.mem_get_info(i)
+            info = nvml.pynvml.nvmlDeviceGetMemoryInfo(device.handle)
+            name = torch.cuda.get_device_name(i)
+            figures[f"cuda:{i}"] = (f"{device.name} / torch {name}; NVML total {info.total / 2**20:.0f} MiB, "
+                                    f"torch {total / 2**20:.0f} MiB; used NVML {info.used / 2**20:.0f} MiB, "
+                                    f"torch {(total - free) / 2**20:.0f} MiB")  # fmt: skip
+            if not device.name.startswith(name) and not name.startswith(device.name):
+                problems.append(f"cuda:{i} name {name!r} vs NVML {device.name!r}")
+            if info.total != total:
+                problems.append(f"cuda:{i} total memory {total} vs NVML {info.total}")
+            if abs(info.used - (total - free)) > 256 * 2**20:
+                problems.append(f"cuda:{i} used memory differs by more than 256 MiB")
+        return Part(name="nvml_vs_torch", status="FAIL" if problems else "PASS", detail="; ".join(problems),
+                    figures=figures)  # fmt: skip
+    finally:
+        nvml.shutdown_nvml()
+
+
+def _gpt_class() -> type:
+    """The GPT example: `lightning_accel.examples` in a wheel, `examples/` beside the package in a checkout."""
+    try:
+        from lightning_accel.examples.gpt import GPTLanguageModel  # type: ignore[import-not-found]
+    except ImportError:
+        from examples.gpt import GPTLanguageModel
+    return GPTLanguageModel
+
+
+def _tiny_fit(callbacks: list, steps: int, precision: str = "32-true", model: object = None) -> float:
+    """Seconds per training step of a small CUDA fit (the first 5 steps left out)."""
+    import lightning.pytorch as pl
+
+    class _Timer(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_end(self, *args: object) -> None:
+            torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+
+    timer = _Timer()
+    module = model or _gpt_class()(block_size=256, n_layer=4, n_head=8, n_embd=512)
+    data = torch.randint(0, 256, (steps * 16, 257))
+    loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=16)
+    trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=steps, precision=precision,  # type: ignore[arg-type]
+                         callbacks=[*callbacks, timer], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, loader)
+    gaps = [b - a for a, b in zip(timer.times[5:], timer.times[6:], strict=False)]
+    return statistics.median(gaps)
+
+
+def _gpu_monitor_overhead() -> Part:
+    _need_cuda()
+    from lightning.pytorch.callbacks import DeviceStatsMonitor
+
+    from lightning_accel.callbacks import GPUMonitor
+
+    ours, theirs = [], []
+    for _ in range(3):  # alternating, so drift in clocks or load hits both alike
+        ours.append(_tiny_fit([GPUMonitor(interval_s=0.1)], steps=60))
+        theirs.append(_tiny_fit([DeviceStatsMonitor()], steps=60))
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    figures = {"GPUMonitor s/step": " ".join(f"{t:.4f}" for t in ours),
+               "DeviceStatsMonitor s/step": " ".join(f"{t:.4f}" for t in theirs), "ratio (median)": f"{ratio:.3f}"}
+    return Part(name="gpu_monitor_overhead", status="PASS" if ratio <= 1.05 else "FAIL",
+                detail="GPUMonitor step time over DeviceStatsMonitor's", figures=figures)  # fmt: skip
+
+
+def _gpt_precision() -> Part:
+    _need_cuda()
+    if not torch.cuda.is_bf16_supported():
+        raise _Skip("this GPU has no bf16")
+    import lightning.pytorch as pl
+
+    results = {}
+    for precision in ("32-true", "bf16-mixed"):
+        pl.seed_everything(0)
+        model = _gpt_class()(block_size=256, n_layer=4, n_head=8, n_embd=512)
+        seconds = _tiny_fit([], steps=100, precision=precision, model=model)
+        model.eval().cuda()
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=precision != "32-true"):
+            x = torch.randint(0, 256, (16, 257), generator=torch.Generator().manual_seed(1)).cuda()
+            loss = float(model._loss((x[:, :-1], x[:, 1:])))
+        results[precision] = (seconds, loss)
+    speedup = results["32-true"][0] / results["bf16-mixed"][0]
+    drift = abs(results["bf16-mixed"][1] - results["32-true"][1]) / results["32-true"][1]
+    figures = {p: f"{s:.4f} s/step, loss {v:.4f}" for p, (s, v) in results.items()}
+    figures["bf16 speedup"] = f"{speedup:.2f}x"
+    figures["loss difference"] = f"{drift:.2%}"
+    return Part(name="gpt_precision", status="PASS" if drift <= 0.02 else "FAIL", figures=figures)
+
+
+def _mfu() -> Part:
+    _need_cuda()
+    from lightning_accel.telemetry.peak_flops import lookup_peak_flops
+
+    n, dtype = 8192, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    measured = 2 * n**3 * reps / (time.perf_counter() - start)
+    peak = lookup_peak_flops(torch.cuda.get_device_name(0), "bf16" if dtype == torch.bfloat16 else "fp16")
+    figures = {"hand-timed matmul": f"{measured / 1e12:.1f} TFLOP/s",
+               "table peak": f"{peak.flops / 1e12:.1f} TFLOP/s ({peak.source})" if peak.flops else peak.reason}
+    if peak.flops is None:
+        return Part(name="mfu", status="SKIP", detail=peak.reason, figures=figures)
+    share = measured / peak.flops
+    figures["matmul / table peak"] = f"{share:.2f}"
+    return Part(name="mfu", status="PASS" if 0.3 <= share <= 1.05 else "FAIL",
+                detail="the table's peak against a hand-timed matmul (expected 0.6-0.9)", figures=figures)  # fmt: skip
+
+
+def _doctor() -> Part:
+    done = subprocess.run([sys.executable, "-m", "lightning_accel.doctor"], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    tail = (done.stdout + done.stderr).strip().splitlines()[-12:]
+    return Part(name="doctor", status="PASS" if done.returncode == 0 else "FAIL",
+                detail=f"exit {done.returncode}", figures={"output": "<br>".join(tail)})  # fmt: skip
+
+
+def _one_step(strategy: object) -> Part:
+    _need_cuda()
+    import lightning.pytorch as pl
+
+    model = _gpt_class()(block_size=64, n_layer=2, n_head=4, n_embd=128)
+    data = torch.randint(0, 256, (8, 65))
+    loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=8)
+    trainer = pl.Trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=1,  # type: ignore[arg-type]
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    trainer.fit(model, loader)
+    return Part(name="", status="PASS", detail=f"1 step, global_step={trainer.global_step}")
+
+
+def _fsdp() -> Part:
+    _need_cuda()
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    part = _one_step(FSDPStrategy())
+    part.name = "fsdp"
+    return part
+
+
+def _model_parallel() -> Part:
+    _need_cuda()
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    part = _one_step(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1))
+    part.name = "model_parallel"
+    return part
+
+
+def _fp8() -> Part:
+    _need_cuda()
+    capability = torch.cuda.get_device_capability(0)
+    if capability < (8, 9):
+        raise _Skip(f"fp8 needs compute capability 8.9+, this GPU has {capability[0]}.{capability[1]}")
+    from lightning_accel.precision import resolve_precision
+
+    try:
+        resolved = resolve_precision("fp8", "cuda")
+    except Exception as err:
+        raise _Skip(str(err)) from None
+    return Part(name="fp8", status="PASS", detail=resolved.describe())
+
+
+PARTS: dict[str, Callable[[], Part]] = {
+    "nvml_vs_torch": _nvml_vs_torch, "gpu_monitor_overhead": _gpu_monitor_overhead, "gpt_precision": _gpt_precision,
+    "mfu": _mfu, "doctor": _doctor, "fsdp": _fsdp, "model_parallel": _model_parallel, "fp8": _fp8,
+}  # fmt: skip
+
+
+def run_checks(names: Sequence[str] | None = None) -> list[Part]:
+    """Run the named parts (all by default); a part that cannot run is SKIP with the reason, one that breaks FAIL."""
+    parts = []
+    for name in names or PARTS:
+        try:
+            part = PARTS[name]()
+            part.name = name
+        except _Skip as why:
+            part = Part(name=name, status="SKIP", detail=str(why))
+        except Exception as err:  # one broken part must not hide the others
+            part = Part(name=name, status="FAIL", detail=f"{type(err).__name__}: {err}",
+                        figures={"traceback": traceback.format_exc().strip().splitlines()[-1]})  # fmt: skip
+        parts.append(part)
+    return parts
+
+
+def render(parts: Sequence[Part]) -> str:
+    """The Markdown report: the machine, then one row per part and its figures."""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+    lines = ["# lightning_accel GPU check", "",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+             f"- device: {device}", f"- torch: {torch.__version__} (CUDA {torch.version.cuda})",
+             f"- python: {platform.python_version()} on {platform.platform()}", "",
+             "| part | status | detail |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| {p.name} | {p.status} | {p.detail.replace('|', '/')} |" for p in parts]
+    for part in parts:
+        if part.figures:
+            lines += ["", f"## {part.name}", ""] + [f"- {k}: {v}" for k, v in part.figures.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_accel.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu_check.md", help="the Markdown report to write (default: gpu_check.md)")
+    parser.add_argument("--parts", nargs="*", choices=list(PARTS), help="run only these parts (default: all)")
+    args = parser.parse_args(argv)
+    root = str(Path(__file__).resolve().parent.parent)  # `examples` sits beside the package in a checkout
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    os.environ.setdefault("TMPDIR", tempfile.gettempdir())
+    parts = run_checks(args.parts)
+    Path(args.out).write_text(render(parts))
+    for part in parts:
+        print(f"{part.status:4}  {part.name}: {part.detail}")
+    print(f"report: {args.out}")
+    return 1 if any(p.status == "FAIL" for p in parts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
