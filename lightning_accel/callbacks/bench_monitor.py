@@ -26,6 +26,9 @@ class StageMeasurement:
     """What `BenchMonitor` writes for `accel-bench` (global rank zero's view; step times are rank zero's)."""
 
     world_size: int = 1
+    data_parallel_size: int = 1
+    """Ranks that load batches of their own (the distributed sampler's replicas); the others share them (pipeline
+    stages, tensor-parallel ranks): MFU per device divides by `world_size / data_parallel_size`."""
     device: str = "cpu"
     """`torch.cuda.get_device_name` of rank zero's device, or "cpu"."""
     compute_capability: list[int] | None = None
@@ -191,6 +194,7 @@ class BenchMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
         self._last_end = None
+        self.measurement.data_parallel_size = _data_parallel_replicas(trainer)
         if trainer.is_global_zero:
             self._open_energy(trainer)
 

@@ -70,6 +70,7 @@ def test_measurement_adds_up_and_is_written(tmp_path) -> None:
     assert m.final_metric == 7.0
     assert m.time_to_target_s == m.validations[2]["train_s"] and 0 < m.time_to_target_s <= m.train_s
     assert m.peak_memory_bytes and m.memory_total_bytes and m.device == "cpu"
+    assert written["data_parallel_size"] == m.data_parallel_size == 1  # MFU divides by world / this
 
 
 @pytest.mark.parametrize("declaration", ["none", "another signature"])
