@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightning_accel.errors import LightningAccelWarning
 from lightning_accel.telemetry import nvml
 from lightning_accel.telemetry.alerts import AlertThresholds, check_alerts
-from lightning_accel.telemetry.ranks import pack_row, rank_stats, unpack_rows, window_metrics
+from lightning_accel.telemetry.ranks import allocated_by_device, pack_row, rank_stats, unpack_rows, window_metrics
 from lightning_accel.telemetry.readings import READINGS
 from lightning_accel.telemetry.report import COLUMNS, RunReport
 from lightning_accel.telemetry.sampler import NVMLSampler, open_sampler
@@ -326,8 +326,9 @@ class GPUMonitor(Callback):
         if window is None and not self._gather:
             return  # no new reading (log steps come faster than `interval_s`): nothing to log, timings carry over
         steps = self._steps
+        device, allocated = _allocated_pct(trainer.strategy.root_device)
         row = pack_row(self._node, self._indices, window, self._step_s / max(steps, 1), self._data_s / max(steps, 1),
-                       steps, has_sampler=window is not None)  # fmt: skip
+                       steps, has_sampler=window is not None, device=device, allocated_pct=allocated)  # fmt: skip
         self._step_s = self._data_s = 0.0
         self._steps = 0
         rows = self._all_gather(trainer, row) if self._gather else [row]
@@ -335,12 +336,13 @@ class GPUMonitor(Callback):
             return
         timings, devices = unpack_rows(rows, len(self._indices))
         gpus = {self._key(node, index): stats for (node, index), stats in sorted(devices.items())}
+        allocated = {self._key(node, index): pct for (node, index), pct in allocated_by_device(timings).items()}
         ranks = rank_stats(timings)
         self._update_fit_time()
         self.report.add_window(self.report.fit_s, step, gpus, timings)
         metrics = window_metrics(gpus, ranks, self.report.energy_wh, self.log_min_max)
         if step >= self.warmup_steps:
-            for alert in check_alerts(step, gpus, ranks, self.thresholds, self.report.fired):
+            for alert in check_alerts(step, gpus, ranks, self.thresholds, self.report.fired, allocated):
                 rank_zero_warn(f"GPUMonitor at step {step}: {alert.message}", category=LightningAccelWarning)
                 self.report.add_alert(alert)
                 metrics[f"gpu_monitor/alert/{alert.name}"] = 1.0
@@ -349,6 +351,18 @@ class GPUMonitor(Callback):
         metrics["gpu_monitor/overhead_pct"] = 100.0 * self.report.overhead_s / max(self.report.fit_s, 1e-9)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+
+
+def _allocated_pct(device: torch.device) -> tuple[int, float]:
+    """(this rank's CUDA device index, the peak share of its memory the run's tensors took); (-1, nan) off CUDA."""
+    if device.type != "cuda":
+        return -1, math.nan
+    try:
+        index = device.index or 0
+        total = torch.cuda.get_device_properties(index).total_memory
+        return index, 100.0 * torch.cuda.max_memory_allocated(index) / total
+    except Exception:  # monitoring never stops training
+        return -1, math.nan
 
 
 def _cpu_group() -> tuple[Any, bool]:

@@ -43,8 +43,15 @@ def check_alerts(
     ranks: RankStats | None,
     thresholds: AlertThresholds,
     fired: Collection[str] = (),
+    allocated_pct: Mapping[str, float] | None = None,
 ) -> list[Alert]:
-    """The alerts not yet in `fired` whose condition holds in this window (the first GPU that meets it, by key)."""
+    """The alerts not yet in `fired` whose condition holds in this window (the first GPU that meets it, by key).
+
+    `allocated_pct`: per GPU key, the peak share of its memory the run's tensors took (torch's caching allocator
+    counts). NVML's used memory also holds the allocator's cached free blocks, so a GPU whose NVML reading is short of
+    headroom raises `memory_headroom` only when what the run allocated is short of it too (or is unknown).
+    """
+    allocated_pct = allocated_pct or {}
     found: dict[str, Alert] = {}
     for key, stats in gpus.items():
         seconds = max((s.seconds for s in stats.values()), default=0.0)
@@ -58,9 +65,16 @@ def check_alerts(
                 "it), set `pin_memory=True` and `persistent_workers=True`, or move preprocessing out of the step."
             ), key)  # fmt: skip
         limit = thresholds.min_memory_headroom_pct
-        if "memory_headroom" not in found and limit is not None and used is not None and 100.0 - used.max < limit:
-            found["memory_headroom"] = Alert("memory_headroom", step, 100.0 - used.max, (
-                f"`{key}` peaked at {used.max:.1f}% of its memory, {100.0 - used.max:.1f}% headroom (below "
+        allocated = allocated_pct.get(key)
+        short = used is not None and 100.0 - used.max < (limit or 0.0)
+        if short and allocated is not None and 100.0 - allocated >= (limit or 0.0):
+            short = False  # the allocator holds cached free blocks: the run's tensors leave the headroom
+        if "memory_headroom" not in found and limit is not None and short:
+            assert used is not None
+            peak = used.max if allocated is None else allocated
+            held = "" if allocated is None else f" (the run's tensors; NVML shows {used.max:.1f}% held)"
+            found["memory_headroom"] = Alert("memory_headroom", step, 100.0 - peak, (
+                f"`{key}` peaked at {peak:.1f}% of its memory{held}, {100.0 - peak:.1f}% headroom (below "
                 f"`min_memory_headroom_pct={limit}`): a longer batch or allocator fragmentation will raise CUDA out of "
                 "memory. Lower the batch size and accumulate gradients, use bf16 mixed precision, or checkpoint "
                 "activations."

@@ -10,10 +10,13 @@ from dataclasses import dataclass
 from lightning_accel.telemetry.readings import METRICS
 from lightning_accel.telemetry.sampler import Stat, Window
 
-__all__ = ["RankStats", "RankTiming", "pack_row", "rank_stats", "row_size", "spread", "unpack_rows", "window_metrics"]
+__all__ = [
+    "RankStats", "RankTiming", "allocated_by_device", "pack_row", "rank_stats", "row_size", "spread", "unpack_rows",
+    "window_metrics",
+]  # fmt: skip
 
 _SPREAD = ("utilization_pct", "memory_used_pct", "power_w", "temperature_c", "sm_clock_mhz")
-_HEAD = 5  # node_rank, has_sampler, step_time_s, data_time_s, steps
+_HEAD = 7  # node_rank, has_sampler, step_time_s, data_time_s, steps, cuda index, allocated %
 _STAT = 5  # weighted, seconds, min, max, last
 _SLOT = 1 + _STAT * len(METRICS)  # device index, then each metric's aggregate
 
@@ -27,6 +30,11 @@ class RankTiming:
     step_time_s: float
     data_time_s: float
     steps: int
+    device: int = -1
+    """The rank's CUDA device index (-1: none)."""
+    allocated_pct: float = math.nan
+    """The peak memory the rank's tensors took on it (`torch.cuda.max_memory_allocated`), % of the device's memory:
+    what the run needs, where NVML's used memory also holds the caching allocator's free blocks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +57,10 @@ def row_size(num_devices: int) -> int:
 
 def pack_row(
     node: int, indices: Sequence[int], window: Window | None, step_time_s: float, data_time_s: float, steps: int,
-    has_sampler: bool,
+    has_sampler: bool, device: int = -1, allocated_pct: float = math.nan,
 ) -> list[float]:  # fmt: skip
     """One rank's row of floats for all_gather; every rank of a run packs rows of the same length."""
-    row = [float(node), float(has_sampler), step_time_s, data_time_s, float(steps)]
+    row = [float(node), float(has_sampler), step_time_s, data_time_s, float(steps), float(device), allocated_pct]
     for index in indices:
         stats = {} if window is None else window.devices.get(index, {})
         row.append(float(index))
@@ -71,7 +79,7 @@ def unpack_rows(
     for rank, row in enumerate(rows):
         assert len(row) == row_size(num_devices), (len(row), num_devices)
         node = int(row[0])
-        timings.append(RankTiming(rank, node, row[2], row[3], int(row[4])))
+        timings.append(RankTiming(rank, node, row[2], row[3], int(row[4]), int(row[5]), row[6]))
         if not row[1]:
             continue
         for slot in range(num_devices):
@@ -86,6 +94,16 @@ def unpack_rows(
             if stats:
                 devices[(node, int(row[base]))] = stats
     return timings, devices
+
+
+def allocated_by_device(timings: Sequence[RankTiming]) -> dict[tuple[int, int], float]:
+    """(node, CUDA device index) -> the highest peak allocation (%) any rank reported on that device."""
+    found: dict[tuple[int, int], float] = {}
+    for t in timings:
+        if t.device >= 0 and not math.isnan(t.allocated_pct):
+            key = (t.node, t.device)
+            found[key] = max(found.get(key, 0.0), t.allocated_pct)
+    return found
 
 
 def spread(values: Sequence[float]) -> tuple[float, float, float]:

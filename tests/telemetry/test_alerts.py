@@ -7,7 +7,14 @@ import math
 import pytest
 
 from lightning_accel.telemetry.alerts import AlertThresholds, check_alerts
-from lightning_accel.telemetry.ranks import RankTiming, pack_row, rank_stats, row_size, unpack_rows
+from lightning_accel.telemetry.ranks import (
+    RankTiming,
+    allocated_by_device,
+    pack_row,
+    rank_stats,
+    row_size,
+    unpack_rows,
+)
 from lightning_accel.telemetry.readings import METRICS
 from lightning_accel.telemetry.sampler import Stat, Window
 
@@ -20,11 +27,12 @@ def test_rows_round_trip_and_skip_ranks_without_a_sampler() -> None:
     window = Window(0.0, 2.0, 4, {3: {"utilization_pct": Stat(120.0, 2.0, 40.0, 80.0, 80.0),
                                       "energy_wh": Stat(0.2, 2.0, 0.05, 0.1, 0.1)},
                                   5: {"power_w": _stat(300.0)}})  # fmt: skip
-    leader = pack_row(1, [3, 5], window, 0.25, 0.01, 8, has_sampler=True)
-    other = pack_row(1, [3, 5], None, 0.5, 0.2, 8, has_sampler=False)
+    leader = pack_row(1, [3, 5], window, 0.25, 0.01, 8, has_sampler=True, device=3, allocated_pct=61.0)
+    other = pack_row(1, [3, 5], None, 0.5, 0.2, 8, has_sampler=False, device=5, allocated_pct=70.0)
     assert len(leader) == len(other) == row_size(2)
     timings, devices = unpack_rows([other, leader], 2)
-    assert timings == [RankTiming(0, 1, 0.5, 0.2, 8), RankTiming(1, 1, 0.25, 0.01, 8)]
+    assert timings == [RankTiming(0, 1, 0.5, 0.2, 8, 5, 70.0), RankTiming(1, 1, 0.25, 0.01, 8, 3, 61.0)]
+    assert allocated_by_device(timings) == {(1, 5): 70.0, (1, 3): 61.0}
     assert set(devices) == {(1, 3), (1, 5)}
     assert devices[(1, 3)] == window.devices[3] and devices[(1, 5)] == window.devices[5]
     assert len(METRICS) == 24
@@ -70,6 +78,19 @@ def test_each_alert_fires_on_its_condition_with_number_and_fix() -> None:
     assert "Rank 1 is the straggler" in skew.message and "`num_workers`" in skew.message
     fired = {"low_utilization", "throttling"}
     assert {a.name for a in check_alerts(11, gpus, ranks, thresholds, fired)} == {"memory_headroom", "rank_skew"}
+
+
+def test_memory_headroom_sees_what_the_run_allocated_not_the_allocators_cache() -> None:
+    """NVML shows 97% used; the caching allocator holds most of it as free blocks: the run's tensors peaked at 60%."""
+    thresholds = AlertThresholds(low_utilization_pct=None, min_memory_headroom_pct=5, max_throttle_pct=None,
+                                 max_rank_skew_pct=None)  # fmt: skip
+    gpus = {"gpu/0": _gpu(used_max=97.0)}
+    assert check_alerts(10, gpus, None, thresholds, allocated_pct={"gpu/0": 60.0}) == []
+    tight = check_alerts(10, gpus, None, thresholds, allocated_pct={"gpu/0": 96.0})
+    assert [a.name for a in tight] == ["memory_headroom"] and tight[0].value == pytest.approx(4.0)
+    assert "the run's tensors; NVML shows 97.0% held" in tight[0].message
+    unknown = check_alerts(10, gpus, None, thresholds)  # no allocator figure (another process's GPU): NVML decides
+    assert [a.name for a in unknown] == ["memory_headroom"] and unknown[0].value == pytest.approx(3.0)
 
 
 def test_thresholds_of_none_turn_alerts_off() -> None:
