@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -187,11 +188,16 @@ def _mfu() -> Part:
 
 
 def _doctor() -> Part:
-    done = subprocess.run([sys.executable, "-m", "lightning_accel.doctor"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "lightning_accel.doctor", "--json"], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
-    tail = (done.stdout + done.stderr).strip().splitlines()[-12:]
-    return Part(name="doctor", status="PASS" if done.returncode == 0 else "FAIL",
-                detail=f"exit {done.returncode}", figures={"output": "<br>".join(tail)})  # fmt: skip
+    figures: dict[str, object] = {}
+    try:
+        checks = json.loads(done.stdout)["checks"]
+        figures = {c["name"]: f"{c['status']}: {c.get('detail') or c.get('message') or ''}".strip() for c in checks}
+    except (ValueError, KeyError, TypeError):
+        figures = {"output": " / ".join((done.stdout + done.stderr).strip().splitlines()[-5:])}
+    return Part(name="doctor", status="PASS" if done.returncode == 0 else "FAIL", detail=f"exit {done.returncode}",
+                figures=figures)
 
 
 def _one_step(strategy: object) -> Part:
