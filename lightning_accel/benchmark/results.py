@@ -436,7 +436,7 @@ def _derive(result: StageResult, peak_tflops: float | None) -> None:
     capability = m.get("compute_capability")  # TF32 from Ampere (8.0) on; a record without it: assume a GPU has it
     tf32 = result.device != "cpu" and (not capability or tuple(capability) >= (8, 0))
     result.dtype = compute_dtype(m.get("precision", ""), m.get("float32_matmul_precision"), tf32_capable=tf32)
-    peak = lookup_peak_flops(result.device, result.dtype, peak_tflops)
+    peak = lookup_peak_flops(result.device, result.dtype, peak_tflops, sm_count=m.get("sm_count"))
     model_parallel = _model_parallel_size(m)
     result.mfu = model_flops_utilization(
         m.get("flops_per_batch"), int(m.get("steady_batches", 0)), steady_s, peak.flops, model_parallel

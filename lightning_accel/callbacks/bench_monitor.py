@@ -32,6 +32,9 @@ class StageMeasurement:
     device: str = "cpu"
     """`torch.cuda.get_device_name` of rank zero's device, or "cpu"."""
     compute_capability: list[int] | None = None
+    sm_count: int | None = None
+    """Streaming multiprocessors of rank zero's device (a MIG slice's own); its share of the GPU's SMs scales the
+    peak for MFU. None on a CPU."""
     """CUDA compute capability of that device ([8, 0] and up have TF32); None on a CPU."""
     precision: str = ""
     float32_matmul_precision: str = ""
@@ -180,6 +183,7 @@ class BenchMonitor(Callback):
             index = pl_module.device.index or 0
             m.device = torch.cuda.get_device_name(index)
             m.compute_capability = list(torch.cuda.get_device_capability(index))
+            m.sm_count = int(torch.cuda.get_device_properties(index).multi_processor_count)
             m.memory_total_bytes = int(torch.cuda.get_device_properties(index).total_memory)
             m.memory_kind = "CUDA max_memory_allocated"
             torch.cuda.reset_peak_memory_stats(index)
