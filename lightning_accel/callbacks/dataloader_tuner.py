@@ -7,45 +7,31 @@ import os
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel.errors import LightningAccelWarning
-from lightning_accel.measure import InterferenceProbe
 from lightning_accel.system import read_cpu_budget, read_shm
-from lightning_accel.tuning.dataloader import cache, policy, report
+from lightning_accel.tuning.dataloader import cache, policy, report, verification
 from lightning_accel.tuning.dataloader import loop as loop_internals
 from lightning_accel.tuning.dataloader.decision import TunerDecision
 from lightning_accel.tuning.dataloader.timing import (
-    LiveWait,
     LoaderSettings,
     Trial,
     TrialError,
-    batch_nbytes,
     frozen_rng,
     loader_settings,
-    rebuild_loader,
-    run_trial,
-    trial_window,
 )
+from lightning_accel.tuning.dataloader.verification import LiveWait
 
 __all__ = ["DataLoaderTuner"]
 
 log = logging.getLogger(__name__)
-
-VERIFY_MARGIN = 0.15
-"""A cached decision fails its verification when the live loop waits for data more than this share of step time
-above what the decision recorded (and more than `tolerance`)."""
-TRIAL_STALL_S = 120.0
-"""The longest a trial waits for one batch from its workers (when the loader sets no `timeout`): a stalled worker
-fails the trial on its rank, and the others learn it at their next collective, instead of waiting forever."""
 
 
 class DataLoaderTuner(Callback):
@@ -97,9 +83,9 @@ class DataLoaderTuner(Callback):
         verify_steps: after a decision is reused (cache or checkpoint), the live loop's data-wait share (the time
             from one `on_train_batch_end` to the next `on_train_batch_start` over the step) is measured on this many
             steps after `max(warmup_steps, num_workers)` warm-up steps. When it exceeds both `tolerance` and the
-            recorded share + `VERIFY_MARGIN` on any rank, the loader is tuned again at the next epoch start (every
-            rank together) and the cache entry is replaced; when the fit ends before that, the entry is dropped so
-            the next fit tunes again. 0: no check.
+            recorded share + `tuning.dataloader.verification.VERIFY_MARGIN` on any rank, the loader is tuned again
+            at the next epoch start (every rank together) and the cache entry is replaced; when the fit ends before
+            that, the entry is dropped so the next fit tunes again. 0: no check.
 
     Interference: every trial runs under a `lightning_accel.measure.InterferenceProbe` (other ranks on the host are
     ours); a flagged trial shows "yes" in the table's interference column, comparisons near the noise or under load
@@ -279,24 +265,17 @@ class DataLoaderTuner(Callback):
             self._forget(trainer, "it failed its verification and the fit ended before the next epoch")
 
     def _verification_failed(self, trainer: pl.Trainer, final: bool) -> bool:
-        """Whether the reused decision failed its check on any rank; every rank calls this at the same hook.
-
-        Failed: the live loop waited for data more than `tolerance` and more than `VERIFY_MARGIN` above the share
-        the decision recorded, over `verify_steps` steps (or, at the fit's end, at least a quarter of them). Ends the
-        verification once every rank has its window, or it failed."""
+        """Whether the reused decision failed its check on any rank (`verification.verdict`); every rank calls this at
+        the same hook. Ends the verification once every rank has its window, or it failed."""
         live, result = self._live, self.result
         assert live is not None and result is not None
-        enough = live.complete or (final and live.counted >= max(1, self.verify_steps // 4))
-        failed = enough and live.share > max(self.tolerance, result.wait_share + VERIFY_MARGIN)
+        enough, failed = verification.verdict(live, result.wait_share, self.tolerance, final)
         any_failed, incomplete = loop_internals.rank_sync(trainer.strategy.root_device)(
             [float(failed), float(not live.complete)])  # fmt: skip
         if any_failed or not incomplete or final:
             self.live_wait_share, self._live = live.share if enough else None, None
-            verdict = "failed" if any_failed else "passed"
-            if enough:
-                log.info("DataLoaderTuner: the reused decision %s its check: the loop waited for data %.0f%% of "
-                         "%d steps (recorded when tuned: %.0f%%).", verdict, 100 * live.share, live.counted,
-                         100 * result.wait_share)  # fmt: skip
+            if enough and trainer.is_global_zero:  # rank zero reports, as it reports the decision
+                log.info(verification.verdict_line(live, result.wait_share, bool(any_failed)))
         return bool(any_failed)
 
     def _forget(self, trainer: pl.Trainer, why: str) -> None:
@@ -382,52 +361,15 @@ class DataLoaderTuner(Callback):
         if known is not None:
             self.cache_hit, self.result, self._state = True, known, known.as_dict()
             return known.settings
-        probe, error = None, None
-        try:  # one batch, for its size in bytes; a failure on any rank stops every rank here
-            probe = next(iter(rebuild_loader(loader, LoaderSettings())))
-        except Exception as err:
-            error = err
-        if sync([float(error is not None)])[0]:
-            raise TrialError(f"the first batch failed: {error!r}" if error else "the first batch failed on another "
-                             "rank") from error  # fmt: skip
-        batch_size, batch_bytes = batch_size or loop_internals.batch_size_of(probe), batch_nbytes(probe)
-        original = loader_settings(loader)  # as a trial runs it: persistence only matters between epochs
-        original = replace(original, persistent_workers=original.num_workers > 0)
-        shared = (budget, original, None if shm is None else shm.free_bytes // trainer.num_devices, memory)
-        budget, original, shm_free, memory_free = strategy.broadcast(shared, src=0)  # one search on every rank
-        most_bytes, fewest_batches = sync([float(batch_bytes), -float(len(loader))])
-        batch_bytes, length = int(most_bytes), int(-fewest_batches)
-        assert isinstance(batch_size, int)
-        deadline = start + self.max_tuning_time_s
-
-        pids = loop_internals.same_host_pids()  # the other ranks on this host (and their workers) are ours
-
-        def measure(settings: LoaderSettings, cut: float | None) -> Trial:
-            warmup, window = trial_window(settings.num_workers, self.warmup_steps, self.steps_per_trial, length)
-            probe = InterferenceProbe(pids=lambda: pids)
-            with probe:
-                trial = run_trial(lambda s: rebuild_loader(loader, replace(s, persistent_workers=False),
-                                                           stall_timeout_s=TRIAL_STALL_S), step, settings,
-                                  warmup=warmup, steps=window, samples_per_batch=batch_size, cut_s_per_step=cut,
-                                  deadline=deadline, sync=sync)  # fmt: skip
-            seen = probe.result
-            if sync([float(seen is not None and seen.flagged)])[0]:  # any rank's flag, on every rank
-                trial.flag = seen.describe() if seen is not None and seen.flagged else "interference on another rank"
-            return trial
-
-        with loop_internals.untouched(pl_module):
-            self.trials = policy.search(
-                measure, budget=budget, max_workers=self.max_workers or 4 * budget,
-                prefetch_factors=self.prefetch_factors, original=original, tolerance=self.tolerance,
-                pin_memory=self.tune_pin_memory and isinstance(trainer.accelerator, CUDAAccelerator),
-                guard=lambda s: policy.memory_note(s, batch_bytes, shm_free, memory_free),
-            )  # fmt: skip
-        chosen = policy.choose(self.trials, self.tolerance)
-        flags = [t.flag for t in self.trials if t.flag]
-        note = f"measured under interference ({flags[0]})" if flags else ""
-        decision = None if chosen is None else TunerDecision.from_trials(key, facts, chosen, self.trials, original,
-                                                                         confident=not flags, note=note)  # fmt: skip
-        decision = strategy.broadcast(decision, src=0)
+        shm_free = None if shm is None else shm.free_bytes // trainer.num_devices
+        self.trials, original = loop_internals.search_in_lockstep(
+            trainer, pl_module, loader, step, batch_size=batch_size, budget=budget, shm_free=shm_free,
+            memory_free=memory, warmup_steps=self.warmup_steps, steps_per_trial=self.steps_per_trial,
+            deadline=start + self.max_tuning_time_s, max_workers=self.max_workers, tolerance=self.tolerance,
+            prefetch_factors=self.prefetch_factors, tune_pin_memory=self.tune_pin_memory,
+        )  # fmt: skip
+        decision = strategy.broadcast(policy.decide(self.trials, self.tolerance, fingerprint=key, facts=facts,
+                                                    original=original), src=0)  # fmt: skip
         if decision is None:
             rank_zero_warn(f"DataLoaderTuner timed no setting to the end within `max_tuning_time_s="
                            f"{self.max_tuning_time_s}`; raise it. The DataLoaders are left alone.",
@@ -454,33 +396,11 @@ class DataLoaderTuner(Callback):
             return None
 
     def _report(self, trainer: pl.Trainer, original: LoaderSettings) -> None:
-        if not trainer.is_global_zero:
-            return
-        result, decision = self.result, self.decision
-        assert result is not None and decision is not None
-        chosen = next((t for t in policy.medians(self.trials) if t.settings == decision), None)
-        rows = report.table_rows(self.trials, chosen)
-        source = "cache" if self.cache_hit else f"{len(self.trials)} trials in {self.tuning_time_s:.1f} s"
-        if not result.confident:
-            source += f"; not cached: {result.note}"
-        changed = ", ".join(f"{k} {getattr(original, k)} -> {v}" for k, v in decision.as_dict().items()
-                            if getattr(original, k) != v) or "no change"  # fmt: skip
-        line = (f"DataLoaderTuner ({source}): {changed}; {result.samples_per_s:,.1f} samples/s per rank "
-                f"({result.speedup or float('nan'):.2f}x the loader's own settings).")
-        title = f"DataLoaderTuner: train DataLoader settings timed on {self.step_mode} steps, per rank"
-        if rows:
-            log.info("%s\n%s", title, report.table_text(rows))
-        log.info(line)  # into the run's log file (accel-train) and wherever the application sends logging
-        if self.print_table:
-            from rich.console import Console
-
-            console = Console()
-            if rows:
-                console.print(report.rich_table(rows, title))
-            console.print(line, highlight=False)
-        metrics = report.decision_metrics(result, self.trials, self.tuning_time_s, self.cache_hit)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        if trainer.is_global_zero:
+            assert self.result is not None
+            report.publish(self.result, original, self.trials, tuning_time_s=self.tuning_time_s,
+                           cache_hit=self.cache_hit, step_mode=self.step_mode, print_table=self.print_table,
+                           loggers=trainer.loggers, step=trainer.global_step, log=log)  # fmt: skip
 
     @override
     def state_dict(self) -> dict[str, Any]:

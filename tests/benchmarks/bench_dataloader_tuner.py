@@ -13,13 +13,15 @@ latency per window (a dataset that waits on I/O), its epoch cut to `--latency-ba
 
 `io-busy` (issue 14's criterion) is run alone: `--runs` tunings of an I/O-bound dataset (3 ms sleep per item, the
 tests' SleepyDataset) while a CPU-bound process that is not ours runs beside them; after each, the tests' Referee
-times every worker count 0..8 under the same load and the choice against the best, interleaved. Printed per run:
-the choice, its share of the best, whether the tuner flagged interference, and how many runs reached 80%.
+times every worker count 0..8 and the choice under the same load, in `--sweep-rounds` interleaved rounds, and takes
+each setting's median. Printed per run: the choice, its share of the sweep's best median (with the paired rounds'
+range), whether the tuner flagged interference, the sweep's spread; then how many runs reached 80%.
 
 Run:
     python tests/benchmarks/bench_dataloader_tuner.py [--cases gpt digits gpt-latency] [--repeats 2] [--threads N]
         [--max-tuning-time-s 60] [--latency-batches 300] [--table]
     python tests/benchmarks/bench_dataloader_tuner.py --cases io-busy [--runs 10] [--max-tuning-time-s 30]
+        [--sweep-rounds 3]
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ def one_epoch(name: str, tuner: DataLoaderTuner | None, latency_batches: int) ->
     return timer
 
 
-def io_busy(runs: int, max_tuning_time_s: float, table: bool = False) -> list[tuple[LoaderSettings, float, bool]]:
+def io_busy(runs: int, max_tuning_time_s: float, table: bool = False, sweep_rounds: int = 3
+            ) -> list[tuple[LoaderSettings, float, bool]]:  # fmt: skip
     """Issue 14's criterion: (choice, share of the sweep's best, flagged) of `runs` tunings of an I/O-bound dataset
     beside a CPU-bound process that is not ours (started through a shell that exits, so init adopts it)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "callbacks"))
@@ -128,23 +131,27 @@ def io_busy(runs: int, max_tuning_time_s: float, table: bool = False) -> list[tu
         with tempfile.TemporaryDirectory() as root:
             for run in range(runs):
                 tuner = DataLoaderTuner(max_tuning_time_s=max_tuning_time_s, use_cache=False, print_table=table)
-                referee = cases.Referee(tuner, space)
+                referee = cases.Referee(tuner, space, rounds=sweep_rounds)
                 load = os.getloadavg()[0]
                 cases.fit(cases.SleepyDataset(delay_s=0.003), [tuner, referee], root, max_steps=2)
-                assert tuner.decision is not None
+                assert tuner.decision is not None and referee.best is not None
                 flagged = any(t.flag for t in tuner.trials)
-                results.append((tuner.decision, referee.share_of_best, flagged))
-                print(f"run {run + 1:>2}: {tuner.decision.num_workers} workers (prefetch "
-                      f"{tuner.decision.prefetch_factor}), {100 * referee.share_of_best:.0f}% of the best "
-                      f"({referee.best and referee.best.num_workers} workers), tuning {tuner.tuning_time_s:.1f} s, "
-                      f"interference flagged: {'yes' if flagged else 'no'}, load {load:.1f}; {referee.summary()}",
-                      flush=True)  # fmt: skip
+                share, paired, best = referee.share_of_best, referee.share_interval, referee.sweep[referee.best]
+                results.append((tuner.decision, share, flagged))
+                spread = max(v.relative_width for v in referee.sweep.values())
+                print(f"run {run + 1:>2}: chose {tuner.decision.num_workers} workers (prefetch "
+                      f"{tuner.decision.prefetch_factor}) in {len(tuner.trials)} trials, {tuner.tuning_time_s:.1f} s; "
+                      f"{100 * share:.0f}% of the sweep's best ({referee.best.num_workers} workers, median "
+                      f"{best.format('.0f')} samples/s; paired rounds {100 * paired.low:.0f}-{100 * paired.high:.0f}%)"
+                      f"; {'>= 80%' if share >= 0.8 else '< 80%'}; interference flagged: {'yes' if flagged else 'no'};"
+                      f" widest sweep spread {100 * spread:.0f}% of its median; load {load:.1f}", flush=True)
+                print(f"        {referee.summary()}", flush=True)
     finally:
         os.kill(busy, signal.SIGKILL)
-    reached = sum(share >= 0.8 for _, share, _ in results)
-    print(f"\nio-busy: the choice reached >= 80% of the exhaustive sweep's best in {reached} of {len(results)} runs "
-          f"(criterion: >= 9 of 10); choices: {[d.num_workers for d, _, _ in results]} workers; not cached: "
-          f"{sum(f for _, _, f in results)} of {len(results)} (flagged under interference).")
+    reached, choices = sum(share >= 0.8 for _, share, _ in results), [d.num_workers for d, _, _ in results]
+    print(f"\nio-busy: {reached} of {len(results)} runs >= 80% of the exhaustive sweep's best (its median over "
+          f"{sweep_rounds} interleaved rounds; criterion: >= 9 of 10); choices: {choices} workers; flagged under "
+          f"interference (not cached): {sum(f for _, _, f in results)} of {len(results)}.")
     return results
 
 
@@ -153,7 +160,7 @@ def main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if "io-busy" in args.cases:
-        io_busy(args.runs, args.max_tuning_time_s, args.table)
+        io_busy(args.runs, args.max_tuning_time_s, args.table, args.sweep_rounds)
         args.cases = [c for c in args.cases if c != "io-busy"]
         if not args.cases:
             return
@@ -202,4 +209,5 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0: torch's default")
     parser.add_argument("--table", action="store_true", help="print the tuner's table of trials")
     parser.add_argument("--runs", type=int, default=10, help="tunings of the io-busy case")
+    parser.add_argument("--sweep-rounds", type=int, default=3, help="interleaved rounds of the io-busy sweep")
     main(parser.parse_args())

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.errors import LightningAccelWarning
-from lightning_accel.measure import Interference, InterferenceProbe
+from lightning_accel.measure import Interference, InterferenceProbe, Interval, interleaved, ratio, summarize
 from lightning_accel.tuning.dataloader.loop import make_step, untouched
 from lightning_accel.tuning.dataloader.timing import LoaderSettings, frozen_rng, rebuild_loader, run_trial, trial_window
 
@@ -108,54 +108,71 @@ class Regression(pl.LightningModule):
 
 
 class Referee(pl.Callback):
-    """After the tuner (at `on_train_start`), time every setting of `space` and the tuner's choice the way the tuner
-    does (same step, warm-up and window): the exhaustive sweep. When the sweep's best is not the choice, time both
-    alternately, `rounds` times each, so that load from other jobs on the machine falls on both alike (and the best
-    is not judged by the lucky run that made it the best); each setting's rate is its best round, the one least
-    disturbed. While the choice is then below `target` of the best, more pairs are timed, up to `max_rounds` in
-    all: on a shared machine a burst of load can fall on one side of every early pair. Both sides get as many rounds.
-    Fills `sweep`, `best`, `chosen_rates`, `best_rates`.
+    """After the tuner (at `on_train_start`), time every setting of `space` and the tuner's choice on the tuner's
+    step: the exhaustive sweep, the ground truth the choice is judged against.
+
+    Each timing is longer than a trial: its warm-up covers every batch in flight (`num_workers x prefetch_factor`),
+    and it times `steps` steps, at least four times those: the batches that workers which started early loaded ahead
+    while the last ones started (a backlog of up to all batches in flight, large beside a trial's 16 steps when
+    workers start slowly on a loaded machine) then hardly count in the rate.
+
+    The sweep runs `rounds` interleaved rounds (every setting once per round, in the same order: A B C, A B C, ...),
+    so a burst of another job's load falls on every setting alike rather than on all timings of one; each setting's
+    rate is the median of its rounds, with their range as its spread (`lightning_accel.measure.summarize`). The best
+    is the highest median, and the choice's share of it is the ratio of the two medians: never above 1, as the choice
+    is one of the settings compared. Its interval is that of the ratio of the rounds' paired timings (`ratio`).
+    Fills `rates` (every round's samples/s per setting), `sweep` (each setting's median and spread) and `best`.
     """
 
-    def __init__(self, tuner: DataLoaderTuner, space: Sequence[LoaderSettings], rounds: int = 4,
-                 max_rounds: int = 12, target: float = 0.9) -> None:  # fmt: skip
-        self.tuner, self.space, self.target = tuner, list(space), target
-        self.rounds, self.max_rounds = rounds, max_rounds
-        self.sweep: dict[LoaderSettings, float] = {}
+    def __init__(self, tuner: DataLoaderTuner, space: Sequence[LoaderSettings], rounds: int = 3, steps: int = 64
+                 ) -> None:  # fmt: skip
+        self.tuner, self.space, self.rounds, self.steps = tuner, list(space), rounds, steps
+        self.rates: dict[LoaderSettings, list[float]] = {}
+        self.sweep: dict[LoaderSettings, Interval] = {}
         self.best: LoaderSettings | None = None
-        self.chosen_rates: list[float] = []
-        self.best_rates: list[float] = []
+        self.chosen: LoaderSettings | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loader = trainer.train_dataloader
         step, _ = make_step(trainer, pl_module)
         assert self.tuner.decision is not None
-        chosen = dataclasses.replace(self.tuner.decision, persistent_workers=False)  # as the space's settings are
+        self.chosen = dataclasses.replace(self.tuner.decision, persistent_workers=False)  # as the space's settings are
 
         def rate(settings: LoaderSettings) -> float:
-            warmup, window = trial_window(settings.num_workers, 2, self.tuner.steps_per_trial, len(loader))
+            in_flight = settings.num_workers * (settings.prefetch_factor or 0)
+            warmup, window = trial_window(settings.num_workers, max(2, in_flight), max(self.steps, 4 * in_flight),
+                                          len(loader))  # fmt: skip
             return run_trial(lambda s: rebuild_loader(loader, s), step, settings, warmup=warmup, steps=window,
                              samples_per_batch=loader.batch_size).samples_per_s  # fmt: skip
 
+        settings = list(dict.fromkeys([*self.space, self.chosen]))
+        self.rates = {s: [] for s in settings}
         with frozen_rng([loader]), untouched(pl_module):
-            self.sweep = {settings: rate(settings) for settings in dict.fromkeys([*self.space, chosen])}
-            self.best = max(self.sweep, key=self.sweep.__getitem__)
-            while self.best != chosen and len(self.chosen_rates) < self.max_rounds and (
-                len(self.chosen_rates) < self.rounds or self.share_of_best < self.target
-            ):
-                self.chosen_rates.append(rate(chosen))
-                self.best_rates.append(rate(self.best))
+            for _, each in interleaved(settings, self.rounds):
+                self.rates[each].append(rate(each))
+        self.sweep = {s: summarize(r) for s, r in self.rates.items()}
+        self.best = max(self.sweep, key=lambda s: self.sweep[s].median)
 
     @property
     def share_of_best(self) -> float:
-        """The choice's throughput over the sweep's best, each at its best round; 1 when the choice is the best."""
-        return max(self.chosen_rates) / max(self.best_rates) if self.chosen_rates else 1.0
+        """The choice's median throughput over the best median of the sweep (0..1); 1 when the choice is the best."""
+        assert self.chosen is not None and self.best is not None, "the sweep has not run"
+        return self.sweep[self.chosen].median / self.sweep[self.best].median
+
+    @property
+    def share_interval(self) -> Interval:
+        """The choice's throughput over the best's, round by round (paired): the spread of `share_of_best`."""
+        assert self.chosen is not None and self.best is not None, "the sweep has not run"
+        return ratio(self.rates[self.chosen], self.rates[self.best])
 
     def summary(self) -> str:
-        sweep = ", ".join(f"{s.num_workers}w {v:.0f}/s" for s, v in self.sweep.items())
-        rounds = f"{[round(r) for r in self.chosen_rates]} vs {[round(r) for r in self.best_rates]}"
-        return (f"chose {self.tuner.decision} in {self.tuner.tuning_time_s:.1f} s; sweep: {sweep}; chosen vs "
-                f"best ({self.best and self.best.num_workers}w) alternately: {rounds}")
+        sweep = ", ".join(f"{s.num_workers}w{'' if s.prefetch_factor in (None, 2) else f'/p{s.prefetch_factor}'} "
+                          f"{v.format('.0f')}" for s, v in self.sweep.items())  # fmt: skip
+        share = self.share_interval
+        return (f"chose {self.tuner.decision} in {self.tuner.tuning_time_s:.1f} s: {100 * self.share_of_best:.0f}% of "
+                f"the best ({self.best and self.best.num_workers}w; paired rounds {100 * share.low:.0f}-"
+                f"{100 * share.high:.0f}%); sweep, samples/s median [min, max] of {self.rounds} interleaved rounds: "
+                f"{sweep}")
 
 
 def trainer(callbacks: list[pl.Callback], root: str, max_steps: int = 20, **kwargs: Any) -> pl.Trainer:
@@ -181,9 +198,9 @@ def fit(dataset: Dataset, callbacks: list[pl.Callback], root: str, batch_size: i
 
 
 def _ddp_main(out: Path) -> None:
-    import lightning_accel.callbacks.dataloader_tuner as tuner_module
+    import lightning_accel.tuning.dataloader.trial_runner as runner_module
 
-    tuner_module.InterferenceProbe = QuietProbe  # type: ignore[misc]  # the second fit must find the decision cached
+    runner_module.InterferenceProbe = QuietProbe  # type: ignore[misc]  # the second fit must find the decision cached
     rank = int(os.environ["RANK"])
     results = []
     for _ in range(2):  # the second fit finds rank zero's cached decision

@@ -8,6 +8,7 @@ import copy
 import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -20,16 +21,22 @@ from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
 from lightning_accel.system import read_cpu_info, read_memory_limit
+from lightning_accel.tuning.dataloader import policy
 from lightning_accel.tuning.dataloader.timing import (
     LoaderSettings,
+    Trial,
+    TrialError,
     _shutdown,
+    batch_nbytes,
     frozen_rng,
     loader_settings,
     rebuild_loader,
 )
+from lightning_accel.tuning.dataloader.trial_runner import TrialRunner
 
 __all__ = ["StepMode", "batch_size_of", "facts", "is_tuned", "make_step", "memory_free", "rank_sync", "rebuilt",
-           "same_host_pids", "stop_workers", "swap_loaders", "untouched", "untunable"]  # fmt: skip
+           "same_host_pids", "search_in_lockstep", "stop_workers", "swap_loaders", "untouched",
+           "untunable"]  # fmt: skip
 
 StepMode = Literal["train", "forward", "data"]
 _TUNED = "_lightning_accel_tuned"  # marks the DataLoaders this package built, so a reloaded one is told apart
@@ -219,3 +226,58 @@ def batch_size_of(batch: Any) -> int:
         return extract_batch_size(batch)
     except Exception:  # Lightning's MisconfigurationException: no tensor to read it from
         return 1
+
+
+def search_in_lockstep(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    loader: DataLoader,
+    step: Callable[[Any, int], None],
+    *,
+    batch_size: int | None,
+    budget: int,
+    shm_free: int | None,
+    memory_free: int,
+    warmup_steps: int,
+    steps_per_trial: int,
+    deadline: float,
+    max_workers: int | None,
+    tolerance: float,
+    prefetch_factors: Sequence[int],
+    tune_pin_memory: bool,
+) -> tuple[list[Trial], LoaderSettings]:
+    """Run `policy.search` on every rank at once, (its trials, the loader's own settings as a trial runs them).
+
+    Rank zero's budget, settings and free memory are broadcast, so every rank runs the same search; the batch size in
+    bytes is the largest rank's, the loader's length the shortest's; trials leave the module as it was (`untouched`).
+
+    Raises:
+        TrialError: on every rank, when the first batch failed on any rank.
+    """
+    strategy, sync = trainer.strategy, rank_sync(trainer.strategy.root_device)
+    probe, error = None, None
+    try:  # one batch, for its size in bytes; a failure on any rank stops every rank here
+        probe = next(iter(rebuild_loader(loader, LoaderSettings())))
+    except Exception as err:
+        error = err
+    if sync([float(error is not None)])[0]:
+        raise TrialError(f"the first batch failed: {error!r}" if error else "the first batch failed on another "
+                         "rank") from error  # fmt: skip
+    batch_size, batch_bytes = batch_size or batch_size_of(probe), batch_nbytes(probe)
+    original = loader_settings(loader)  # as a trial runs it: persistence only matters between epochs
+    original = replace(original, persistent_workers=original.num_workers > 0)
+    shared = (budget, original, shm_free, memory_free)
+    budget, original, shm_free, memory_free = strategy.broadcast(shared, src=0)  # one search on every rank
+    most_bytes, fewest_batches = sync([float(batch_bytes), -float(len(loader))])
+    batch_bytes, length = int(most_bytes), int(-fewest_batches)
+    measure = TrialRunner(loader=loader, step=step, samples_per_batch=batch_size, batches=length,
+                          warmup_steps=warmup_steps, steps_per_trial=steps_per_trial, deadline=deadline, sync=sync,
+                          pids=same_host_pids())  # fmt: skip
+    with untouched(pl_module):
+        trials = policy.search(
+            measure, budget=budget, max_workers=max_workers or 4 * budget, prefetch_factors=prefetch_factors,
+            original=original, tolerance=tolerance,
+            pin_memory=tune_pin_memory and isinstance(trainer.accelerator, CUDAAccelerator),
+            guard=lambda s: policy.memory_note(s, batch_bytes, shm_free, memory_free),
+        )  # fmt: skip
+    return trials, original

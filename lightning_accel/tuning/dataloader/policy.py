@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from lightning_accel.measure import Interval, interleaved, ratio
+from lightning_accel.tuning.dataloader.decision import TunerDecision
 from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
 
-__all__ = ["LOADER_BOUND_SHARE", "choose", "clearly_apart", "medians", "memory_note", "no_data_wait", "search",
-           "worker_counts"]  # fmt: skip
+__all__ = ["LOADER_BOUND_SHARE", "choose", "clearly_apart", "decide", "medians", "memory_note", "no_data_wait",
+           "search", "worker_counts"]  # fmt: skip
 
 LOADER_BOUND_SHARE = 0.1
 """Above this share of step time waiting for data, more workers than CPUs are tried (the loader may wait on I/O)."""
@@ -34,14 +36,17 @@ def worker_counts(budget: int) -> list[int]:
 
 
 def no_data_wait(trial: Trial, tolerance: float) -> bool:
-    """Whether `trial` is a finished one without workers whose wait for data is within `tolerance` of its step time.
+    """Whether `trial` is a finished one without workers, timed without interference, whose wait for data is within
+    `tolerance` of its step time.
 
     Workers can at most take the loading off the step: the best any setting can reach is `samples_per_s / (1 -
     wait_share)`, within `tolerance` of this trial's own rate when `wait_share <= tolerance`. Then no worker can pay,
     and a faster measurement with workers is noise (or another job's load on this trial). The share is read with
-    the median step time (`Trial.loader_share`), so a few steps slowed by another job do not hide the loading.
+    the median step time (`Trial.loader_share`), so a few steps slowed by another job do not hide the loading; a
+    trial under interference (`Trial.flag`) never counts: another job's load can lengthen every step, and a small
+    share read then would end the search, or override faster measured settings, on one inflated timing.
     """
-    return trial.settings.num_workers == 0 and trial.status == "done" and trial.steps > 0 and (
+    return trial.settings.num_workers == 0 and trial.status == "done" and trial.steps > 0 and not trial.flag and (
         trial.loader_share <= tolerance)  # fmt: skip
 
 
@@ -57,8 +62,8 @@ def medians(trials: Sequence[Trial]) -> list[Trial]:
 
 def choose(trials: Sequence[Trial], tolerance: float) -> Trial | None:
     """The cheapest setting (fewest workers, then least prefetch, then no pinning) whose median throughput is within
-    `tolerance` of the fastest median, or the one without workers when it hardly waits for data (`no_data_wait`);
-    its median trial. None when no trial finished."""
+    `tolerance` of the fastest median, or the one without workers when it hardly waits for data (`no_data_wait`: its
+    median trial timed without interference); its median trial. None when no trial finished."""
     finished = medians(trials)
     if not finished:
         return None
@@ -68,6 +73,19 @@ def choose(trials: Sequence[Trial], tolerance: float) -> Trial | None:
             return zero
     best = max(t.samples_per_s for t in finished)
     return min((t for t in finished if t.samples_per_s >= best * (1.0 - tolerance)), key=lambda t: t.settings.cost)
+
+
+def decide(trials: Sequence[Trial], tolerance: float, *, fingerprint: str, facts: Mapping[str, Any],
+           original: LoaderSettings) -> TunerDecision | None:  # fmt: skip
+    """The decision `trials` support: `choose`'s setting, with its speedup over the loader's own settings `original`;
+    not confident (applied, never cached) when any trial was measured under interference. None when no trial
+    finished."""
+    chosen = choose(trials, tolerance)
+    if chosen is None:
+        return None
+    flags = [t.flag for t in trials if t.flag]
+    note = f"measured under interference ({flags[0]})" if flags else ""
+    return TunerDecision.from_trials(fingerprint, facts, chosen, trials, original, confident=not flags, note=note)
 
 
 def memory_note(settings: LoaderSettings, batch_bytes: int, shm_free: int | None, memory_free: int | None) -> str:
@@ -104,10 +122,15 @@ def search(
     """Try settings in a deterministic order that depends only on the trials' (rank-synchronised) results.
 
     1. Worker counts within the CPU budget (`worker_counts`), and the loader's own settings, with the first prefetch
-       factor and no pinning; when the first, without workers, hardly waits for data (`no_data_wait`) and was timed
-       without interference, only the loader's own settings after it, for the speedup figure.
+       factor and no pinning; when the first, without workers, hardly waits for data and was timed without
+       interference (`no_data_wait`), only the loader's own settings after it, for the speedup figure. A trial
+       slower than the fastest by more than `tolerance` is cut short, and a cut count prunes the counts between it
+       and 0. A count with more workers than the fastest so far that reads slower than it (cut or not) is compared
+       with it again when the two are not `clearly_apart` (one was under interference, or within the noise): a
+       burst of another job's load on one trial must neither prune the counts below it nor leave 0 workers as
+       the fastest, which ends the search. It prunes only when the repeated comparison confirms it slower.
     2. Twice as many workers as the last count tried above the budget, up to `max_workers`, when the fastest setting
-       still waits for data more than `LOADER_BOUND_SHARE` of the time (read with the median step,
+       has workers and still waits for data more than `LOADER_BOUND_SHARE` of the time (read with the median step,
        `Trial.loader_share`) or was timed under interference, and again for as long as each doubling pays: its
        throughput over the fastest before it, as a median of paired rounds, exceeds 1 + `tolerance`. On a loader
        that waits on I/O each doubling pays; on a CPU-bound one they bring nothing, under a CPU quota they cost.
@@ -118,7 +141,9 @@ def search(
 
     A comparison that is not `clearly_apart` (a trial under interference, or within the noise) is repeated
     interleaved, A B A B, `repeats` more rounds uncut (as long as time is left), and decided on medians (`ratio`);
-    the repeats are trials of their own, noted "repeat", and `choose` takes each setting's median.
+    the repeats are trials of their own, noted "repeat", and `choose` takes each setting's median. So every rule
+    that ends or prunes the search (a cut, 0 workers fastest, a doubling that does not pay, the choice) rests on
+    repeated timings whenever a single one could have been inflated by another job.
 
     `measure(settings, cut_s_per_step)` times one setting, cutting it short once slower than `cut_s_per_step` (None:
     never); `guard(settings)` returns why a setting cannot run ("" when it can). Stops at the first trial that ran
@@ -145,11 +170,13 @@ def search(
         return None if out_of_time else trial
 
     def compare(a: LoaderSettings, b: LoaderSettings) -> Interval | None:
-        """`b`'s throughput over `a`'s, repeated interleaved unless one timing of each settles it."""
+        """`b`'s throughput over `a`'s, repeated interleaved unless one timing of each settles it (a setting whose
+        only timing was cut has none that settles anything: its first round is left out of the pairs)."""
         nonlocal out_of_time
         first = {t.settings: t for t in medians(trials) if t.settings in (a, b)}
-        rates = {s: [first[s].samples_per_s] for s in (a, b)}
-        if not clearly_apart(first[a], first[b], tolerance):
+        rates: dict[LoaderSettings, list[float | None]] = {
+            s: [first[s].samples_per_s if s in first else None] for s in (a, b)}  # fmt: skip
+        if a not in first or b not in first or not clearly_apart(first[a], first[b], tolerance):
             for _, settings in interleaved([a, b], repeats):
                 trial = measure(settings, None)
                 trial.note = trial.note or "repeat"
@@ -176,11 +203,21 @@ def search(
         trial = attempt(settings)
         if trial is None:
             return trials
-        if no_data_wait(trial, tolerance) and not trial.flag:  # no worker can pay; the loader's own for the speedup
+        if no_data_wait(trial, tolerance):  # no worker can pay; the loader's own for the speedup
             if original is not None and original != settings:
                 attempt(original)
             return trials
-        if trial.status == "cut" and settings != original:
+        if trial.status not in ("done", "cut"):
+            continue
+        prunes, fastest = trial.status == "cut" and settings != original, choose(trials, 0.0)
+        if fastest is not None and fastest.settings.num_workers < settings.num_workers and fastest is not trial and (
+            not clearly_apart(fastest, trial, tolerance)
+        ):  # read slower than fewer workers, under load or within noise: timed again before it decides anything
+            gain = compare(fastest.settings, settings)
+            if out_of_time:
+                return trials
+            prunes = prunes and gain is not None and gain.median < 1.0 - tolerance  # the cut confirmed
+        if prunes:
             cut_at = settings.num_workers
     top, workers, paid = choose(trials, 0.0), budget, False
     while top is not None and top.settings.num_workers > 0 and (

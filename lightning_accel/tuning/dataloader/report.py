@@ -1,15 +1,18 @@
-"""The DataLoaderTuner's table of trials (plain text for logs, rich for the console) and its logged metrics."""
+"""The DataLoaderTuner's report: the table of trials (plain text for logs, rich for the console), the line that
+states the decision, and its logged metrics."""
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lightning_accel.tuning.dataloader.decision import TunerDecision
-from lightning_accel.tuning.dataloader.timing import Trial
+from lightning_accel.tuning.dataloader.policy import medians
+from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
 
-__all__ = ["COLUMNS", "decision_metrics", "rich_table", "table_rows", "table_text"]
+__all__ = ["COLUMNS", "decision_line", "decision_metrics", "publish", "rich_table", "table_rows", "table_text"]
 
 COLUMNS = ("workers", "prefetch", "pin", "samples/s", "data wait", "startup s", "steps", "interference", "note")
 
@@ -58,3 +61,39 @@ def decision_metrics(decision: TunerDecision, trials: Sequence[Trial], tuning_ti
         "trials": sum(t.status != "skipped" for t in trials), "cache_hit": cache_hit,
     }  # fmt: skip
     return {f"dataloader_tuner/{key}": float(value) for key, value in metrics.items()}
+
+
+def decision_line(result: TunerDecision, original: LoaderSettings, source: str) -> str:
+    """One line: where the decision came from (`source`, and why it is not cached), what changed from the loader's
+    own settings `original`, and the throughput measured with it."""
+    if not result.confident:
+        source += f"; not cached: {result.note}"
+    changed = ", ".join(f"{k} {getattr(original, k)} -> {v}" for k, v in result.settings.as_dict().items()
+                        if getattr(original, k) != v) or "no change"  # fmt: skip
+    return (f"DataLoaderTuner ({source}): {changed}; {result.samples_per_s:,.1f} samples/s per rank "
+            f"({result.speedup or float('nan'):.2f}x the loader's own settings).")
+
+
+def publish(result: TunerDecision, original: LoaderSettings, trials: Sequence[Trial], *, tuning_time_s: float,
+            cache_hit: bool, step_mode: str, print_table: bool, loggers: Iterable[Any], step: int,
+            log: logging.Logger) -> None:  # fmt: skip
+    """Report a decision on rank zero: the table of `trials` and the decision line at INFO on `log` (and with rich
+    on the console when `print_table`), the `dataloader_tuner/...` metrics on every logger of `loggers`."""
+    chosen = next((t for t in medians(trials) if t.settings == result.settings), None)
+    rows = table_rows(trials, chosen)
+    source = "cache" if cache_hit else f"{len(trials)} trials in {tuning_time_s:.1f} s"
+    line = decision_line(result, original, source)
+    title = f"DataLoaderTuner: train DataLoader settings timed on {step_mode} steps, per rank"
+    if rows:
+        log.info("%s\n%s", title, table_text(rows))
+    log.info(line)  # into the run's log file (accel-train) and wherever the application sends logging
+    if print_table:
+        from rich.console import Console
+
+        console = Console()
+        if rows:
+            console.print(rich_table(rows, title))
+        console.print(line, highlight=False)
+    metrics = decision_metrics(result, trials, tuning_time_s, cache_hit)
+    for logger in loggers:
+        logger.log_metrics(metrics, step=step)

@@ -14,7 +14,7 @@ import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch.utils.data import DataLoader, IterableDataset
 
-__all__ = ["LiveWait", "LoaderSettings", "Trial", "TrialError", "batch_nbytes", "frozen_rng", "loader_settings",
+__all__ = ["LoaderSettings", "Sync", "Trial", "TrialError", "batch_nbytes", "frozen_rng", "loader_settings",
            "rebuild_loader", "run_trial", "trial_window"]  # fmt: skip
 
 Status = Literal["done", "cut", "skipped", "time"]
@@ -279,45 +279,3 @@ def run_trial(
     if trial.steps == 0 and trial.status == "done":
         trial.status, trial.note = "time", "no batch was timed"
     return trial
-
-
-@dataclass(kw_only=True, slots=True)
-class LiveWait:
-    """The share of step time the live training loop waits for batches, from the times of its batch hooks.
-
-    A wait is the time from the end of one batch (`batch_end`) to the start of the next (`batch_start`), a step from
-    start to end; the first `skip` batches (workers starting) are not counted, then `steps` pairs are. `pause()`
-    forgets the last end (validation or an epoch boundary comes between two batches).
-    """
-
-    skip: int
-    steps: int
-    seen: int = 0
-    counted: int = 0
-    wait_s: float = 0.0
-    step_s: float = 0.0
-    _end: float | None = None
-    _start: float | None = None
-    _gap: float | None = None
-
-    def batch_start(self, now: float) -> None:
-        self._gap = now - self._end if self._end is not None and self.seen >= self.skip else None
-        self._start = now
-
-    def batch_end(self, now: float) -> None:
-        if self._start is not None and self._gap is not None and not self.complete:
-            self.wait_s, self.step_s, self.counted = self.wait_s + self._gap, self.step_s + now - self._start, (
-                self.counted + 1)  # fmt: skip
-        self.seen, self._end, self._start, self._gap = self.seen + 1, now, None, None
-
-    def pause(self) -> None:
-        self._end = self._start = self._gap = None
-
-    @property
-    def complete(self) -> bool:
-        return self.counted >= self.steps
-
-    @property
-    def share(self) -> float:
-        total = self.wait_s + self.step_s
-        return self.wait_s / total if total > 0 else 0.0

@@ -1,0 +1,145 @@
+"""The DataLoaderTuner's search policy on a scripted `measure`: order of trials, the choice, and bursts of load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from lightning_accel.tuning.dataloader.policy import choose, search, worker_counts
+from lightning_accel.tuning.dataloader.timing import LoaderSettings, Status, Trial
+
+FLAG = "other processes used 1.00 of 2 CPU(s) (50%)"
+COMMON = {"max_workers": 8, "prefetch_factors": [2], "pin_memory": False, "tolerance": 0.05, "guard": lambda s: ""}
+
+
+def _trial(workers: int, rate: float, status: Status = "done") -> Trial:
+    return Trial(settings=LoaderSettings(num_workers=workers, prefetch_factor=2 if workers else None), status=status,
+                 steps=10, seconds=10 * 8 / rate, samples_per_batch=8)  # fmt: skip
+
+
+def test_worker_counts_and_choice() -> None:
+    assert worker_counts(1) == [0, 1] and worker_counts(2) == [0, 2, 1]
+    assert worker_counts(16) == [0, 16, 8, 4, 3, 2, 1]
+    assert choose([_trial(4, 100.0), _trial(2, 96.0), _trial(1, 90.0)], 0.05).settings.num_workers == 2
+    cut, skipped = _trial(1, 99.0, "cut"), _trial(0, 99.0, "skipped")
+    assert choose([_trial(4, 100.0), cut, skipped], 0.05).settings.num_workers == 4
+    assert choose([_trial(2, 1.0, "time")], 0.05) is None
+
+
+@dataclass
+class Scripted:
+    """A `measure` whose throughput is `rates(workers)` and whose data-wait share is `wait(workers)`; a trial is cut
+    when slower than the bar. The calls in `bursts` (0-based, in call order) run under another job's load: `factor`
+    times slower, flagged, with the wait for data as without load (the load lengthens the steps, so the share of
+    the wait reads smaller); with `cuts=False` the burst comes after the trial's last check and it is not cut.
+    `everything_flagged`: a constant load that the probe flags on every trial."""
+
+    rates: Callable[[int], float]
+    wait: Callable[[int], float]
+    bursts: set[int] = field(default_factory=set)
+    factor: float = 4.0
+    cuts: bool = True
+    everything_flagged: bool = False
+    order: list[int] = field(default_factory=list)
+
+    def __call__(self, settings: LoaderSettings, cut: float | None) -> Trial:
+        burst = len(self.order) in self.bursts
+        self.order.append(settings.num_workers)
+        seconds = 10 * 8 / self.rates(settings.num_workers)
+        wait_s = self.wait(settings.num_workers) * seconds
+        seconds *= self.factor if burst else 1.0
+        status: Status = "cut" if cut is not None and seconds / 10 > cut and (self.cuts or not burst) else "done"
+        return Trial(settings=settings, status=status, steps=10, seconds=seconds, wait_s=wait_s, samples_per_batch=8,
+                     flag=FLAG if burst or self.everything_flagged else "")  # fmt: skip
+
+
+def _scripted(rates: Callable[[int], float], wait: float) -> tuple[Scripted, list[int]]:
+    measure = Scripted(rates, lambda w: wait)
+    return measure, measure.order
+
+
+def test_search_explores_above_the_budget_only_while_it_pays() -> None:
+    common = {**COMMON, "max_workers": 16}
+    io, order = _scripted(lambda w: 100.0 * max(w, 0.5), wait=0.9)  # waits on I/O: each worker adds as much
+    assert choose(search(io, budget=4, **common), 0.05).settings.num_workers == 16
+    assert order == [0, 4, 3, 8, 16]  # 3 was cut, so 2 and 1 were not tried
+    cpu, order = _scripted(lambda w: 100.0 * min(max(w, 0.8), 4), wait=0.5)  # 4 CPUs: more workers bring nothing
+    assert choose(search(cpu, budget=4, **common), 0.05).settings.num_workers == 4
+    assert order == [0, 4, 3, 8, 4, 8, 4, 8, 4, 8]  # 8 within the noise of 4: repeated A B A B, then no doubling
+    quota, order = _scripted(lambda w: 100.0 * min(max(w, 0.8), 4) * (0.7 if w > 4 else 1.0), wait=0.5)
+    assert choose(search(quota, budget=4, **common), 0.05).settings.num_workers == 4
+    assert order == [0, 4, 3, 8]  # 8 workers on a 4-CPU quota cost: no further doubling
+    fast, order = _scripted(lambda w: 100.0 if w == 0 else 60.0, wait=0.02)  # the step is the bottleneck
+    assert choose(search(fast, budget=4, **common), 0.05).settings.num_workers == 0
+    assert order == [0]  # 2% data wait without workers: no worker can save more than the 5% tolerance
+    own = LoaderSettings(num_workers=2, prefetch_factor=2, persistent_workers=True)
+    noisy, order = _scripted(lambda w: 100.0 if w == 0 else 120.0, wait=0.02)  # a worker trial measured too fast
+    trials = search(noisy, budget=4, original=own, **common)
+    assert order == [0, 2] and choose(trials, 0.05).settings.num_workers == 0  # the original timed for the speedup
+    assert choose(trials, 0.0).settings.num_workers == 2  # tolerance 0: the fastest as measured
+
+
+def io_rates(workers: int) -> float:
+    """An I/O-bound loader on 2 CPUs: one worker loads as fast as the main process; each worker more adds as much."""
+    return 100.0 * max(workers, 1)
+
+
+def cpu_rates(workers: int) -> float:
+    """A CPU-bound loader on 2 CPUs: 2 workers use them both; more bring nothing."""
+    return {0: 80.0, 1: 100.0}.get(workers, 200.0)
+
+
+def _io_wait(workers: int) -> float:
+    return 0.9 if workers == 0 else 0.5
+
+
+def test_a_burst_on_the_first_count_with_workers_does_not_end_the_search_at_0() -> None:
+    """The bug: 2 workers cut by a burst pruned 1 worker, left 0 workers the fastest, and no doubling was tried."""
+    measure = Scripted(io_rates, _io_wait, bursts={1})
+    trials = search(measure, budget=2, **COMMON)
+    assert choose(trials, 0.05).settings.num_workers == 8, measure.order
+    assert measure.order[:8] == [0, 2, 0, 2, 0, 2, 0, 2]  # the cut repeated interleaved, uncut, before it prunes
+    assert measure.order[8:] == [1, 4, 8]  # then 1 (cut: slower than 2 workers), and the doublings pay clearly
+
+
+def test_a_burst_on_an_uncut_trial_does_not_leave_0_workers_the_fastest() -> None:
+    """2 workers slowed after their last check (done, not cut) and 1 worker as fast as 0: 0 workers came out
+    fastest (the cheapest of a tie), and no doubling was tried."""
+    measure = Scripted(io_rates, _io_wait, bursts={1}, cuts=False)
+    trials = search(measure, budget=2, **COMMON)
+    assert choose(trials, 0.05).settings.num_workers == 8, measure.order
+    assert measure.order[:8] == [0, 2, 0, 2, 0, 2, 0, 2]
+
+
+def test_a_small_data_wait_read_under_load_does_not_choose_0_workers() -> None:
+    """Under a constant load every trial is flagged; the one without workers, its steps lengthened by the other job,
+    reads a wait share within the tolerance: it must not be chosen over workers measured 8x faster."""
+    measure = Scripted(io_rates, lambda w: 0.03 if w == 0 else 0.5, everything_flagged=True)
+    trials = search(measure, budget=2, **COMMON)
+    assert choose(trials, 0.05).settings.num_workers == 8, measure.order
+
+
+def _quiet_calls(rates: Callable[[int], float], wait: Callable[[int], float]) -> int:
+    measure = Scripted(rates, wait)
+    search(measure, budget=2, **COMMON)
+    return len(measure.order)
+
+
+@pytest.mark.parametrize("cuts", [True, False], ids=["cut", "uncut"])
+@pytest.mark.parametrize(
+    ("rates", "wait", "best"), [(io_rates, _io_wait, 8), (cpu_rates, lambda w: 0.6 if w < 2 else 0.2, 2)],
+    ids=["io-bound", "cpu-bound"],
+)
+def test_one_burst_on_any_trial_leaves_the_choice_as_on_a_quiet_machine(
+    rates: Callable[[int], float], wait: Callable[[int], float], best: int, cuts: bool
+) -> None:
+    """A burst of another job's load on any one trial, cut or not, changes no decision: each comparison it touches is
+    repeated interleaved and decided on medians."""
+    quiet = Scripted(rates, wait)
+    assert choose(search(quiet, budget=2, **COMMON), 0.05).settings.num_workers == best
+    for burst in range(_quiet_calls(rates, wait)):
+        measure = Scripted(rates, wait, bursts={burst}, cuts=cuts)
+        chosen = choose(search(measure, budget=2, **COMMON), 0.05)
+        assert chosen is not None and chosen.settings.num_workers == best, (burst, measure.order)
