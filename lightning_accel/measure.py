@@ -14,8 +14,8 @@ they share one method (STYLE habit 15, after hyperfine and criterion.rs):
 - **Interference** is measured, not assumed (`InterferenceProbe`): the CPU time that processes other than ours took
   from the CPUs we may run on (`/proc/stat` minus our process tree's own time), steal time, the load average at the
   start and the end, and on CUDA other processes on the GPUs. A measurement taken while others held more than
-  `threshold` of our CPUs, and the CPUs were busy (ours and theirs together above `1 - threshold` of them: they
-  took time we could have used), is flagged with the reason.
+  `threshold` of our CPUs, and fewer CPUs than our budget (affinity, cgroup quota) stayed idle, is flagged with the
+  reason.
 
 No Lightning imports: the tuners, accel-bench and accel-tune all use it.
 """
@@ -280,13 +280,15 @@ class InterferenceProbe:
     Args:
         pids: more processes of ours (their descendants count too), read at start and at stop.
         threshold: flag when others took more than this share of our CPUs (and at least `MIN_OTHER_CPUS`) while
-            the CPUs were busy: ours and theirs together above `1 - threshold` of them. Others on CPUs that stayed
-            idle otherwise (a large host shared under a CPU quota) took nothing from us.
+            fewer CPUs stayed idle than our budget (`budget_cpus`, less `threshold`): they took time our threads
+            could have used. Others on a large host's idle cores, beyond a CPU quota, took nothing from us.
         steal_threshold: flag when steal time exceeds this share of our CPUs' time.
         gpu_pids: returns the PIDs on the GPUs we use (None when unknown); any one not ours that this process can see
             flags the window.
         root: where `/proc` is read (tests hand in a fake tree).
         clock: the wall clock.
+        budget_cpus: the CPUs our work may use; None: `lightning_accel.system.read_cpu_budget().effective`
+            (affinity and cgroup CPU quota).
     """
 
     pids: Callable[[], Iterable[int]] = tuple
@@ -295,12 +297,24 @@ class InterferenceProbe:
     gpu_pids: Callable[[], Iterable[int] | None] | None = None
     root: str | os.PathLike[str] = "/"
     clock: Callable[[], float] = time.perf_counter
+    budget_cpus: float | None = None
     result: Interference | None = field(default=None, init=False)
     _start: tuple[float, tuple[int, int] | None, float, float | None] | None = field(default=None, init=False)
     _gpu_seen: set[int] = field(default_factory=set, init=False)
 
     def _cpus(self) -> set[int] | None:
         return _allowed_cpus()
+
+    def _budget(self) -> float:
+        """CPUs our work may use: `budget_cpus`, else the cgroup-aware budget of `lightning_accel.system`."""
+        if self.budget_cpus is not None:
+            return float(self.budget_cpus)
+        try:
+            from lightning_accel.system import read_cpu_budget
+
+            return float(read_cpu_budget().effective)
+        except Exception:  # facts that cannot be read: every CPU
+            return float(len(self._cpus() or ()) or (os.cpu_count() or 1))
 
     def start(self) -> None:
         self.result = None
@@ -321,8 +335,12 @@ class InterferenceProbe:
             other, steal = max(0.0, busy - own), max(0.0, (jiffies_end[1] - jiffies_start[1]) / tick)
         gpu = tuple(sorted(self._gpu_seen | set(self._gpu_others())))
         reasons = []
-        saturated = other is not None and wall > 0 and (other + own) / wall > (1.0 - self.threshold) * cpus
-        if saturated and other / wall > max(MIN_OTHER_CPUS, self.threshold * cpus):  # type: ignore[operator]
+        # Others took CPU we could have used when fewer CPUs than our budget stayed idle. Average use hides the cost:
+        # torch's intra-op threads want every CPU of the budget at once, so one busy core slows a step that averages
+        # well below full use. Others on a large host's idle cores (under a CPU quota) took nothing from us.
+        idle = cpus - (other + own) / wall if other is not None and wall > 0 else math.inf
+        contended = idle < min(float(cpus), self._budget()) * (1.0 - self.threshold)
+        if contended and other / wall > max(MIN_OTHER_CPUS, self.threshold * cpus):  # type: ignore[operator]
             reasons.append(f"other processes used {other / wall:.2f} of {cpus} CPU(s) ({other / wall / cpus:.0%})")
         if steal is not None and wall > 0 and steal / (wall * cpus) > self.steal_threshold:
             reasons.append(f"the hypervisor stole {steal / (wall * cpus):.0%} of the CPU time")

@@ -76,15 +76,21 @@ def test_interference_is_the_others_cpu_time_on_our_cpus(tmp_path: Path) -> None
     assert result.other_cpus == pytest.approx(0.95 * cpus - result.own_cpu_s, abs=0.05)
 
 
-def test_others_on_cpus_that_stayed_idle_took_nothing_from_us(tmp_path: Path) -> None:
-    clock = iter([0.0, 1.0])
-    probe = InterferenceProbe(root=tmp_path, clock=lambda: next(clock))
-    _proc_stat(tmp_path, busy=0)
-    probe.start()
+def test_others_on_cpus_beyond_our_quota_took_nothing_from_us(tmp_path: Path) -> None:
+    """A host's other tenants on cores our quota would leave idle anyway are no interference; the same load on the
+    CPUs our budget spans is."""
     cpus = len(os.sched_getaffinity(0))
-    _proc_stat(tmp_path, busy=int(0.5 * cpus * os.sysconf("SC_CLK_TCK")))  # half the CPUs idle all along
-    result = probe.stop()
-    assert not result.flagged and result.other_cpus == pytest.approx(0.5 * cpus - result.own_cpu_s, abs=0.05)
+    tick = os.sysconf("SC_CLK_TCK")
+    results = []
+    for budget in (0.25 * cpus, float(cpus)):  # a quota of a quarter of the CPUs, then all of them
+        clock = iter([0.0, 1.0])
+        probe = InterferenceProbe(root=tmp_path, clock=lambda: next(clock), budget_cpus=budget)
+        _proc_stat(tmp_path, busy=0)
+        probe.start()
+        _proc_stat(tmp_path, busy=int(0.5 * cpus * tick))  # others keep half the CPUs busy
+        results.append(probe.stop())
+    assert not results[0].flagged, results[0]
+    assert results[1].flagged and results[1].other_cpus == pytest.approx(0.5 * cpus - results[1].own_cpu_s, abs=0.05)
 
 
 def test_steal_time_flags_a_window(tmp_path: Path) -> None:
