@@ -93,3 +93,12 @@ def _stacks_of_hung_run(proc: subprocess.Popen[str]) -> tuple[str, str]:
 def run_cli():
     """run_cli(args, cwd, timeout=300, env=None, module="lightning_accel.train") -> CompletedProcess."""
     return _run_cli
+
+
+@pytest.fixture
+def busy_process() -> Iterator[int]:
+    """A CPU-bound process that is not ours (tests/_busy.py), for as long as the test runs; yields its pid."""
+    from _busy import busy
+
+    with busy(1) as pids:
+        yield pids[0]

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,7 +82,7 @@ def test_others_on_cpus_beyond_our_quota_took_nothing_from_us(tmp_path: Path) ->
     results = []
     for budget in (0.25 * cpus, float(cpus)):  # a quota of a quarter of the CPUs, then all of them
         clock = iter([0.0, 1.0])
-        probe = InterferenceProbe(root=tmp_path, clock=lambda: next(clock), budget_cpus=budget)
+        probe = InterferenceProbe(root=tmp_path, clock=clock.__next__, budget_cpus=budget)
         _proc_stat(tmp_path, busy=0)
         probe.start()
         _proc_stat(tmp_path, busy=int(0.5 * cpus * tick))  # others keep half the CPUs busy
@@ -125,17 +123,6 @@ def test_another_process_on_the_gpu_flags_the_window() -> None:
         pass
     assert probe.result is not None and probe.result.flagged and probe.result.gpu_processes == (1,)
     assert any("on the GPU (pid 1)" in reason for reason in probe.result.reasons)
-
-
-@pytest.fixture
-def busy_process() -> Iterator[int]:
-    """A CPU-bound process that is not ours (started through a shell that exits, so init adopts it)."""
-    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
-    pid = int(out)
-    time.sleep(0.2)
-    yield pid
-    os.kill(pid, signal.SIGKILL)
 
 
 SPIN_CHILD = "import time\nt = time.time()\nwhile time.time() - t < 0.4: pass"

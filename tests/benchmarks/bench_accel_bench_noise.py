@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,15 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def busy_processes(count: int) -> list[int]:
-    """Start `count` CPU-bound processes that are not our descendants; returns their pids."""
-    pids = []
-    for _ in range(count):
-        out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
-        pids.append(int(out))
-    return pids
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _busy import start_busy_processes, stop_processes  # noqa: E402
 
 
 def run_bench(out: Path, extra: list[str]) -> dict[str, Any]:
@@ -86,18 +78,14 @@ def main() -> int:
         quiet.append(run_bench(out / f"quiet-{k}", args.extra))
         show(f"quiet {k + 1}/{args.runs}", quiet[-1])
     loaded = []
-    pids = busy_processes(args.busy)
+    pids = start_busy_processes(args.busy)
     try:
         time.sleep(1.0)
         for k in range(args.runs):
             loaded.append(run_bench(out / f"loaded-{k}", args.extra))
             show(f"loaded {k + 1}/{args.runs} ({args.busy} busy process(es))", loaded[-1])
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_processes(pids)
     print("\nquiet runs' span of each stage's speedup intervals, and the loaded runs against it:")
     contradicted = 0
     for name in quiet[0]["stages"]:

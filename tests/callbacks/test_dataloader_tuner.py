@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -413,17 +411,6 @@ def test_a_failing_worker_shutdown_fails_the_trial_on_every_rank() -> None:
         run_trial(lambda s: Loader(), lambda batch, index: None, LoaderSettings(), warmup=1, steps=4,
                   samples_per_batch=1, sync=sync)  # fmt: skip
     assert reports[-1][-1] == 1.0  # the last collective carried the failure
-
-
-@pytest.fixture
-def busy_process() -> Iterator[int]:
-    """A CPU-bound process that is not ours (started through a shell that exits, so init adopts it)."""
-    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
-    pid = int(out)
-    time.sleep(0.2)
-    yield pid
-    os.kill(pid, signal.SIGKILL)
 
 
 class _FlaggingProbe(cases.QuietProbe):

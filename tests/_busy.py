@@ -1,0 +1,42 @@
+"""CPU-bound processes that are not ours: what another job on a shared machine looks like to the code under test.
+
+Each is started through a shell that exits at once, so init adopts it: it is no descendant of the test process,
+and an `InterferenceProbe` counts its CPU time as another's, as it would a user's other job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+
+def start_busy_processes(count: int = 1) -> list[int]:
+    """Start `count` processes that spin in Python; returns their pids (kill them with `stop_processes`)."""
+    pids = []
+    for _ in range(count):
+        out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        pids.append(int(out))
+    return pids
+
+
+def stop_processes(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def busy(count: int = 1, settle_s: float = 0.2) -> Iterator[list[int]]:
+    """`count` busy processes for the duration of the block (given `settle_s` to start spinning)."""
+    pids = start_busy_processes(count)
+    try:
+        time.sleep(settle_s)
+        yield pids
+    finally:
+        stop_processes(pids)
