@@ -60,10 +60,33 @@ def medians(trials: Sequence[Trial]) -> list[Trial]:
     return [sorted(r, key=lambda t: t.samples_per_s)[(len(r) - 1) // 2] for r in runs.values()]
 
 
+def _rates(trials: Sequence[Trial], settings: LoaderSettings, quiet: bool) -> list[float | None]:
+    """The throughputs of `settings`' finished trials in order (paired by position with another setting's, as the
+    interleaved repeats ran); with `quiet`, None for a trial under interference, so its pair is left out."""
+    return [None if quiet and t.flag else t.samples_per_s for t in trials
+            if t.settings == settings and t.status == "done" and t.steps > 0]  # fmt: skip
+
+
+def _paired(trials: Sequence[Trial], faster: LoaderSettings, slower: LoaderSettings) -> Interval | None:
+    """`faster`'s throughput over `slower`'s from their paired repeats: the quiet pairs when two or more are, else
+    all of them (a constant load flags every trial); None with fewer than two pairs."""
+    for quiet in (True, False):
+        a, b = _rates(trials, faster, quiet), _rates(trials, slower, quiet)
+        if sum(x is not None and y is not None for x, y in zip(a, b, strict=False)) >= 2:
+            return ratio(a, b)
+    return None
+
+
 def choose(trials: Sequence[Trial], tolerance: float) -> Trial | None:
-    """The cheapest setting (fewest workers, then least prefetch, then no pinning) whose median throughput is within
-    `tolerance` of the fastest median, or the one without workers when it hardly waits for data (`no_data_wait`: its
-    median trial timed without interference); its median trial. None when no trial finished."""
+    """The cheapest setting (fewest workers, then least prefetch, then no pinning) that is not clearly slower than
+    the fastest, or the one without workers when it hardly waits for data (`no_data_wait`: its median trial timed
+    without interference); its median trial. None when no trial finished.
+
+    Not clearly slower: its median throughput is within `tolerance` of the fastest median, or both were timed
+    repeatedly (interleaved) and the interval of the fastest's throughput over its, from the paired repeats (those
+    without interference, when two or more pairs are), reaches down to `1 / (1 - tolerance)`: a setting that costs
+    more (more workers, more prefetch) is chosen only when the repeats show it faster beyond the noise, not when one
+    lucky round lifted its median."""
     finished = medians(trials)
     if not finished:
         return None
@@ -71,8 +94,16 @@ def choose(trials: Sequence[Trial], tolerance: float) -> Trial | None:
         zero = next((t for t in finished if no_data_wait(t, tolerance)), None)
         if zero is not None:
             return zero
-    best = max(t.samples_per_s for t in finished)
-    return min((t for t in finished if t.samples_per_s >= best * (1.0 - tolerance)), key=lambda t: t.settings.cost)
+    fastest = max(finished, key=lambda t: t.samples_per_s)
+    best = fastest.samples_per_s
+
+    def acceptable(t: Trial) -> bool:
+        if t.samples_per_s >= best * (1.0 - tolerance):
+            return True
+        paired = _paired(trials, fastest.settings, t.settings)
+        return paired is not None and paired.low <= 1.0 / (1.0 - tolerance)
+
+    return min((t for t in finished if acceptable(t)), key=lambda t: t.settings.cost)
 
 
 def decide(trials: Sequence[Trial], tolerance: float, *, fingerprint: str, facts: Mapping[str, Any],
@@ -131,9 +162,10 @@ def search(
        the fastest, which ends the search. It prunes only when the repeated comparison confirms it slower.
     2. Twice as many workers as the last count tried above the budget, up to `max_workers`, when the fastest setting
        has workers and still waits for data more than `LOADER_BOUND_SHARE` of the time (read with the median step,
-       `Trial.loader_share`) or was timed under interference, and again for as long as each doubling pays: its
-       throughput over the fastest before it, as a median of paired rounds, exceeds 1 + `tolerance`. On a loader
-       that waits on I/O each doubling pays; on a CPU-bound one they bring nothing, under a CPU quota they cost.
+       `Trial.loader_share`) or was timed under interference, and again for as long as each doubling may pay: the
+       interval of its throughput over the fastest before it, from paired rounds, reaches above 1 + `tolerance`.
+       On a loader that waits on I/O each doubling pays; on a CPU-bound one they bring nothing, under a CPU quota
+       they cost.
        Doublings are never cut short: one slow stretch of another job's load must not end the search.
     3. The other prefetch factors, then pinned memory (`pin_memory`, CUDA only), on the fastest count.
     4. When the cheapest setting within `tolerance` is not the fastest, and the two are not `clearly_apart`, that
@@ -219,9 +251,9 @@ def search(
             prunes = prunes and gain is not None and gain.median < 1.0 - tolerance  # the cut confirmed
         if prunes:
             cut_at = settings.num_workers
-    top, workers, paid = choose(trials, 0.0), budget, False
+    top, workers, may_pay = choose(trials, 0.0), budget, False
     while top is not None and top.settings.num_workers > 0 and (
-        paid or top.loader_share > LOADER_BOUND_SHARE or top.flag
+        may_pay or top.loader_share > LOADER_BOUND_SHARE or top.flag
     ):
         more = min(2 * workers, max_workers)
         if more <= workers:
@@ -232,10 +264,13 @@ def search(
         gain = compare(top.settings, trial.settings)
         if out_of_time:
             return trials
-        paid = gain is not None and gain.median > 1.0 + tolerance
+        # go on while the doubling may pay: its interval reaches above 1 + tolerance (a repeated comparison whose
+        # interval straddles it is inconclusive, not a "no"); `choose` keeps the cheaper count unless it is clearly
+        # slower
+        may_pay = gain is not None and gain.high > 1.0 + tolerance
         workers, top = more, choose(trials, 0.0)
-        if not paid:
-            break  # within the noise of the fastest, or slower: the next doubling would not pay either
+        if not may_pay:
+            break  # slower, or clearly within the tolerance of the fastest: the next doubling would not pay either
     fastest = choose(trials, 0.0)
     if fastest is None or fastest.settings.num_workers == 0:
         return trials
