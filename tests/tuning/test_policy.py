@@ -145,23 +145,6 @@ def test_one_burst_on_any_trial_leaves_the_choice_as_on_a_quiet_machine(
         assert chosen is not None and chosen.settings.num_workers == best, (burst, measure.order)
 
 
-def _prefetch(workers: int, prefetch: int, rate: float) -> Trial:
-    return Trial(settings=LoaderSettings(num_workers=workers, prefetch_factor=prefetch), steps=10,
-                 seconds=10 * 8 / rate, samples_per_batch=8)  # fmt: skip
-
-
-def test_a_costlier_setting_needs_repeats_that_show_it_faster_beyond_the_noise() -> None:
-    """8 workers with prefetch 4 read 10% faster than prefetch 2 by median, but one round had them the other way
-    round: the paired interval reaches back past the tolerance, and the cheaper prefetch is kept."""
-    noisy = [_prefetch(8, 2, 1000.0), _prefetch(8, 4, 1100.0), _prefetch(8, 2, 1000.0), _prefetch(8, 4, 1120.0),
-             _prefetch(8, 2, 1300.0), _prefetch(8, 4, 1000.0)]  # fmt: skip
-    assert choose(noisy, 0.05).settings.prefetch_factor == 2
-    clear = [_prefetch(8, 2, 1000.0), _prefetch(8, 4, 1300.0), _prefetch(8, 2, 1010.0), _prefetch(8, 4, 1320.0),
-             _prefetch(8, 2, 990.0), _prefetch(8, 4, 1290.0)]  # fmt: skip
-    assert choose(clear, 0.05).settings.prefetch_factor == 4  # faster in every round: worth its cost
-    assert choose(noisy[:2], 0.05).settings.prefetch_factor == 4  # one timing each: the median rule as before
-
-
 def test_an_inconclusive_doubling_goes_on_to_the_next() -> None:
     """An I/O-bound loader whose 4-worker readings swing (210, 410, 190, 205 samples/s against 2 workers' steady
     200): the doubling 2 -> 4 is inconclusive (paired median 1.04, interval up to 2.05), not a "no"; the search goes
