@@ -185,34 +185,8 @@ def read_cpu_jiffies(root: str | os.PathLike[str] = "/", cpus: Iterable[int] | N
     return (busy, steal) if found else None
 
 
-def _family_cpu_s(extra_pids: Iterable[int]) -> float:
-    """CPU seconds of this process, the given processes and all their descendants, each with the CPU time of the
-    children it has reaped: a process that ends within a window moves its time into its reaper's, so the sum's
-    change over the window counts every second of ours once."""
-    import psutil
-
-    roots = [os.getpid(), *extra_pids]
-    seen: set[int] = set()
-    total = 0.0
-    for pid in roots:
-        try:
-            proc = psutil.Process(pid)
-            family = [proc, *proc.children(recursive=True)]
-        except psutil.Error:
-            continue
-        for member in family:
-            if member.pid in seen:
-                continue
-            seen.add(member.pid)
-            try:
-                t = member.cpu_times()
-            except psutil.Error:
-                continue
-            total += t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
-    return total
-
-
 def _family_pids(extra_pids: Iterable[int]) -> set[int]:
+    """This process, the given processes and all their descendants alive now."""
     import psutil
 
     pids = {os.getpid(), *extra_pids}
@@ -222,6 +196,22 @@ def _family_pids(extra_pids: Iterable[int]) -> set[int]:
         except psutil.Error:
             continue
     return pids
+
+
+def _family_cpu_s(extra_pids: Iterable[int]) -> float:
+    """CPU seconds of `_family_pids`, each with the CPU time of the children it has reaped: a process that ends
+    within a window moves its time into its reaper's, so the sum's change over the window counts every second of
+    ours once."""
+    import psutil
+
+    total = 0.0
+    for pid in _family_pids(extra_pids):
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:  # gone since it was listed: its time is in its reaper's
+            continue
+        total += t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+    return total
 
 
 def _load_1m() -> float | None:
