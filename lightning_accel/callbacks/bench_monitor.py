@@ -154,6 +154,7 @@ class BenchMonitor(Callback):
     def _reset(self) -> None:
         self.measurement = StageMeasurement(metric=self.metric, mode=self.mode, target=self.target)
         self._cuda = False
+        self._cuda_index = 0  # the rank's CUDA device, kept: Lightning moves the module to the CPU before on_fit_end
         self._start: float | None = None
         self._validation_started: float | None = None
         self._last_end: float | None = None
@@ -180,7 +181,7 @@ class BenchMonitor(Callback):
         m.float32_matmul_precision = torch.get_float32_matmul_precision()
         self._cuda = pl_module.device.type == "cuda"
         if self._cuda:
-            index = pl_module.device.index or 0
+            index = self._cuda_index = pl_module.device.index or 0
             m.device = torch.cuda.get_device_name(index)
             m.compute_capability = list(torch.cuda.get_device_capability(index))
             m.sm_count = int(torch.cuda.get_device_properties(index).multi_processor_count)
@@ -336,7 +337,7 @@ class BenchMonitor(Callback):
             m.train_s = self._train_clock()
         m.optimizer_steps = trainer.global_step
         if self._cuda:
-            m.peak_memory_bytes = int(torch.cuda.max_memory_allocated(pl_module.device))
+            m.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self._cuda_index))
         else:
             m.peak_memory_bytes = _peak_rss_bytes()
         m.gpu_utilization_pct = _gpu_utilization(trainer)

@@ -114,3 +114,29 @@ def test_the_last_step_is_validated_when_epoch_ends_shift_the_validation_batches
         assert steps == [4, 8] and m.final_metric == 9.0
     else:
         assert steps == [4] and m.final_metric == 10.0  # what accel-bench --quick reported for model_parallel
+
+
+def test_cuda_peak_memory_is_read_from_the_fit_start_device_not_the_module_after_teardown(monkeypatch) -> None:
+    """Lightning moves the module back to the CPU before `on_fit_end`; asking CUDA about `pl_module.device` then
+    raised "Expected a cuda device, but got: cpu" on a real H200. The rank's device index is kept from fit start."""
+    asked: list[object] = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    props = type("Props", (), {"multi_processor_count": 132, "total_memory": 2**30})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda index=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda index=None: asked.append(index) or 123)
+
+    class _Module:
+        device = torch.device("cuda", 1)
+
+    class _Trainer:
+        world_size, precision, global_step, callbacks = 1, "32-true", 7, []
+
+    monitor = BenchMonitor(None, sync_cuda=False)
+    module = _Module()
+    monitor.on_fit_start(_Trainer(), module)  # type: ignore[arg-type]
+    module.device = torch.device("cpu")  # what Lightning's teardown does before on_fit_end
+    monitor.on_fit_end(_Trainer(), module)  # type: ignore[arg-type]
+    assert asked == [1]
+    assert monitor.measurement.peak_memory_bytes == 123
