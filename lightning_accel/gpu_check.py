@@ -103,8 +103,14 @@ def _gpt_class() -> type:
     return GPTLanguageModel
 
 
-def _tiny_fit(callbacks: list, steps: int, precision: str = "32-true", model: object = None, batch_size: int = 16,
-              strategy: object = "auto") -> float:
+def _tiny_fit(
+    callbacks: list,
+    steps: int,
+    precision: str = "32-true",
+    model: object = None,
+    batch_size: int = 16,
+    strategy: object = "auto",
+) -> float:
     """Seconds per training step of a small CUDA fit (the first 5 steps left out), logging to a throwaway CSV logger
     (DeviceStatsMonitor refuses a Trainer without one)."""
     import lightning.pytorch as pl
@@ -145,8 +151,11 @@ def _gpu_monitor_overhead() -> Part:
         ours.append(_tiny_fit([GPUMonitor(interval_s=0.1)], steps=60))
         theirs.append(_tiny_fit([DeviceStatsMonitor()], steps=60))
     ratio = statistics.median(ours) / statistics.median(theirs)
-    figures = {"GPUMonitor s/step": " ".join(f"{t:.4f}" for t in ours),
-               "DeviceStatsMonitor s/step": " ".join(f"{t:.4f}" for t in theirs), "ratio (median)": f"{ratio:.3f}"}
+    figures = {
+        "GPUMonitor s/step": " ".join(f"{t:.4f}" for t in ours),
+        "DeviceStatsMonitor s/step": " ".join(f"{t:.4f}" for t in theirs),
+        "ratio (median)": f"{ratio:.3f}",
+    }
     return Part(name="gpu_monitor_overhead", status="PASS" if ratio <= 1.05 else "FAIL",
                 detail="GPUMonitor step time over DeviceStatsMonitor's", figures=figures)  # fmt: skip
 
@@ -191,8 +200,10 @@ def _mfu() -> Part:
     torch.cuda.synchronize()
     measured = 2 * n**3 * reps / (time.perf_counter() - start)
     peak = lookup_peak_flops(torch.cuda.get_device_name(0), "bf16" if dtype == torch.bfloat16 else "fp16")
-    figures = {"hand-timed matmul": f"{measured / 1e12:.1f} TFLOP/s",
-               "table peak": f"{peak.flops / 1e12:.1f} TFLOP/s ({peak.source})" if peak.flops else peak.reason}
+    figures = {
+        "hand-timed matmul": f"{measured / 1e12:.1f} TFLOP/s",
+        "table peak": f"{peak.flops / 1e12:.1f} TFLOP/s ({peak.source})" if peak.flops else peak.reason,
+    }
     if peak.flops is None:
         return Part(name="mfu", status="SKIP", detail=peak.reason, figures=figures)
     share = measured / peak.flops
@@ -210,8 +221,12 @@ def _doctor() -> Part:
         figures = {c["name"]: f"{c['status']}: {c.get('detail') or c.get('message') or ''}".strip() for c in checks}
     except (ValueError, KeyError, TypeError):
         figures = {"output": " / ".join((done.stdout + done.stderr).strip().splitlines()[-5:])}
-    return Part(name="doctor", status="PASS" if done.returncode == 0 else "FAIL", detail=f"exit {done.returncode}",
-                figures=figures)
+    return Part(
+        name="doctor",
+        status="PASS" if done.returncode == 0 else "FAIL",
+        detail=f"exit {done.returncode}",
+        figures=figures,
+    )
 
 
 def _one_step(strategy: object) -> Part:
@@ -247,8 +262,12 @@ def _model_parallel() -> Part:
     model = _gpt_class()(block_size=64, n_layer=2, n_head=4, n_embd=128)
     strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
     seconds = _tiny_fit([Parallelize(block_classes=["Block"])], steps=8, model=model, batch_size=8, strategy=strategy)
-    return Part(name="model_parallel", status="PASS", detail="8 steps, FSDP2 per block through Parallelize",
-                figures={"s/step": f"{seconds:.4f}"})
+    return Part(
+        name="model_parallel",
+        status="PASS",
+        detail="8 steps, FSDP2 per block through Parallelize",
+        figures={"s/step": f"{seconds:.4f}"},
+    )
 
 
 def _fp8() -> Part:
