@@ -160,7 +160,8 @@ def test_callbacks_are_a_dict_keyed_by_name(compose_train) -> None:
     assert "lr_monitor" not in cfg.callbacks
     assert cfg.callbacks.model_checkpoint.save_top_k == 3
     both = compose_train(["callbacks=[default,early_stopping]"])
-    assert set(both.callbacks) == {"model_checkpoint", "lr_monitor", "model_summary", "skipped_steps", "early_stopping"}
+    assert set(both.callbacks) == {"model_checkpoint", "lr_monitor", "model_summary", "skipped_steps", "stop_on_signal",
+                                 "early_stopping"}
 
 
 def test_classifier_model_brings_its_data(compose_train) -> None:

@@ -12,6 +12,7 @@ from lightning_accel.callbacks.nonfinite import NonFiniteGuard
 from lightning_accel.callbacks.parallelize import Parallelize
 from lightning_accel.callbacks.preflight import Preflight
 from lightning_accel.callbacks.skipped_steps import SkippedStepGuard
+from lightning_accel.callbacks.stop_on_signal import StopOnSignal
 
 __all__ = [
     "AccumulationScheduler",
@@ -24,4 +25,5 @@ __all__ = [
     "Parallelize",
     "Preflight",
     "SkippedStepGuard",
+    "StopOnSignal",
 ]

@@ -31,6 +31,7 @@ FACTORIES: dict[str, Callable[[pytest.MonkeyPatch], pl.Callback]] = {
     "Parallelize": lambda mp: callbacks.Parallelize(block_classes=["Linear"], activation_checkpointing=True),
     "Preflight": lambda mp: callbacks.Preflight(),
     "SkippedStepGuard": lambda mp: callbacks.SkippedStepGuard(),
+    "StopOnSignal": lambda mp: callbacks.StopOnSignal(),
     "LRScaling": lambda mp: callbacks.LRScaling("sqrt", reference_global_batch=8),
 }
 

@@ -1,0 +1,310 @@
+"""Ends every rank at the same step on SIGTERM, SIGINT or SLURM's requeue signal: a checkpoint, then exit 128 + N."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_accel.errors import ConfigError
+
+__all__ = ["SignalExit", "StopOnSignal", "parse_signals"]
+
+_DUPLICATE_S = 1.0  # a second signal this soon after the first is the same event (a terminal's Ctrl-C reaches every
+# rank, and rank 0 forwards it too), not a user insisting
+
+
+class SignalExit(SystemExit):
+    """Raised on every rank at the step where the ranks agreed to stop; the process exits with 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def parse_signals(names: Sequence[str | int]) -> list[int]:
+    """Signal numbers from names (`"SIGTERM"`, `"TERM"`) or numbers.
+
+    Raises:
+        ConfigError: for a name that is no signal, or SIGKILL/SIGSTOP, which no process can catch.
+    """
+    if isinstance(names, (str, int)):
+        names = [names]
+    numbers = []
+    for name in names:
+        text = str(name).upper()
+        try:
+            attr = text if text.startswith("SIG") else f"SIG{text}"
+            number = int(name) if isinstance(name, int) or text.isdigit() else int(getattr(signal, attr))
+            signal.Signals(number)
+        except (AttributeError, ValueError):
+            raise ConfigError(f"`signals` holds {name!r}, which is no signal here; use names like 'SIGTERM'.") from None
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"`signals` holds {name!r}, which no process can catch; leave it out.")
+        numbers.append(number)
+    return numbers
+
+
+def agree(signum: int, group: Any = None) -> int:
+    """The largest signal any rank received (0: none), the same on every rank: one all-reduce, every rank joins."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([signum], dtype=torch.int32)
+    if dist.get_backend(group) != "gloo":
+        raise AssertionError("agree() runs on a gloo group (CPU tensors)")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item())
+
+
+class StopOnSignal(Callback):
+    """Stops training on every rank at the same step when any rank receives SIGTERM or SIGINT, keeping a checkpoint.
+
+    Lightning's own SIGTERM handler broadcasts from inside the signal handler, a collective that the other ranks are
+    not in, so a signal to one rank of a DDP job can hang all of them, and its `SIGTERMException` exits with 0. This
+    callback takes over SIGTERM and SIGINT (and, on SLURM with auto-requeue, the requeue signal, SIGUSR1 by default)
+    for each stage of the Trainer and:
+
+    1. in the handler, only notes the signal (no collective, no I/O); on rank 0 of a job Lightning launched it also
+       forwards the signal to the child ranks, and a repeat after a second (a user insisting) stops at once
+       (SIGINT: `KeyboardInterrupt`; others: exit 128 + N);
+    2. after each training batch, all ranks agree on a CPU all-reduce whether any rank received a signal (a gloo
+       group beside NCCL, so no GPU sync), so they stop at the same step;
+    3. then saves `last.ckpt` through the first `ModelCheckpoint` (atomically, see `AtomicCheckpointIO`), or, for the
+       SLURM requeue signal, Lightning's `hpc_ckpt_<n>.ckpt` and `scontrol requeue` (the requeued job resumes from
+       it), and raises `SignalExit` on every rank: exit code 128 + N (143 for SIGTERM, 130 for SIGINT);
+    4. on more than one rank, a watchdog ends the process with that code if it still runs `grace_s` after the
+       signal (a rank stuck in data loading, a collective with a dead peer, a long validation).
+
+    Under one process a signal during validation, test or predict stops at the next batch; under several, training
+    stops at the next training batch and other stages by the watchdog.
+
+    Args:
+        signals: the signals that stop the run, by name or number.
+        grace_s: seconds after the signal before the watchdog ends a rank of a multi-rank job.
+        save_checkpoint: save `last.ckpt` before stopping (needs a `ModelCheckpoint`; without one nothing is saved).
+        requeue_on_slurm: handle the SLURM requeue signal (`SLURMEnvironment.requeue_signal`) when Lightning runs
+            under SLURM with auto-requeue: save Lightning's HPC checkpoint and requeue, at a step all ranks agree on.
+
+    Raises:
+        ConfigError: for an unknown or uncatchable signal, a `grace_s` that is not positive.
+
+    Example::
+
+        trainer = Trainer(strategy="ddp", devices=4, callbacks=[ModelCheckpoint(save_last=True), StopOnSignal()])
+        trainer.fit(model)  # `kill -TERM <any rank>`: every rank saves last.ckpt and exits 143 within seconds
+    """
+
+    def __init__(
+        self,
+        signals: Sequence[str | int] = ("SIGTERM", "SIGINT"),
+        grace_s: float = 20.0,
+        save_checkpoint: bool = True,
+        requeue_on_slurm: bool = True,
+    ) -> None:
+        self.signals = parse_signals(signals)
+        if not isinstance(grace_s, (int, float)) or isinstance(grace_s, bool) or grace_s <= 0:
+            raise ConfigError(f"`grace_s={grace_s!r}` must be a positive number of seconds (e.g. 20).")
+        for name, value in {"save_checkpoint": save_checkpoint, "requeue_on_slurm": requeue_on_slurm}.items():
+            if not isinstance(value, bool):
+                raise ConfigError(f"`{name}={value!r}` must be true or false.")
+        self.grace_s = float(grace_s)
+        self.save_checkpoint = save_checkpoint
+        self.requeue_on_slurm = requeue_on_slurm
+        self._reset()
+
+    def _reset(self) -> None:
+        self.received = 0
+        """The first signal this rank received in the current stage (0: none)."""
+        self._received_at = 0.0
+        self._handlers: ExitStack | None = None
+        self._stage: str | None = None
+        self._trainer: pl.Trainer | None = None
+        self._group: Any = None
+        self._requeue_signal: int | None = None
+        self._watchdog: threading.Timer | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_handlers=None, _trainer=None, _group=None, _watchdog=None, _stage=None)
+        return state
+
+    # -- handlers, installed per stage after Lightning registers its own (Trainer._run, after on_fit_start) --------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import torch.distributed as dist
+
+        self.received, self._trainer = 0, trainer
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized() and self._group is None:
+            # every rank runs setup, in the same order: creating the group is itself a collective
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        environment = trainer._accelerator_connector.cluster_environment
+        self._requeue_signal = None
+        if self.requeue_on_slurm and getattr(environment, "auto_requeue", False):
+            self._requeue_signal = int(environment.requeue_signal)  # type: ignore[attr-defined]
+
+    def _install(self, stage: str) -> None:
+        if self._handlers is not None or threading.current_thread() is not threading.main_thread():
+            return
+        stack = ExitStack()
+        numbers = [*self.signals, *([self._requeue_signal] if self._requeue_signal else [])]
+        for number in dict.fromkeys(numbers):
+            previous = signal.signal(number, self._on_signal)
+            stack.callback(self._restore_one, number, previous)
+        self._handlers, self._stage = stack, stage
+
+    def _restore_one(self, number: int, previous: Any) -> None:
+        if signal.getsignal(number) == self._on_signal:  # Lightning's teardown may already have put its own back
+            signal.signal(number, previous)
+
+    def _uninstall(self, stage: str | None = None) -> None:
+        if self._handlers is not None and (stage is None or stage == self._stage):
+            self._handlers.close()
+            self._handlers, self._stage = None, None
+            if self._trainer is None or self._trainer.world_size == 1:
+                self._disarm()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if self.received:
+            if now - self._received_at < _DUPLICATE_S:
+                return
+            self._uninstall()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os._exit(128 + signum)
+        self.received, self._received_at = signum, now
+        trainer = self._trainer
+        launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
+        for proc in getattr(launcher, "procs", ()):  # the child ranks Lightning started (rank 0 only)
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        if trainer is not None and trainer.world_size > 1:
+            self._arm(signum)
+
+    def _arm(self, signum: int) -> None:
+        if self._watchdog is None:
+            self._watchdog = threading.Timer(self.grace_s, _end_process, args=(signum, self.grace_s))
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def _disarm(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+    @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install("fit")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install("fit")
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._uninstall("fit")
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            self._install("validate")
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._uninstall("validate")
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install("test")
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._uninstall("test")
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install("predict")
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._uninstall("predict")
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._uninstall()  # Lightning skips teardown after an exception
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._uninstall()
+
+    # -- the checks ----------------------------------------------------------------------------------------------
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        signum = agree(self.received, self._group) if self._group is not None else self.received
+        if not signum:
+            return
+        if trainer.world_size > 1:
+            self._arm(signum)  # a rank that learned it from the others ends by the same deadline
+        if signum == self._requeue_signal:
+            rank_zero_info(f"StopOnSignal: {signal.Signals(signum).name}: saving the HPC checkpoint and requeueing")
+            trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
+        elif self.save_checkpoint:
+            _save_last(trainer)
+        rank_zero_info(f"StopOnSignal: {signal.Signals(signum).name} received; every rank stops at global step "
+                       f"{trainer.global_step} (exit {128 + signum})")  # fmt: skip
+        raise SignalExit(signum)
+
+    def _check_alone(self, trainer: pl.Trainer) -> None:
+        if self.received and trainer.world_size == 1:
+            raise SignalExit(self.received)
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kw: Any
+    ) -> None:
+        self._check_alone(trainer)
+
+    @override
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kw: Any) -> None:
+        self._check_alone(trainer)
+
+    @override
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kw: Any) -> None:
+        self._check_alone(trainer)
+
+
+def _save_last(trainer: pl.Trainer) -> None:
+    """`last.ckpt` through the first ModelCheckpoint, on every rank (saving is a collective under DDP and FSDP)."""
+    checkpoint = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)  # type: ignore[attr-defined]
+    if checkpoint is None or checkpoint.dirpath is None:
+        return
+    save: Callable[..., Any] | None = getattr(checkpoint, "_save_last_checkpoint", None)
+    if checkpoint.save_last and save is not None:
+        save(trainer, checkpoint._monitor_candidates(trainer))
+    else:
+        trainer.save_checkpoint(
+            os.path.join(checkpoint.dirpath, f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}")
+        )
+
+
+def _end_process(signum: int, grace_s: float) -> None:
+    print(f"StopOnSignal: {signal.Signals(signum).name} {grace_s:.0f} s ago and this rank still runs; exiting "
+          f"{128 + signum}", file=sys.stderr, flush=True)  # fmt: skip
+    os._exit(128 + signum)

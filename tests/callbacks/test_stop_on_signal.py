@@ -1,0 +1,130 @@
+"""StopOnSignal in one process: a signal stops at the next batch with last.ckpt and exit 128 + N; handlers restored."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel.callbacks import StopOnSignal
+from lightning_accel.callbacks.stop_on_signal import SignalExit, parse_signals
+from lightning_accel.errors import ConfigError
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val/loss", nn.functional.mse_loss(self.layer(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class _SendAt(pl.Callback):
+    """Sends `signum` to this process after training batch `at` (or validation batch `at` when `stage="val"`)."""
+
+    def __init__(self, signum: int, at: int, stage: str = "train", times: int = 1) -> None:
+        self.signum, self.at, self.stage, self.times = signum, at, stage, times
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.stage == "train" and trainer.global_step == self.at:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.stage == "val" and args[-1 if isinstance(args[-1], int) else -2] == self.at:
+            os.kill(os.getpid(), self.signum)
+
+
+def _loader() -> DataLoader:
+    gen = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(64, 4, generator=gen), torch.randn(64, 1, generator=gen)), batch_size=4)
+
+
+def _trainer(tmp_path, *callbacks: pl.Callback, **kwargs: Any) -> pl.Trainer:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, monitor=None)
+    options = dict(accelerator="cpu", max_steps=40, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, default_root_dir=str(tmp_path), num_sanity_val_steps=0)  # fmt: skip
+    options.update(kwargs)
+    return pl.Trainer(callbacks=[*callbacks, checkpoint], **options)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_at_the_next_step_with_last_ckpt_and_exit_128_plus_n(tmp_path, signum: int) -> None:
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    trainer = _trainer(tmp_path, StopOnSignal(), _SendAt(signum, at=5))
+    with pytest.raises(SignalExit) as stopped:
+        trainer.fit(_Tiny(), _loader())
+    assert stopped.value.code == 128 + signum
+    assert trainer.global_step == 6  # the batch in flight finished, none after it
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert saved["global_step"] == 6
+    assert {s: signal.getsignal(s) for s in before} == before
+
+    resumed = _trainer(tmp_path, StopOnSignal(), max_steps=9)
+    resumed.fit(_Tiny(), _loader(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert resumed.global_step == 9
+
+
+def test_without_the_callback_lightning_ends_a_sigterm_run_with_exit_code_zero(tmp_path) -> None:
+    """What the callback fixes: Lightning's SIGTERMException is a SystemExit with code 0."""
+    trainer = _trainer(tmp_path, _SendAt(signal.SIGTERM, at=5))
+    with pytest.raises(SystemExit) as stopped:
+        trainer.fit(_Tiny(), _loader())
+    assert stopped.value.code in (None, 0)
+
+
+def test_a_signal_during_validation_stops_at_the_next_validation_batch(tmp_path) -> None:
+    trainer = _trainer(tmp_path, StopOnSignal(), _SendAt(signal.SIGTERM, at=2, stage="val"), val_check_interval=4)
+    with pytest.raises(SignalExit) as stopped:
+        trainer.fit(_Tiny(), _loader(), _loader())
+    assert stopped.value.code == 143
+    assert trainer.global_step == 4
+
+
+def test_a_repeated_sigint_within_a_second_is_one_event_and_stops_cleanly(tmp_path) -> None:
+    trainer = _trainer(tmp_path, StopOnSignal(), _SendAt(signal.SIGINT, at=3, times=2))
+    with pytest.raises(SignalExit):
+        trainer.fit(_Tiny(), _loader())
+    assert trainer.global_step == 4
+
+
+def test_signals_outside_a_stage_keep_their_own_handlers(tmp_path) -> None:
+    """Between fits the callback holds no handler: a plain Ctrl-C in a notebook still raises KeyboardInterrupt."""
+    callback = StopOnSignal()
+    _trainer(tmp_path, callback, max_steps=2).fit(_Tiny(), _loader())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert callback._watchdog is None and callback._handlers is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"signals": ["SIGBOGUS"]}, "no signal"),
+        ({"signals": ["SIGKILL"]}, "no process can catch"),
+        ({"grace_s": 0}, "grace_s=0"),
+        ({"save_checkpoint": "yes"}, "save_checkpoint='yes'"),
+    ],
+)
+def test_bad_settings_name_the_argument(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        StopOnSignal(**kwargs)
+
+
+def test_parse_signals_takes_names_short_names_and_numbers() -> None:
+    assert parse_signals(["SIGTERM", "int", 10]) == [signal.SIGTERM, signal.SIGINT, 10]

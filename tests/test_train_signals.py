@@ -1,0 +1,121 @@
+"""Signals to a 2-rank DDP accel-train: every rank ends within 30 s, exit 128 + N, and last.ckpt resumes.
+
+The default suite runs each target once; `pytest -m slow tests/test_train_signals.py` runs the issue's matrix: SIGTERM
+and SIGINT to rank 0 only, to rank 1 only and to the whole group, 10 times each.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+SMOKE = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000", "strategy=ddp", "trainer.devices=2",
+         "test=false", "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.every_n_train_steps=5",
+         "trainer.val_check_interval=1000000", "trainer.limit_val_batches=0"]  # fmt: skip
+DEADLINE_S = 30.0
+
+
+def _env() -> dict[str, str]:
+    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "TORCHELASTIC_RUN_ID"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONUNBUFFERED": "1"}
+
+
+def _ranks(proc: subprocess.Popen, timeout: float = 120.0) -> list[psutil.Process]:
+    """Rank 0 (the process started) and the child rank it launched, once both run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"accel-train exited early with {proc.returncode}"
+        children = [c for c in psutil.Process(proc.pid).children() if "lightning_accel.train" in " ".join(c.cmdline())]
+        if children:
+            return [psutil.Process(proc.pid), children[0]]
+        time.sleep(0.05)
+    raise AssertionError("the child rank never started")
+
+
+def interrupt_once(tmp_path: Path, signum: int, target: str) -> tuple[float, int, int]:
+    """Start a long DDP run, wait for its first checkpoint, send `signum` to `target` (rank0, rank1, group).
+
+    Returns (seconds until every rank ended, rank 0's exit code, the global step in last.ckpt).
+    """
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "lightning_accel.train", *SMOKE, "trainer.max_steps=100000",
+               f"hydra.run.dir={run_dir}"]  # fmt: skip
+    log = (tmp_path / "log.txt").open("w")
+    proc = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        ranks = _ranks(proc)
+        last = run_dir / "checkpoints" / "last.ckpt"
+        deadline = time.monotonic() + 180
+        while not last.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.3)  # mid-step, past the first save
+        sent = time.monotonic()
+        if target == "group":
+            os.killpg(proc.pid, signum)
+        else:
+            ranks[0 if target == "rank0" else 1].send_signal(signum)
+        gone, alive = psutil.wait_procs(ranks, timeout=DEADLINE_S + 30)
+        elapsed = time.monotonic() - sent
+        assert not alive, f"ranks {[p.pid for p in alive]} still run {elapsed:.0f} s after {signum} to {target}"
+        code = next(p.returncode for p in gone if p.pid == proc.pid)  # psutil reaped it: Popen.wait would say 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    step = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
+    return elapsed, code, step
+
+
+def _resume(tmp_path: Path, step: int) -> None:
+    run_dir = tmp_path / "run"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    done = subprocess.run([sys.executable, "-m", "lightning_accel.train", *SMOKE, f"trainer.max_steps={step + 2}",
+                           f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'resumed'}"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert resumed["global_step"] == step + 2
+
+
+CASES = [(signal.SIGTERM, "rank1"), (signal.SIGINT, "rank0"), (signal.SIGTERM, "group")]
+
+
+@pytest.mark.parametrize(("signum", "target"), CASES, ids=[f"{s.name}-{t}" for s, t in CASES])
+def test_a_signal_ends_every_rank_with_its_code_and_the_last_checkpoint_resumes(tmp_path, signum, target) -> None:
+    elapsed, code, step = interrupt_once(tmp_path, signum, target)
+    print(f"{signum.name} to {target}: every rank ended in {elapsed:.1f} s, exit {code}, last.ckpt at step {step}")
+    assert elapsed < DEADLINE_S
+    assert code == 128 + signum, (tmp_path / "log.txt").read_text()[-3000:]
+    assert "every rank stops at global step" in (tmp_path / "log.txt").read_text()
+    if target == "group":
+        _resume(tmp_path, step)
+
+
+MATRIX = [(s, t) for s in (signal.SIGTERM, signal.SIGINT) for t in ("rank0", "rank1", "group")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "target"), MATRIX, ids=[f"{s.name}-{t}" for s, t in MATRIX])
+def test_signal_matrix_ten_times_each(tmp_path, signum, target) -> None:
+    times = []
+    for attempt in range(10):
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        elapsed, code, step = interrupt_once(folder, signum, target)
+        assert elapsed < DEADLINE_S and code == 128 + signum, (attempt, elapsed, code)
+        times.append(elapsed)
+        if attempt == 0:
+            _resume(folder, step)
+    print(f"{signum.name} to {target}: 10/10 ended, exit {128 + signum}, slowest {max(times):.1f} s, "
+          f"median {sorted(times)[5]:.1f} s")  # fmt: skip
