@@ -216,6 +216,7 @@ def _check_writable(out: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `accel-bench` (also `python -m lightning_accel.bench`); returns the exit code."""
     from lightning_accel.benchmark import BenchSettings, default_ladder, higher_is_better, run_bench
+    from lightning_accel.launch import unique_stamp
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -241,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_reruns=args.max_reruns,
             interference_threshold=args.interference_threshold,
         )
-        stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        stamp = unique_stamp(dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
         out = args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "bench" / stamp
         _check_writable(out)
         if out.is_dir() and any(out.iterdir()) and not args.overwrite:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,7 +28,16 @@ from lightning_accel.errors import ConfigError
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["child_rank_command", "external_rank_job_name", "external_run_id", "hydra_safe_launch", "register_resolvers"]
+__all__ = [
+    "child_rank_command",
+    "external_rank_job_name",
+    "external_run_id",
+    "hydra_safe_launch",
+    "register_resolvers",
+    "unique_stamp",
+]
+
+_PROCESS_TOKEN = secrets.token_hex(3)  # one per process: two runs started in the same second get two directories
 
 log = logging.getLogger(__name__)
 
@@ -145,21 +155,31 @@ def hydra_safe_launch(trainer: pl.Trainer | None = None, child_timeout_s: float 
             dist.destroy_process_group()
 
 
+def unique_stamp(stamp: str) -> str:
+    """`stamp` (a time to the second) and a token drawn once per process: runs started in the same second, on one
+    machine or on several sharing a file system, get different directories, and every lookup in one process agrees."""
+    return f"{stamp}_{_PROCESS_TOKEN}"
+
+
 def external_run_id(default: str, env: Mapping[str, str] | None = None) -> str:
-    """The id every rank of an externally launched job shares, else `default` (a timestamp).
+    """The id every rank of an externally launched job shares, else `default` (a unique stamp).
 
     torchrun gives every rank the same `TORCHELASTIC_RUN_ID` (a fresh one per `--standalone` launch, else the
-    `--rdzv-id`), so ranks started a second apart still write into one run directory; `ACCEL_RUN_ID` (e.g.
-    `$SLURM_JOB_ID` under srun) wins over it. The id names one directory: characters other than letters, digits,
-    `.`, `_` and `-` become `_` (`../../x` -> `.._.._x`, never a path outside the log directory), and an id of dots
-    alone is refused.
+    `--rdzv-id`), so ranks started a second apart still write into one run directory; `ACCEL_RUN_ID` wins over it.
+    Inside a SLURM job step (srun sets `SLURM_STEP_ID`) the id is `slurm-<job>.<step>`: every task of the step shares
+    it, and a requeued job, which keeps its job id and runs its steps again, finds its run directory and Lightning's
+    `hpc_ckpt_<n>.ckpt` in it, and resumes. The id names one directory: characters other than letters, digits, `.`,
+    `_` and `-` become `_` (`../../x` -> `.._.._x`, never a path outside the log directory), and an id of dots alone
+    is refused.
 
     Raises:
         ConfigError: for an id that is empty or only dots after that.
     """
     env = os.environ if env is None else env
-    for key in ("ACCEL_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        value = env.get(key, "")
+    candidates = [(key, env.get(key, "")) for key in ("ACCEL_RUN_ID", "TORCHELASTIC_RUN_ID")]
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") is not None:
+        candidates.append(("SLURM_JOB_ID", f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"))
+    for key, value in candidates:
         if value and value != "none":
             safe = re.sub(r"[^A-Za-z0-9._-]", "_", value)
             if not safe.strip("."):
@@ -178,8 +198,11 @@ def external_rank_job_name(default: str, env: Mapping[str, str] | None = None) -
 
 
 def register_resolvers() -> None:
-    """`${accel_run_id:DEFAULT}` and `${accel_job_name:DEFAULT}` for conf/hydra/default.yaml (idempotent)."""
+    """`${accel_run_id:STAMP}`, `${accel_unique:STAMP}` and `${accel_job_name:DEFAULT}` for conf/hydra/default.yaml
+    (idempotent)."""
     if not OmegaConf.has_resolver("accel_run_id"):
-        OmegaConf.register_new_resolver("accel_run_id", lambda default: external_run_id(str(default)))
+        OmegaConf.register_new_resolver("accel_run_id", lambda stamp: external_run_id(unique_stamp(str(stamp))))
+    if not OmegaConf.has_resolver("accel_unique"):
+        OmegaConf.register_new_resolver("accel_unique", lambda stamp: unique_stamp(str(stamp)))
     if not OmegaConf.has_resolver("accel_job_name"):
         OmegaConf.register_new_resolver("accel_job_name", lambda default: external_rank_job_name(str(default)))

@@ -160,8 +160,14 @@ def test_callbacks_are_a_dict_keyed_by_name(compose_train) -> None:
     assert "lr_monitor" not in cfg.callbacks
     assert cfg.callbacks.model_checkpoint.save_top_k == 3
     both = compose_train(["callbacks=[default,early_stopping]"])
-    assert set(both.callbacks) == {"model_checkpoint", "lr_monitor", "model_summary", "skipped_steps", "stop_on_signal",
-                                 "early_stopping"}
+    assert set(both.callbacks) == {
+        "model_checkpoint",
+        "lr_monitor",
+        "model_summary",
+        "skipped_steps",
+        "stop_on_signal",
+        "early_stopping",
+    }
 
 
 def test_classifier_model_brings_its_data(compose_train) -> None:
@@ -175,3 +181,19 @@ def test_slurm_launcher_follows_the_trainer(compose_train) -> None:
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
+
+
+def test_slurm_launcher_sends_the_signal_lightning_requeues_on(compose_train, tmp_path) -> None:
+    """The sbatch script submitit writes asks for SIGUSR1 (Lightning's requeue signal), not submitit's SIGUSR2."""
+    import signal
+
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from omegaconf import OmegaConf
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    launcher = compose_train(["hydra/launcher=accel_slurm", "hydra.launcher.signal_delay_s=300"]).hydra.launcher
+    extra = OmegaConf.to_container(launcher.additional_parameters, resolve=True)
+    script = _make_sbatch_string(command="python -m lightning_accel.train", folder=tmp_path,
+                                 signal_delay_s=launcher.signal_delay_s, additional_parameters=extra)  # fmt: skip
+    assert "#SBATCH --signal=USR1@300" in script and "USR2" not in script
+    assert SLURMEnvironment().requeue_signal == signal.SIGUSR1

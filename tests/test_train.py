@@ -120,7 +120,7 @@ def test_killed_run_leaves_no_half_written_checkpoint(tmp_path: Path) -> None:
         assert "state_dict" in state and state["global_step"] >= 1, path
 
 
-_FAILING_CALLBACK = '''
+_FAILING_CALLBACK = """
 import lightning.pytorch as pl
 
 
@@ -131,7 +131,7 @@ class FailAt(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             raise RuntimeError(f"injected failure at step {self.step}")
-'''
+"""
 
 
 def test_a_rank_that_raises_ends_the_job_and_is_named(run_cli, tmp_path: Path) -> None:
@@ -163,10 +163,29 @@ def test_two_nodes_under_torchrun_share_one_run_directory(tmp_path: Path) -> Non
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ACCEL_LOG_DIR": str(tmp_path / "outputs"), "ACCEL_RUN_ID": "job42"}
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
-             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "lightning_accel.train", "trainer=smoke",
-             "trainer.accelerator=cpu", "trainer.devices=1", "trainer.num_nodes=2", "strategy=ddp", "test=false"],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={rank}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "-m",
+                "lightning_accel.train",
+                "trainer=smoke",
+                "trainer.accelerator=cpu",
+                "trainer.devices=1",
+                "trainer.num_nodes=2",
+                "strategy=ddp",
+                "test=false",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for rank in (0, 1)
     ]
@@ -180,6 +199,19 @@ def test_two_nodes_under_torchrun_share_one_run_directory(tmp_path: Path) -> Non
     assert len(digests) == 1
 
 
+def test_two_runs_started_together_get_two_run_directories(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "ACCEL_RUN_ID", "SLURM_JOB_ID")}
+    env["ACCEL_LOG_DIR"] = str(tmp_path / "outputs")
+    command = [sys.executable, "-m", "lightning_accel.train", "check=true", "trainer.accelerator=cpu"]
+    procs = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]  # fmt: skip
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
+    runs = sorted((tmp_path / "outputs" / "runs").iterdir())
+    assert len(runs) == 2, runs
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}", run.name) for run in runs), runs
+
+
 def test_external_launch_ids() -> None:
     from lightning_accel.launch import external_rank_job_name, external_run_id
 
@@ -189,6 +221,10 @@ def test_external_launch_ids() -> None:
     assert external_run_id("T", {"TORCHELASTIC_RUN_ID": "abc", "ACCEL_RUN_ID": "slurm7"}) == "slurm7"
     assert external_run_id("T", {"ACCEL_RUN_ID": "../../x"}) == ".._.._x"  # one directory, inside the log dir
     assert external_run_id("T", {"ACCEL_RUN_ID": "job 7/a"}) == "job_7_a"
+    # a SLURM job step: every task shares it, and the requeued job (same job id, steps run again) finds it again
+    assert external_run_id("T", {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}) == "slurm-4242.0"
+    assert external_run_id("T", {"SLURM_JOB_ID": "4242"}) == "T"  # salloc's shell, outside any step: one run each
+    assert external_run_id("T", {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "ACCEL_RUN_ID": "mine"}) == "mine"
     from lightning_accel.errors import ConfigError
 
     with pytest.raises(ConfigError, match="`ACCEL_RUN_ID='..'` cannot name a run directory"):
@@ -208,8 +244,13 @@ def test_external_launch_ids() -> None:
         (["ckpt_path={tmp}/text.ckpt"], ["is not a checkpoint", "corrupt"]),
         (["ckpt_path={tmp}/truncated.ckpt"], ["is not a checkpoint"]),
         (["ckpt_path={tmp}"], ["is a directory but not a distributed checkpoint"]),
-        (["+callbacks.accumulation._target_=lightning_accel.callbacks.AccumulationScheduler",
-          "+callbacks.accumulation.scheduling={{0:0}}"], ["`callbacks.accumulation`", "`scheduling[0]=0`"]),
+        (
+            [
+                "+callbacks.accumulation._target_=lightning_accel.callbacks.AccumulationScheduler",
+                "+callbacks.accumulation.scheduling={{0:0}}",
+            ],
+            ["`callbacks.accumulation`", "`scheduling[0]=0`"],
+        ),
     ],
 )
 def test_bad_resume_and_callback_settings_fail_before_anything_is_built(

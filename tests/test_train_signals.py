@@ -119,3 +119,53 @@ def test_signal_matrix_ten_times_each(tmp_path, signum, target) -> None:
             _resume(folder, step)
     print(f"{signum.name} to {target}: 10/10 ended, exit {128 + signum}, slowest {max(times):.1f} s, "
           f"median {sorted(times)[5]:.1f} s")  # fmt: skip
+
+
+def _slurm_env(tmp_path: Path) -> dict[str, str]:
+    """One SLURM task of job 4242, step 0, with an `scontrol` on PATH that records its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    scontrol.chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train",
+             "SLURM_NODELIST": "localhost"}  # fmt: skip
+    env = {**_env(), **slurm, "ACCEL_LOG_DIR": str(tmp_path / "outputs")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def test_slurm_requeue_signal_saves_the_hpc_checkpoint_requeues_and_the_requeued_job_resumes(tmp_path) -> None:
+    """SIGUSR1 (what accel_slurm asks SLURM to send before the time limit) to a SLURM task: Lightning's HPC checkpoint
+    in the run directory `slurm-4242.0`, `scontrol requeue 4242`, exit 138; the requeued job, same job and step ids,
+    finds that directory and resumes from the checkpoint."""
+    single = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000", "test=false",
+              "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.every_n_train_steps=5",
+              "trainer.limit_val_batches=0"]  # fmt: skip
+    env = _slurm_env(tmp_path)
+    run_dir = tmp_path / "outputs" / "runs" / "slurm-4242.0"
+    command = [sys.executable, "-m", "lightning_accel.train", *single]
+    with (tmp_path / "log.txt").open("w") as log:
+        proc = subprocess.Popen([*command, "trainer.max_steps=100000", "trainer.max_epochs=-1"], cwd=tmp_path,
+                                env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 180
+        while not (run_dir / "checkpoints" / "last.ckpt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        code = proc.wait(timeout=60)
+    output = (tmp_path / "log.txt").read_text()
+    assert code == 128 + signal.SIGUSR1, output[-3000:]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    hpc = torch.load(run_dir / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=True)
+    step = hpc["global_step"]
+    assert step >= 5
+
+    env["SLURM_RESTART_COUNT"] = "1"
+    done = subprocess.run([*command, f"trainer.max_steps={step + 2}", "trainer.max_epochs=-1"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hpc_ckpt_1.ckpt" in done.stdout + done.stderr  # Lightning: "Restoring states from the checkpoint path at"
+    final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert final["global_step"] == step + 2
