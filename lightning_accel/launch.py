@@ -16,6 +16,7 @@ import re
 import secrets
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import import_module
@@ -35,6 +36,7 @@ __all__ = [
     "hydra_safe_launch",
     "register_resolvers",
     "unique_stamp",
+    "check_output_root",
 ]
 
 _PROCESS_TOKEN = secrets.token_hex(3)  # one per process: two runs started in the same second get two directories
@@ -195,6 +197,55 @@ def external_rank_job_name(default: str, env: Mapping[str, str] | None = None) -
     env = os.environ if env is None else env
     rank = env.get("RANK") or (env.get("SLURM_PROCID") if int(env.get("SLURM_NTASKS", "1") or 1) > 1 else None)
     return f"{default}_rank{rank}" if rank and rank != "0" else default
+
+
+_NO_RUN_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--shell-completion", "-sc")
+
+
+def _override(argv: Sequence[str], key: str) -> str | None:
+    for arg in reversed(argv):
+        name, sep, value = arg.partition("=")
+        if sep and name.lstrip("+~") == key:
+            return value.strip("'\"")
+    return None
+
+
+def check_output_root(argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    """Fail with the setting's name when the directory runs are written under cannot be created or written.
+
+    Hydra creates the run directory before the app runs, so without this an unwritable `paths.log_dir` ends in
+    chained tracebacks that never name it. Checked: `hydra.run.dir` (or `hydra.sweep.dir` with `-m`) when given on
+    the command line, else `paths.log_dir`, else `$ACCEL_LOG_DIR`, else `outputs`; a part after `${` is left to
+    Hydra. Nothing is checked for `--help`, `--cfg` and the like.
+
+    Raises:
+        ConfigError: naming the setting, the directory and the error.
+    """
+    env = os.environ if env is None else env
+    if any(arg in _NO_RUN_FLAGS or arg.startswith("--cfg=") for arg in argv):
+        return
+    multirun = any(arg in ("-m", "--multirun") for arg in argv)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    value = _override(argv, key)
+    if value is None:
+        key, value = "paths.log_dir", _override(argv, "paths.log_dir")
+    if value is None and env.get("ACCEL_LOG_DIR"):
+        key, value = "ACCEL_LOG_DIR", env["ACCEL_LOG_DIR"]
+    if value is None:
+        key, value = "paths.log_dir", "outputs"
+    root = value.split("${", 1)[0]
+    if "${" in value:
+        root = os.path.dirname(root) if not root.endswith("/") else root
+    if not root:
+        return
+    try:
+        os.makedirs(root, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".accel-write-check-"):
+            pass
+    except OSError as err:
+        shown = f"{key}={value}" if key != "ACCEL_LOG_DIR" else f"ACCEL_LOG_DIR={value}"
+        raise ConfigError(f"`{shown}`: runs cannot be written under {root!r} ({err.strerror or err}); point "
+                          "`paths.log_dir` (or ACCEL_LOG_DIR) at a writable directory.") from None  # fmt: skip
 
 
 def register_resolvers() -> None:

@@ -64,7 +64,26 @@ def check_config(cfg: DictConfig) -> None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"`seed={seed!r}` must be an integer or null.")
     _check_accumulation(cfg)
+    _check_example_data(cfg.model, cfg.data)
     check_combinations(cfg)
+
+
+# The example models and the data they train on (conf/model/*.yaml pick it); a user's own model is not checked.
+_EXAMPLE_DATA = {"GPTLanguageModel": ("StdlibTextDataModule", "stdlib_text", "gpt"),
+                 "DigitsClassifier": ("DigitsDataModule", "digits", "classifier")}  # fmt: skip
+
+
+def _check_example_data(model: DictConfig, data: DictConfig) -> None:
+    model_class = str(model.get("_target_", "")).rsplit(".", 1)[-1]
+    data_class = str(data.get("_target_", "")).rsplit(".", 1)[-1]
+    if model_class in _EXAMPLE_DATA and data_class.endswith("DataModule"):
+        wanted, name, model_name = _EXAMPLE_DATA[model_class]
+        mine = next((n for c, n, _ in _EXAMPLE_DATA.values() if c == data_class), None)
+        if data_class != wanted and mine is not None:
+            raise ConfigError(
+                f"`model={model_name}` ({model_class}) trains on `data={name}`, but `data={mine}` ({data_class}) was "
+                f"chosen; drop the `data=` override (each example model brings its data) or use `data={name}`."
+            )
 
 
 def _show(value: Any) -> str:
@@ -102,8 +121,10 @@ def _check_val_check_interval(value: Any) -> None:
         raise ConfigError(f"`trainer.val_check_interval={_show(value)}` must be a fraction of the epoch (0 < x <= 1.0) "
                           "or a number of batches (an integer >= 1).")  # fmt: skip
     if (isinstance(value, int) and value < 1) or (isinstance(value, float) and not 0.0 < value <= 1.0):
-        raise ConfigError(f"`trainer.val_check_interval={value}` validates never or always; use a fraction of the "
-                          "epoch (0 < x <= 1.0, e.g. 0.25) or a number of batches (an integer >= 1, e.g. 200).")
+        raise ConfigError(
+            f"`trainer.val_check_interval={value}` validates never or always; use a fraction of the "
+            "epoch (0 < x <= 1.0, e.g. 0.25) or a number of batches (an integer >= 1, e.g. 200)."
+        )
 
 
 def _check_fractions(data: Any) -> None:
@@ -313,6 +334,8 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
         )
     if on_cuda:
         _check_devices_visible(devices, visible)
+    else:
+        _check_cpu_processes(devices)
     strategy = trainer.get("strategy", "auto")
     name = _strategy_name(strategy)
     if not on_cuda and name in ("fsdp", "deepspeed"):
@@ -342,6 +365,28 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
             f"`trainer.strategy.ddp_comm_hook={_show(strategy.get('ddp_comm_hook'))}` has no effect on the CPU: "
             "Lightning registers DDP communication hooks on CUDA only and drops them silently elsewhere; remove "
             "it (`~trainer.strategy.ddp_comm_hook`) or run on GPUs."
+        )
+
+
+_CPU_OVERSUBSCRIPTION = 4  # CPU ranks per usable CPU still accepted: tests run 4 pipeline ranks on 2 cores
+
+
+def _check_cpu_processes(devices: Any, cpus: int | None = None) -> None:
+    """On the CPU, `trainer.devices` is a number of processes: Lightning starts any number, each with its own copy
+    of the model; far more than the CPUs only thrashes (and 1000 exhausts memory or process limits)."""
+    from lightning_accel.system.cgroup import read_cpu_budget
+
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    count = len(devices) if isinstance(devices, (ListConfig, list)) else devices
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 1:
+        return
+    cpus = cpus or max(1, int(read_cpu_budget().effective))
+    if count > _CPU_OVERSUBSCRIPTION * cpus:
+        raise ConfigError(
+            f"`trainer.devices={_show(devices)}` starts {count} CPU processes, but this process may use "
+            f"{cpus} CPU(s) (affinity and cgroup quota); use at most `trainer.devices={_CPU_OVERSUBSCRIPTION * cpus}` "
+            f"(better {cpus}), or run on GPUs."
         )
 
 

@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
-from lightning_accel.launch import hydra_safe_launch, register_resolvers
+from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.presets import (
     apply_ddp_grad_compression,
     check_combinations,
@@ -256,9 +256,7 @@ def _fit_and_test(
         log.info("rank %d finished: %s", trainer.global_rank, metrics)
         if not trainer.is_global_zero:
             return None
-        return collect_summary(
-            trainer, datamodule, stats, metrics, time.perf_counter() - started, run_dir, tested
-        )
+        return collect_summary(trainer, datamodule, stats, metrics, time.perf_counter() - started, run_dir, tested)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_accel.conf", config_name="train")
@@ -272,6 +270,11 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point of `accel-train` (also `python -m lightning_accel.train`)."""
+    try:
+        check_output_root(sys.argv[1:])  # Hydra creates the run directory before `run` can check anything
+    except ConfigError as err:
+        print(f"accel-train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     _hydra_main()
 
 

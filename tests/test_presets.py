@@ -36,6 +36,17 @@ def test_valid_devices_pass(compose_train, devices: str) -> None:
         ("data.val_fraction=1.5", "`data.val_fraction=1.5`", "within [0, 1)"),
         ("data.val_fraction=0.6 data.test_fraction=0.5", "leaves no training data", "below 1"),
         ("nccl.preset=bogus", "`nccl.preset='bogus'`", "`nccl=NAME`"),
+        (
+            "model=classifier data=stdlib_text",
+            "`model=classifier` (DigitsClassifier) trains on `data=digits`",
+            "drop the `data=` override",
+        ),
+        ("model=gpt data=digits", "`model=gpt` (GPTLanguageModel) trains on `data=stdlib_text`", "`data=stdlib_text`"),
+        (
+            "trainer.accelerator=cpu trainer.devices=1000",
+            "`trainer.devices=1000` starts 1000 CPU processes",
+            "use at most",
+        ),
     ],
 )
 def test_bad_setting_names_setting_value_and_fix(compose_train, override: str, setting: str, fix: str) -> None:

@@ -212,6 +212,34 @@ def test_two_runs_started_together_get_two_run_directories(tmp_path: Path) -> No
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}", run.name) for run in runs), runs
 
 
+@pytest.mark.parametrize(
+    ("args", "env", "words"),
+    [
+        (["paths.log_dir={file}/x"], {}, "`paths.log_dir={file}/x`: runs cannot be written"),
+        (["hydra.run.dir=/proc/nope/run"], {}, "`hydra.run.dir=/proc/nope/run`"),
+        (["-m", "hydra.sweep.dir=/proc/nope/sweep", "seed=1,2"], {}, "`hydra.sweep.dir=/proc/nope/sweep`"),
+        ([], {"ACCEL_LOG_DIR": "{file}/logs"}, "`ACCEL_LOG_DIR={file}/logs`"),
+    ],
+)
+def test_an_unwritable_log_dir_exits_2_naming_the_setting(run_cli, tmp_path: Path, args, env, words) -> None:
+    file = tmp_path / "a_file"
+    file.write_text("not a directory")
+    args = [a.replace("{file}", str(file)) for a in args]
+    env = {k: v.replace("{file}", str(file)) for k, v in env.items()}
+    result = run_cli(["check=true", "trainer.accelerator=cpu", *args], cwd=tmp_path, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert words.replace("{file}", str(file)) in result.stderr and "Traceback" not in result.stderr
+    assert "point `paths.log_dir` (or ACCEL_LOG_DIR) at a writable directory" in result.stderr
+
+
+def test_the_log_dir_check_leaves_help_and_interpolations_alone(tmp_path: Path) -> None:
+    from lightning_accel.launch import check_output_root
+
+    check_output_root(["--help"], {"ACCEL_LOG_DIR": "/proc/nope"})  # no run: nothing checked
+    check_output_root([f"hydra.run.dir={tmp_path}/runs/${{now:%H}}"], {})  # the part before `${` is checked
+    assert (tmp_path / "runs").is_dir()
+
+
 def test_external_launch_ids() -> None:
     from lightning_accel.launch import external_rank_job_name, external_run_id
 
