@@ -170,6 +170,24 @@ def check_ckpt_path(cfg: DictConfig) -> None:
         raise ConfigError(f"`ckpt_path={str(path)!r}` is not a checkpoint (not a torch.save archive: truncated, "
                           "corrupt or another kind of file); pass the run's `checkpoints/last.ckpt` or another "
                           "checkpoint.")  # fmt: skip
+    from lightning_accel.strategies.pipeline_stages import check_dcp_metadata, load_metadata
+
+    # no pickle payload runs: a file (or a distributed checkpoint's metadata) needing more than tensors and plain
+    # types is refused here, whatever torch's default `weights_only` is (False before torch 2.6)
+    if file.is_dir():
+        check_dcp_metadata(file)
+        if (file / "meta.pt").is_file():
+            load_metadata(file / "meta.pt")
+    else:
+        load_metadata(file)
+
+
+def _weights_only(method: Any) -> dict[str, bool]:
+    """`weights_only=True` for Lightning's checkpoint loads where it takes the argument (Lightning >= 2.5): every
+    checkpoint a run resumes or tests (`last`, `best`, SLURM's `hpc`) is loaded without running pickled code."""
+    import inspect
+
+    return {"weights_only": True} if "weights_only" in inspect.signature(method).parameters else {}
 
 
 def _drop_logger_callbacks(callbacks: list[Any]) -> list[Any]:
@@ -246,12 +264,13 @@ def _fit_and_test(
     tested = "final"
     with hydra_safe_launch(trainer):
         if cfg.get("fit", True):
-            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), **_weights_only(trainer.fit))
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
         if cfg.get("test", True):
             best = getattr(trainer.checkpoint_callback, "best_model_path", "")
             tested = "best" if best else "final"
-            results = trainer.test(model, datamodule=datamodule, ckpt_path="best" if best else None, verbose=False)
+            results = trainer.test(model, datamodule=datamodule, ckpt_path="best" if best else None, verbose=False,
+                                   **_weights_only(trainer.test))  # fmt: skip
             metrics.update({k: float(v) for k, v in (results[0] if results else {}).items()})
         log.info("rank %d finished: %s", trainer.global_rank, metrics)
         if not trainer.is_global_zero:

@@ -303,3 +303,36 @@ def test_a_bad_ckpt_path_exits_2_without_a_traceback(run_cli, tmp_path: Path) ->
     result = run_cli(["ckpt_path=/nonexistent/last.ckpt", "trainer=smoke"], cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     assert "accel-train: error: `ckpt_path=" in result.stderr and "Traceback" not in result.stderr
+
+
+class _Payload:
+    """Unpickling this creates `marker`: what a planted payload would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("fmt", ["file", "distributed"])
+def test_a_planted_payload_in_a_checkpoint_never_runs_on_resume(run_cli, tmp_path: Path, fmt: str) -> None:
+    """Every checkpoint format a run resumes from: a Lightning `.ckpt` file (DDP, one device, SLURM's hpc) and a
+    distributed checkpoint directory (ModelParallelStrategy, PipelineStrategy: `meta.pt` and `.metadata`)."""
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "payload-ran"
+    if fmt == "file":
+        planted = tmp_path / "planted.ckpt"
+        torch.save({"state_dict": {"w": torch.ones(2)}, "global_step": 3, "hyper_parameters": {"x": _Payload(marker)}},
+                   planted)  # fmt: skip
+    else:
+        planted = tmp_path / "planted_dir"
+        dcp.save({"state_dict": {"w": torch.ones(2)}}, checkpoint_id=planted)
+        torch.save({"global_step": 3, "hyper_parameters": {"x": _Payload(marker)}}, planted / "meta.pt")
+    result = run_cli([*SMOKE, f"ckpt_path={planted}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                     timeout=120)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "could run code" in result.stderr and "Unsupported global" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not marker.exists()

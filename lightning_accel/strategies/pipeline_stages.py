@@ -294,7 +294,7 @@ def load_metadata(path: str | Path, weights_only: bool | None = None) -> dict[st
         found = next((line.strip() for line in first if "GLOBAL" in line or "Unsupported" in line), first[0] if first
                      else "an object that is not a tensor or a plain type")  # fmt: skip
         raise ConfigError(
-            f"the checkpoint metadata {str(path)!r} holds more than tensors and plain types ({found}), so it is not "
+            f"the checkpoint file {str(path)!r} holds more than tensors and plain types ({found}), so it is not "
             "loaded: loading it could run code. If you made this checkpoint and trust it, resume with "
             "`trainer.fit(..., weights_only=False)` (or register the class with "
             "`torch.serialization.add_safe_globals`)."
