@@ -46,14 +46,31 @@ def build_parser() -> argparse.ArgumentParser:
         "fails, 1 when one does, 2 for a usage error.",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-    parser.add_argument("--devices", type=_count, default=None, metavar="N",
-                        help="GPUs the run will use on this node (default: every visible GPU; 0: a CPU run)")
-    parser.add_argument("--num-workers", type=_count, default=None, metavar="N",
-                        help="DataLoader workers per process, to judge /dev/shm, CPUs and memory")
-    parser.add_argument("--num-nodes", type=_positive_count, default=1, metavar="N",
-                        help="nodes of the run (default: 1)")
-    parser.add_argument("--check", action="append", choices=list(CHECKS), dest="checks", metavar="NAME",
-                        help=f"run only this check (repeatable): {', '.join(CHECKS)}")
+    parser.add_argument(
+        "--devices",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="GPUs the run will use on this node (default: every visible GPU; 0: a CPU run)",
+    )
+    parser.add_argument(
+        "--num-workers",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="DataLoader workers per process, to judge /dev/shm, CPUs and memory",
+    )
+    parser.add_argument(
+        "--num-nodes", type=_positive_count, default=1, metavar="N", help="nodes of the run (default: 1)"
+    )
+    parser.add_argument(
+        "--check",
+        action="append",
+        choices=list(CHECKS),
+        dest="checks",
+        metavar="NAME",
+        help=f"run only this check (repeatable): {', '.join(CHECKS)}",
+    )
     parser.add_argument("--root", default=os.environ.get(ROOT_ENV, "/"), help=argparse.SUPPRESS)  # fake trees
     return parser  # fmt: skip
 

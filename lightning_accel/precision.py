@@ -25,6 +25,7 @@ def rank_zero_warn(message: str, **kwargs: Any) -> None:
         kwargs["stacklevel"] += 1  # this wrapper's own frame
     warn(message, **kwargs)
 
+
 __all__ = [
     "FLOAT32_MATMUL_PRECISIONS", "LIGHTNING_PRECISIONS", "PRECISION_SENTINELS", "Hardware", "ResolvedPrecision",
     "apply_float32_matmul_precision", "resolve_precision",

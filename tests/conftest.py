@@ -61,8 +61,14 @@ def _run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str
     (faulthandler, on SIGABRT) and the test fails with them: a hang says where it hung.
     """
     inherited = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_ENV}
-    full_env = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "ACCEL_LOG_DIR": str(cwd / "outputs"),
-                "XDG_CACHE_HOME": str(cwd / "cache"), **(env or {})}  # fmt: skip  (the tuner's cache: not the user's)
+    full_env = {
+        **inherited,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+        "ACCEL_LOG_DIR": str(cwd / "outputs"),
+        "XDG_CACHE_HOME": str(cwd / "cache"),
+        **(env or {}),
+    }  # fmt: skip  (the tuner's cache: not the user's)
     command = [sys.executable, "-m", module, *args]
     with subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:  # fmt: skip

@@ -305,7 +305,8 @@ def test_quick_cli_writes_the_table_csv_json_and_png(run_cli, tmp_path: Path) ->
         assert [r["round"] for r in runs] == [0, 1] and [r["seed"] for r in runs] == [1234, 1235]
         assert all(r["interference"] is not None and "other_cpu_s" in r["interference"] for r in runs)
         times = sorted(r["measurement"]["train_s"] for r in runs if not r["flagged"]) or sorted(
-            r["measurement"]["train_s"] for r in runs)
+            r["measurement"]["train_s"] for r in runs
+        )
         assert stage["time_s"] == pytest.approx(sum(times) / len(times))  # the median of two
         assert stage["time_interval"]["low"] <= stage["time_s"] <= stage["time_interval"]["high"]
         measured = runs[0]["measurement"]
@@ -430,12 +431,17 @@ def test_pipeline_and_tensor_parallel_ranks_count_their_shared_batches_once() ->
     assert _data_parallel_size("ddp", 2) == 2
 
 
-
 def test_fp32_on_a_gpu_without_tf32_is_measured_against_its_fp32_peak() -> None:
     from lightning_accel.benchmark.results import _derive
 
-    row = StageResult(name="baseline", measurement={**_measurement(10.0, 2.0, device="Tesla V100-SXM2-32GB"),
-                                                    "float32_matmul_precision": "high", "compute_capability": [7, 0]})
+    row = StageResult(
+        name="baseline",
+        measurement={
+            **_measurement(10.0, 2.0, device="Tesla V100-SXM2-32GB"),
+            "float32_matmul_precision": "high",
+            "compute_capability": [7, 0],
+        },
+    )
     _derive(row, None)
     assert row.dtype == "fp32" and row.mfu is not None
     ampere = StageResult(name="baseline", measurement={**row.measurement, "device": "NVIDIA A100-SXM4-80GB",
@@ -499,8 +505,12 @@ def test_rounds_interleave_and_a_flagged_run_is_run_again(tmp_path: Path, monkey
                     BenchSettings(steps=4, repeats=3), tmp_path, launcher=launcher, echo=lines.append)  # fmt: skip
     assert calls == ["baseline", "amp", "amp", "baseline", "amp", "baseline", "amp"]
     amp = run.results[1]
-    assert [(r.round, r.flagged, r.replaced) for r in amp.runs] == [(0, True, True), (0, False, False),
-                                                                     (1, False, False), (2, False, False)]
+    assert [(r.round, r.flagged, r.replaced) for r in amp.runs] == [
+        (0, True, True),
+        (0, False, False),
+        (1, False, False),
+        (2, False, False),
+    ]
     assert amp.time_s == 5.0 and not amp.interference  # the flagged 20 s run is not counted
     assert amp.speedup == pytest.approx(2.0) and amp.speedup_verdict == "faster"  # 10/5, 10.2/5.1, 9.8/4.9
     assert amp.speedup_interval is not None and amp.speedup_interval["n"] == 3

@@ -60,7 +60,7 @@ if __name__ == "__main__":
     main()
 '''
 
-CONFIG = '''
+CONFIG = """
 defaults:
   - _self_
   - precision: fp32
@@ -81,15 +81,15 @@ trainer:
 data:
   num_workers: 0
   persistent_workers: false
-'''
+"""
 
 # The user's own amp wins over the packaged one of the same name.
-OWN_PRECISION = '''
+OWN_PRECISION = """
 # @package _global_
 trainer:
   precision: 32-true
 marker: users-own-amp
-'''
+"""
 
 
 def _write_app(root: Path) -> None:

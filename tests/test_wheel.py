@@ -26,8 +26,12 @@ def test_wheel_in_fresh_venv_runs_accel_train(tmp_path: Path) -> None:
          cwd=tmp_path)  # fmt: skip
     wheel = next(dist.glob("lightning_accel-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for shipped in ("lightning_accel/conf/train.yaml", "lightning_accel/conf/preset/ddp.yaml",
-                    "lightning_accel/examples/gpt.py", "hydra_plugins/lightning_accel_searchpath/searchpath.py"):
+    for shipped in (
+        "lightning_accel/conf/train.yaml",
+        "lightning_accel/conf/preset/ddp.yaml",
+        "lightning_accel/examples/gpt.py",
+        "hydra_plugins/lightning_accel_searchpath/searchpath.py",
+    ):
         assert shipped in names  # fmt: skip
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "[hydra.plugins]" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -37,10 +37,41 @@ COMMUNICATION_SHARE = 0.25
 """Communication-bound: the estimated all-reduce wait is at least this share of the step."""
 MEMORY_FRACTION = 0.90
 """Memory-bound: the peak memory is at least this fraction of the device's (the host's on a CPU)."""
-_HIGHER_IS_BETTER = ("acc", "accuracy", "f1", "auc", "auroc", "precision", "recall", "iou", "miou", "map", "bleu",
-                     "rouge", "score", "r2", "dice", "psnr", "ssim")
-_LOWER_IS_BETTER = ("loss", "error", "err", "mae", "mse", "rmse", "mape", "smape", "ppl", "perplexity", "bpc", "wer",
-                    "cer", "nll")
+_HIGHER_IS_BETTER = (
+    "acc",
+    "accuracy",
+    "f1",
+    "auc",
+    "auroc",
+    "precision",
+    "recall",
+    "iou",
+    "miou",
+    "map",
+    "bleu",
+    "rouge",
+    "score",
+    "r2",
+    "dice",
+    "psnr",
+    "ssim",
+)
+_LOWER_IS_BETTER = (
+    "loss",
+    "error",
+    "err",
+    "mae",
+    "mse",
+    "rmse",
+    "mape",
+    "smape",
+    "ppl",
+    "perplexity",
+    "bpc",
+    "wer",
+    "cer",
+    "nll",
+)
 
 
 @dataclass(kw_only=True)

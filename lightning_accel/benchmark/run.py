@@ -71,8 +71,15 @@ def _run(plan: StagePlan, index: int, round_index: int, seed: int | None, out_di
          launcher: Launcher, attempt: int = 0) -> StageRun:  # fmt: skip
     suffix = f"-rerun{attempt}" if attempt else ""
     run_dir = out_dir / "stages" / f"{index}-{plan.name}" / f"run{round_index}{suffix}"
-    return run_once(plan.command(run_dir, seed), run_dir, round_index=round_index, seed=seed,
-                    timeout=settings.stage_timeout_s, launcher=launcher, probe=_probe(settings, plan.on_cuda))
+    return run_once(
+        plan.command(run_dir, seed),
+        run_dir,
+        round_index=round_index,
+        seed=seed,
+        timeout=settings.stage_timeout_s,
+        launcher=launcher,
+        probe=_probe(settings, plan.on_cuda),
+    )
 
 
 def _run_schedule(schedule: list[tuple[int, int]], plans: list[StagePlan], results: list[StageResult],
@@ -82,8 +89,10 @@ def _run_schedule(schedule: list[tuple[int, int]], plans: list[StagePlan], resul
     for position, (round_index, index) in enumerate(schedule):
         plan, result = plans[index], results[index]
         run_seed = None if seed is None else seed + round_index
-        echo(f"accel-bench: run {position + 1}/{len(schedule)}: `{plan.name}` round {round_index + 1} "
-             f"(seed {run_seed}): {changes[plan.name]}" + (f", {plan.steps} steps" if plan.steps else ""))
+        echo(
+            f"accel-bench: run {position + 1}/{len(schedule)}: `{plan.name}` round {round_index + 1} "
+            f"(seed {run_seed}): {changes[plan.name]}" + (f", {plan.steps} steps" if plan.steps else "")
+        )
         run = _run(plan, index, round_index, run_seed, out_dir, settings, launcher)
         result.runs.append(run)
         while run.status == "ok" and run.flagged and reruns_left[index] > 0:
@@ -186,5 +195,6 @@ def run_bench(
         if line:
             echo(f"accel-bench: note: {line}")
     echo(f"accel-bench: wrote {', '.join(str(f) for f in files)}")
-    return BenchRun(results=results, table=table, files=files, note=note, total_s=total_s, header=header,
-                    interrupted=interrupted)
+    return BenchRun(
+        results=results, table=table, files=files, note=note, total_s=total_s, header=header, interrupted=interrupted
+    )

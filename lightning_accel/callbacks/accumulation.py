@@ -94,9 +94,7 @@ class AccumulationScheduler(Callback):
         else:
             assert self.global_batch_size is not None
             micro = self.micro_batch_size or _loader_batch_size(trainer)
-            self._plan = AccumulationPlan.constant(
-                micro_batches_for(self.global_batch_size, micro, trainer.world_size)
-            )
+            self._plan = AccumulationPlan.constant(micro_batches_for(self.global_batch_size, micro, trainer.world_size))
             rank_zero_info(
                 f"AccumulationScheduler: global batch {self.global_batch_size} = {micro} per device x "
                 f"{trainer.world_size} device(s) x {self._plan.points[0][1]} micro-batches per optimizer step."

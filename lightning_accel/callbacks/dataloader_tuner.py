@@ -193,9 +193,11 @@ class DataLoaderTuner(Callback):
                                category=LightningAccelWarning)  # fmt: skip
             except Exception as err:
                 if trainer.world_size > 1:  # this rank left the tuner's collectives, the others may wait in one
-                    raise RuntimeError(f"DataLoaderTuner failed on rank {trainer.global_rank} ({type(err).__name__}: "
-                                       f"{err}); the ranks cannot agree on DataLoader settings any more. Remove the "
-                                       "callback (`~callbacks.dataloader_tuner`) to train without it.") from err
+                    raise RuntimeError(
+                        f"DataLoaderTuner failed on rank {trainer.global_rank} ({type(err).__name__}: "
+                        f"{err}); the ranks cannot agree on DataLoader settings any more. Remove the "
+                        "callback (`~callbacks.dataloader_tuner`) to train without it."
+                    ) from err
                 self.decision = None
                 rank_zero_warn(f"DataLoaderTuner failed ({type(err).__name__}: {err}); training goes on with the "
                                "DataLoaders as they were.", category=LightningAccelWarning)  # fmt: skip
@@ -204,8 +206,12 @@ class DataLoaderTuner(Callback):
                     final = [loop_internals.rebuilt(dl, self.decision) for dl in train]
             except Exception as err:
                 self.decision = None
-                warnings.warn(f"DataLoaderTuner could not rebuild the DataLoaders ({type(err).__name__}: {err}); "
-                              "this rank trains with them as they were.", LightningAccelWarning, stacklevel=2)
+                warnings.warn(
+                    f"DataLoaderTuner could not rebuild the DataLoaders ({type(err).__name__}: {err}); "
+                    "this rank trains with them as they were.",
+                    LightningAccelWarning,
+                    stacklevel=2,
+                )
         self.tuning_time_s = time.perf_counter() - start
         if not train:
             return
@@ -215,8 +221,11 @@ class DataLoaderTuner(Callback):
             if final is train:
                 raise
             self.decision = None
-            rank_zero_warn(f"DataLoaderTuner could not start the chosen DataLoader ({type(err).__name__}: {err}); "
-                           "training goes on with the DataLoaders as they were.", category=LightningAccelWarning)
+            rank_zero_warn(
+                f"DataLoaderTuner could not start the chosen DataLoader ({type(err).__name__}: {err}); "
+                "training goes on with the DataLoaders as they were.",
+                category=LightningAccelWarning,
+            )
             loop_internals.swap_loaders(loop, train, reiterate=True, frozen=early)
         if self.decision is not None:
             self._report(trainer, loader_settings(train[0]))

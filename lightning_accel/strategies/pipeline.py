@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -24,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
+from lightning_accel.strategies.checkpoint_io import recover_directory, remove_stale_staging, replace_directory
 from lightning_accel.strategies.pipeline_stages import (
     StagePlan,
     check_dcp_metadata,
@@ -518,6 +517,8 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         # disk) leaves the previous checkpoint whole, and no stale shards of an earlier save mix in (last.ckpt).
         staging = path.with_name(f".{path.name}.saving-{self.broadcast(uuid.uuid4().hex[:8])}")
         if self.global_rank == 0:
+            recover_directory(path)  # a save killed mid-swap on a file system without an atomic exchange
+            remove_stale_staging(path)  # shards of saves that were killed before they completed
             staging.mkdir(parents=True)
         self.barrier()
         state = {"state_dict": checkpoint.pop("state_dict")}
@@ -540,6 +541,9 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         )
 
         path = Path(self.broadcast(checkpoint_path))
+        if self.global_rank == 0:
+            recover_directory(path)
+        self.barrier()
         if not path.is_dir():
             raise ConfigError(f"`ckpt_path={str(path)!r}` is not a PipelineStrategy checkpoint directory.")
         meta = load_metadata(path / _METADATA_FILENAME, weights_only)  # before any state is touched
@@ -555,23 +559,6 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{i}"], options=self._options())
         return meta
-
-
-def replace_directory(new: Path, path: Path) -> None:
-    """Put the complete directory `new` at `path`: the old one (a directory or file) is moved aside, `new` renamed into
-    place, then the old one removed; if the second rename fails, the old one is moved back."""
-    old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-    had_old = path.exists()
-    if had_old:
-        os.replace(path, old)
-    try:
-        os.replace(new, path)
-    except BaseException:
-        if had_old:
-            os.replace(old, path)
-        raise
-    if had_old:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
 def _shard_group(grad: Any) -> Any:

@@ -93,10 +93,13 @@ def check_driver_cuda(facts: SystemFacts, request: CheckRequest) -> Check:
         return Check("driver_cuda", "SKIP", "the run uses no GPU")
     if torch.cuda is None:
         if nvml.available and nvml.gpus:
-            return Check("driver_cuda", "WARN",
-                         f"torch {torch.version} is a {'ROCm' if torch.hip else 'CPU-only'} build; "
-                         f"{len(nvml.gpus)} NVIDIA GPU(s) will not be used",
-                         "install a CUDA build: pip install torch --index-url https://download.pytorch.org/whl/cu126")
+            return Check(
+                "driver_cuda",
+                "WARN",
+                f"torch {torch.version} is a {'ROCm' if torch.hip else 'CPU-only'} build; "
+                f"{len(nvml.gpus)} NVIDIA GPU(s) will not be used",
+                "install a CUDA build: pip install torch --index-url https://download.pytorch.org/whl/cu126",
+            )
         build = "ROCm" if torch.hip else "CPU-only"
         return Check("driver_cuda", "SKIP", f"torch {torch.version} is a {build} build; no CUDA runtime to check")
     if not nvml.available:
@@ -171,8 +174,12 @@ def check_nccl(facts: SystemFacts, request: CheckRequest) -> Check:
                      "install a CUDA build of torch, or use `process_group_backend='gloo'`")  # fmt: skip
     used = facts.nvml.visible[: _gpus(facts, request)]
     if sum(device.mig for device in used) and len(used) > 1:
-        return Check("nccl", "FAIL", f"{len(used)} MIG devices requested: NCCL cannot communicate between MIG "
-                     "devices", "disable MIG for multi-GPU training (`nvidia-smi -i N -mig 0`) or use one MIG device")
+        return Check(
+            "nccl",
+            "FAIL",
+            f"{len(used)} MIG devices requested: NCCL cannot communicate between MIG devices",
+            "disable MIG for multi-GPU training (`nvidia-smi -i N -mig 0`) or use one MIG device",
+        )
     version = ".".join(map(str, facts.torch.nccl))
     nvlinked = [f"{link.a}-{link.b}" for link in facts.nvml.topology if link.kind == "NV"]
     links = f"NVLink between GPUs {', '.join(nvlinked)}" if nvlinked else "no NVLink (PCIe)"
@@ -265,7 +272,7 @@ def check_shm(facts: SystemFacts, request: CheckRequest) -> Check:
     shown += f"; {procs} process(es) x {workers} workers{'' if known else ' (assumed)'} need ~{_size(need)}"
     fix = "run the container with `--shm-size=8g` (or `--ipc=host`), or use num_workers=0"
     if shm.size_bytes < SHM_PER_WORKER:
-        return Check("shm", "FAIL" if known else "WARN", f"{shown}: workers die with \"bus error\"", fix)
+        return Check("shm", "FAIL" if known else "WARN", f'{shown}: workers die with "bus error"', fix)
     if shm.size_bytes < need:
         return Check("shm", "WARN", shown, fix)
     return Check("shm", "PASS", shown)

@@ -49,9 +49,7 @@ def _read(path: Path) -> str:
         return ""
 
 
-def read_shm(
-    root: str | os.PathLike[str] = "/", statvfs: Callable[[str], Any] | None = None
-) -> ShmInfo | None:
+def read_shm(root: str | os.PathLike[str] = "/", statvfs: Callable[[str], Any] | None = None) -> ShmInfo | None:
     """Size and free space of `<root>/dev/shm`; None where it does not exist (macOS, Windows).
 
     Args:

@@ -44,8 +44,12 @@ PEAK_TFLOPS: tuple[tuple[str, str, dict[str, float], int | None], ...] = (
     (r"v100[- ]pcie[- ](16|32)gb", "V100 PCIe", {"fp32": 14.0, "fp16": 112.0}, None),
     (r"v100[- ]sxm2[- ](16|32)gb|v100[- ]sxm3[- ]32gb|v100", "V100 SXM2", {"fp32": 15.7, "fp16": 125.0}, None),
     (r"t4", "T4", {"fp32": 8.1, "fp16": 65.0}, None),
-    (r"(geforce )?rtx 4090", "RTX 4090",
-     {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3}, None),
+    (
+        r"(geforce )?rtx 4090",
+        "RTX 4090",
+        {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},
+        None,
+    ),
     (r"(geforce )?rtx 3090", "RTX 3090", {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp16": 71.0}, None),
 )
 _MIG = re.compile(r"\s+mig\s+(\d+)g\.\S+$")

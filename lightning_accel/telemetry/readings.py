@@ -38,8 +38,13 @@ _G, _M = ("mean", "min", "max"), ("mean",)
 METRICS: tuple[Metric, ...] = (
     Metric("utilization_pct", "%", _G, "utilization", "time a kernel was running (NVML utilization.gpu)"),
     Metric("memory_utilization_pct", "%", _G, "utilization", "time device memory was read or written"),
-    Metric("memory_used_mib", "MiB", _G, "memory",
-           "device memory allocated by all processes (driver-reserved memory left out where the driver says)"),
+    Metric(
+        "memory_used_mib",
+        "MiB",
+        _G,
+        "memory",
+        "device memory allocated by all processes (driver-reserved memory left out where the driver says)",
+    ),
     Metric("memory_total_mib", "MiB", _M, "memory", "device memory"),
     Metric("memory_used_pct", "%", _G, "memory", "memory_used_mib / memory_total_mib"),
     Metric("power_w", "W", _G, "power", "board power draw"),
@@ -161,8 +166,10 @@ class DeviceReader:
         return {"utilization_pct": float(rates.gpu), "memory_utilization_pct": float(rates.memory)}
 
     def _memory(self) -> dict[str, float]:
-        info = self._newer_or_older(lambda: nvml.pynvml.nvmlDeviceGetMemoryInfo(self.device.handle, _MEMORY_V2),
-                                    lambda: nvml.pynvml.nvmlDeviceGetMemoryInfo(self.device.handle))
+        info = self._newer_or_older(
+            lambda: nvml.pynvml.nvmlDeviceGetMemoryInfo(self.device.handle, _MEMORY_V2),
+            lambda: nvml.pynvml.nvmlDeviceGetMemoryInfo(self.device.handle),
+        )
         values = {"memory_used_mib": info.used / _MIB, "memory_total_mib": info.total / _MIB}
         if info.total:
             values["memory_used_pct"] = 100.0 * info.used / info.total
@@ -177,8 +184,12 @@ class DeviceReader:
         return values
 
     def _throttle(self) -> dict[str, float]:
-        mask = int(self._newer_or_older(lambda: nvml.pynvml.nvmlDeviceGetCurrentClocksEventReasons(self._whole),
-                                        lambda: nvml.pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(self._whole)))
+        mask = int(
+            self._newer_or_older(
+                lambda: nvml.pynvml.nvmlDeviceGetCurrentClocksEventReasons(self._whole),
+                lambda: nvml.pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(self._whole),
+            )
+        )
         thermal, power, slowdown = _SW_THERMAL | _HW_THERMAL, _SW_POWER_CAP | _HW_POWER_BRAKE, _HW_SLOWDOWN
         return {
             "throttle_thermal_frac": float(bool(mask & thermal)),

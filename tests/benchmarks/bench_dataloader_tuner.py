@@ -139,19 +139,24 @@ def io_busy(runs: int, max_tuning_time_s: float, table: bool = False, sweep_roun
                 share, paired, best = referee.share_of_best, referee.share_interval, referee.sweep[referee.best]
                 results.append((tuner.decision, share, flagged))
                 spread = max(v.relative_width for v in referee.sweep.values())
-                print(f"run {run + 1:>2}: chose {tuner.decision.num_workers} workers (prefetch "
-                      f"{tuner.decision.prefetch_factor}) in {len(tuner.trials)} trials, {tuner.tuning_time_s:.1f} s; "
-                      f"{100 * share:.0f}% of the sweep's best ({referee.best.num_workers} workers, median "
-                      f"{best.format('.0f')} samples/s; paired rounds {100 * paired.low:.0f}-{100 * paired.high:.0f}%)"
-                      f"; {'>= 80%' if share >= 0.8 else '< 80%'}; interference flagged: {'yes' if flagged else 'no'};"
-                      f" widest sweep spread {100 * spread:.0f}% of its median; load {load:.1f}", flush=True)
+                print(
+                    f"run {run + 1:>2}: chose {tuner.decision.num_workers} workers (prefetch "
+                    f"{tuner.decision.prefetch_factor}) in {len(tuner.trials)} trials, {tuner.tuning_time_s:.1f} s; "
+                    f"{100 * share:.0f}% of the sweep's best ({referee.best.num_workers} workers, median "
+                    f"{best.format('.0f')} samples/s; paired rounds {100 * paired.low:.0f}-{100 * paired.high:.0f}%)"
+                    f"; {'>= 80%' if share >= 0.8 else '< 80%'}; interference flagged: {'yes' if flagged else 'no'};"
+                    f" widest sweep spread {100 * spread:.0f}% of its median; load {load:.1f}",
+                    flush=True,
+                )
                 print(f"        {referee.summary()}", flush=True)
     finally:
         os.kill(busy, signal.SIGKILL)
     reached, choices = sum(share >= 0.8 for _, share, _ in results), [d.num_workers for d, _, _ in results]
-    print(f"\nio-busy: {reached} of {len(results)} runs >= 80% of the exhaustive sweep's best (its median over "
-          f"{sweep_rounds} interleaved rounds; criterion: >= 9 of 10); choices: {choices} workers; flagged under "
-          f"interference (not cached): {sum(f for _, _, f in results)} of {len(results)}.")
+    print(
+        f"\nio-busy: {reached} of {len(results)} runs >= 80% of the exhaustive sweep's best (its median over "
+        f"{sweep_rounds} interleaved rounds; criterion: >= 9 of 10); choices: {choices} workers; flagged under "
+        f"interference (not cached): {sum(f for _, _, f in results)} of {len(results)}."
+    )
     return results
 
 
@@ -165,11 +170,15 @@ def main(args: argparse.Namespace) -> None:
         if not args.cases:
             return
     budget = read_cpu_budget()
-    print(f"machine: {read_cpu_info().model_name or platform.processor()}, {budget.effective} effective CPU(s) "
-          f"(affinity {budget.affinity}, quota {budget.quota}); torch {torch.__version__} with "
-          f"{torch.get_num_threads()} intra-op threads, lightning {pl.__version__}, python {platform.python_version()}")
-    header = (f"{'case':<12} {'steps':>5}  {'choice':<23} {'tuning s':>8} {'cached s':>8} {'epoch s, 0 workers':>18} "
-              f"{'epoch s, tuned':>14} {'tuning/epoch':>12} {'speedup':>7} {'in trials':>9}  load avg")
+    print(
+        f"machine: {read_cpu_info().model_name or platform.processor()}, {budget.effective} effective CPU(s) "
+        f"(affinity {budget.affinity}, quota {budget.quota}); torch {torch.__version__} with "
+        f"{torch.get_num_threads()} intra-op threads, lightning {pl.__version__}, python {platform.python_version()}"
+    )
+    header = (
+        f"{'case':<12} {'steps':>5}  {'choice':<23} {'tuning s':>8} {'cached s':>8} {'epoch s, 0 workers':>18} "
+        f"{'epoch s, tuned':>14} {'tuning/epoch':>12} {'speedup':>7} {'in trials':>9}  load avg"
+    )
     rows = []
     for name in args.cases:
         load = os.getloadavg()[0]
@@ -189,13 +198,17 @@ def main(args: argparse.Namespace) -> None:
         choice = "unchanged" if d is None else f"workers={d.num_workers} prefetch={d.prefetch_factor}"
         base_s, tuned_s = min(t.seconds for t in base), min(t.seconds for t in tuned)
         cached = min(tuning[1:]) if len(tuning) > 1 else float("nan")
-        rows.append(f"{name:<12} {base[0].steps:>5}  {choice:<23} {tuning[0]:>8.1f} {cached:>8.2f} {base_s:>18.1f} "
-                    f"{tuned_s:>14.1f} {100 * tuning[0] / base_s:>11.0f}% {base_s / tuned_s:>6.2f}x {in_trials:>8.2f}x"
-                    f"  {load:.1f}-{os.getloadavg()[0]:.1f}")
+        rows.append(
+            f"{name:<12} {base[0].steps:>5}  {choice:<23} {tuning[0]:>8.1f} {cached:>8.2f} {base_s:>18.1f} "
+            f"{tuned_s:>14.1f} {100 * tuning[0] / base_s:>11.0f}% {base_s / tuned_s:>6.2f}x {in_trials:>8.2f}x"
+            f"  {load:.1f}-{os.getloadavg()[0]:.1f}"
+        )
         print(rows[-1], flush=True)
-    print(f"\nepoch times: the fastest of {args.repeats} (0 workers and tuned alternated); tuning s: the first fit's;"
-          " cached s: a later fit's, which found the decision in the cache; speedup: epoch 0 workers / epoch tuned;"
-          " in trials: the chosen setting's samples/s over 0 workers' in the tuner's own trials.\n")
+    print(
+        f"\nepoch times: the fastest of {args.repeats} (0 workers and tuned alternated); tuning s: the first fit's;"
+        " cached s: a later fit's, which found the decision in the cache; speedup: epoch 0 workers / epoch tuned;"
+        " in trials: the chosen setting's samples/s over 0 workers' in the tuner's own trials.\n"
+    )
     print(header)
     print("\n".join(rows))
 

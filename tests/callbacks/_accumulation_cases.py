@@ -127,8 +127,12 @@ def run_case(
     if save_every_step:
         callbacks.append(
             pl.callbacks.ModelCheckpoint(
-                dirpath=f"{root}/ckpt", filename="s{step}", auto_insert_metric_name=False, every_n_train_steps=1,
-                save_top_k=-1, save_on_train_epoch_end=False,
+                dirpath=f"{root}/ckpt",
+                filename="s{step}",
+                auto_insert_metric_name=False,
+                every_n_train_steps=1,
+                save_top_k=-1,
+                save_on_train_epoch_end=False,
             )  # fmt: skip
         )
     trainer = pl.Trainer(

@@ -169,10 +169,12 @@ class Referee(pl.Callback):
         sweep = ", ".join(f"{s.num_workers}w{'' if s.prefetch_factor in (None, 2) else f'/p{s.prefetch_factor}'} "
                           f"{v.format('.0f')}" for s, v in self.sweep.items())  # fmt: skip
         share = self.share_interval
-        return (f"chose {self.tuner.decision} in {self.tuner.tuning_time_s:.1f} s: {100 * self.share_of_best:.0f}% of "
-                f"the best ({self.best and self.best.num_workers}w; paired rounds {100 * share.low:.0f}-"
-                f"{100 * share.high:.0f}%); sweep, samples/s median [min, max] of {self.rounds} interleaved rounds: "
-                f"{sweep}")
+        return (
+            f"chose {self.tuner.decision} in {self.tuner.tuning_time_s:.1f} s: {100 * self.share_of_best:.0f}% of "
+            f"the best ({self.best and self.best.num_workers}w; paired rounds {100 * share.low:.0f}-"
+            f"{100 * share.high:.0f}%); sweep, samples/s median [min, max] of {self.rounds} interleaved rounds: "
+            f"{sweep}"
+        )
 
 
 def trainer(callbacks: list[pl.Callback], root: str, max_steps: int = 20, **kwargs: Any) -> pl.Trainer:

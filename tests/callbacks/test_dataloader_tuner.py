@@ -296,8 +296,18 @@ def test_table_is_printed_and_settings_are_logged(tmp_path: Path, capsys: pytest
     cases.fit(cases.SleepyDataset(400, 0.002), [tuner], str(tmp_path), max_steps=2, logger=logger)
     assert "DataLoaderTuner" in capsys.readouterr().out
     assert tuner.decision is not None and logger.logged["dataloader_tuner/num_workers"] == tuner.decision.num_workers
-    keys = ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "samples_per_s", "data_wait_share",
-            "speedup", "tuning_time_s", "trials", "cache_hit")
+    keys = (
+        "num_workers",
+        "prefetch_factor",
+        "pin_memory",
+        "persistent_workers",
+        "samples_per_s",
+        "data_wait_share",
+        "speedup",
+        "tuning_time_s",
+        "trials",
+        "cache_hit",
+    )
     assert {k for k in logger.logged if k.startswith("dataloader_tuner/")} == {f"dataloader_tuner/{k}" for k in keys}
     assert logger.logged["dataloader_tuner/speedup"] > 1.0  # over the loader's own num_workers=0
 
@@ -415,8 +425,17 @@ def test_a_failing_worker_shutdown_fails_the_trial_on_every_rank() -> None:
 
 class _FlaggingProbe(cases.QuietProbe):
     def stop(self) -> Interference:
-        self.result = Interference(wall_s=1.0, cpus=CPUS, other_cpu_s=1.0, own_cpu_s=1.0, steal_s=0.0, load_start=None,
-                                   load_end=None, flagged=True, reasons=("other processes used 1.00 of 2 CPU(s)",))
+        self.result = Interference(
+            wall_s=1.0,
+            cpus=CPUS,
+            other_cpu_s=1.0,
+            own_cpu_s=1.0,
+            steal_s=0.0,
+            load_start=None,
+            load_end=None,
+            flagged=True,
+            reasons=("other processes used 1.00 of 2 CPU(s)",),
+        )
         return self.result
 
 

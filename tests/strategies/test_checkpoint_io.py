@@ -66,3 +66,45 @@ def test_the_default_trainer_config_uses_it(compose_train) -> None:
 
     cfg = compose_train([])
     assert [type(instantiate(p)) for p in cfg.trainer.plugins] == [AtomicCheckpointIO]
+
+
+def _dir(path: Path, text: str) -> Path:
+    path.mkdir()
+    (path / "shard").write_text(text)
+    return path
+
+
+def test_replace_directory_swaps_in_one_step_where_the_file_system_can(tmp_path: Path, monkeypatch) -> None:
+    """With renameat2(RENAME_EXCHANGE) the target never stops existing: no plain rename runs at all."""
+    import os
+
+    from lightning_accel.strategies import checkpoint_io
+
+    a, b = _dir(tmp_path / "a", "a"), _dir(tmp_path / "b", "b")
+    can_exchange = checkpoint_io._exchange(a, b)  # this file system (tmpfs, ext4, xfs, btrfs can; some cannot)
+    assert (a / "shard").read_text() == ("b" if can_exchange else "a")
+    last, new = _dir(tmp_path / "last.ckpt", "old"), _dir(tmp_path / ".last.ckpt.saving-1", "new")
+    renames: list[tuple[str, str]] = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: renames.append((str(a), str(b))) or real_replace(a, b))
+    checkpoint_io.replace_directory(new, last)
+    assert (last / "shard").read_text() == "new" and not new.exists()
+    assert len(renames) == (0 if can_exchange else 2), renames  # one step, or the recoverable two-rename fallback
+
+
+def test_a_kill_between_the_fallback_renames_is_recovered(tmp_path: Path, monkeypatch) -> None:
+    """Where no exchange exists (another OS, a network file system): a kill after the old one was moved aside leaves
+    `.last.ckpt.old-<id>`; the next save or load moves it back, and stale staging directories are removed."""
+    from lightning_accel.strategies import checkpoint_io
+
+    monkeypatch.setattr(checkpoint_io, "_exchange", lambda a, b: False)
+    last, new = _dir(tmp_path / "last.ckpt", "old"), _dir(tmp_path / ".last.ckpt.saving-1", "new")
+    checkpoint_io.replace_directory(new, last)  # the fallback, uninterrupted
+    assert (last / "shard").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+    last.rename(tmp_path / ".last.ckpt.old-dead")  # what SIGKILL between the two renames leaves
+    _dir(tmp_path / ".last.ckpt.saving-2", "half")
+    assert checkpoint_io.recover_directory(last)
+    checkpoint_io.remove_stale_staging(last)
+    assert (last / "shard").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert not checkpoint_io.recover_directory(last)  # nothing to do when it is there

@@ -105,8 +105,10 @@ def test_mount_point_with_an_escaped_space_and_no_mountinfo_fallback(tmp_path: P
     assert read_cpu_budget(bare, env={}, affinity=2).quota == 2.0  # /sys/fs/cgroup assumed
 
 
-@pytest.mark.parametrize(("env", "affinity", "effective"), [({"PYTHON_CPU_COUNT": "3"}, 8, 3),
-                                                            ({"PYTHON_CPU_COUNT": "junk"}, 8, 6), ({}, 5, 5)])
+@pytest.mark.parametrize(
+    ("env", "affinity", "effective"),
+    [({"PYTHON_CPU_COUNT": "3"}, 8, 3), ({"PYTHON_CPU_COUNT": "junk"}, 8, 6), ({}, 5, 5)],
+)
 def test_effective_is_the_smallest_limit(tmp_path: Path, env: dict[str, str], affinity: int, effective: int) -> None:
     root = tree(tmp_path, {"proc/self/cgroup": "0::/\n", "proc/self/mountinfo": V2_MOUNT,
                            "sys/fs/cgroup/cpu.max": "600000 100000\n"})  # fmt: skip

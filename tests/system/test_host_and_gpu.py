@@ -79,8 +79,11 @@ def test_packages_against_our_requirements() -> None:
 
 
 def test_nvml_facts(monkeypatch: pytest.MonkeyPatch) -> None:
-    gpus = [FakeGPU("GPU-a", nvlinks=18), FakeGPU("GPU-b", nvlinks=18),
-            FakeGPU("GPU-c", name="Tesla V100-SXM2-16GB", compute_capability=(7, 0), memory_total_mib=16_384)]
+    gpus = [
+        FakeGPU("GPU-a", nvlinks=18),
+        FakeGPU("GPU-b", nvlinks=18),
+        FakeGPU("GPU-c", name="Tesla V100-SXM2-16GB", compute_capability=(7, 0), memory_total_mib=16_384),
+    ]
     install(monkeypatch, FakeNVML(gpus, cuda_driver_version=12040, topology_level=40))
     facts = read_nvml({"CUDA_VISIBLE_DEVICES": "2,0"})
     assert facts.available and facts.driver_version == "550.54.15" and facts.cuda_driver_version == (12, 4)

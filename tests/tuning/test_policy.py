@@ -129,7 +129,8 @@ def _quiet_calls(rates: Callable[[int], float], wait: Callable[[int], float]) ->
 
 @pytest.mark.parametrize("cuts", [True, False], ids=["cut", "uncut"])
 @pytest.mark.parametrize(
-    ("rates", "wait", "best"), [(io_rates, _io_wait, 8), (cpu_rates, lambda w: 0.6 if w < 2 else 0.2, 2)],
+    ("rates", "wait", "best"),
+    [(io_rates, _io_wait, 8), (cpu_rates, lambda w: 0.6 if w < 2 else 0.2, 2)],
     ids=["io-bound", "cpu-bound"],
 )
 def test_one_burst_on_any_trial_leaves_the_choice_as_on_a_quiet_machine(

@@ -215,8 +215,11 @@ def search(
         if trial.status not in ("done", "cut"):
             continue
         prunes, fastest = trial.status == "cut" and settings != original, choose(trials, 0.0)
-        if fastest is not None and fastest.settings.num_workers < settings.num_workers and fastest is not trial and (
-            not clearly_apart(fastest, trial, tolerance)
+        if (
+            fastest is not None
+            and fastest.settings.num_workers < settings.num_workers
+            and fastest is not trial
+            and (not clearly_apart(fastest, trial, tolerance))
         ):  # read slower than fewer workers, under load or within noise: timed again before it decides anything
             gain = compare(fastest.settings, settings)
             if out_of_time:
@@ -225,8 +228,10 @@ def search(
         if prunes:
             cut_at = settings.num_workers
     top, workers, may_pay = choose(trials, 0.0), budget, False
-    while top is not None and top.settings.num_workers > 0 and (
-        may_pay or top.loader_share > LOADER_BOUND_SHARE or top.flag
+    while (
+        top is not None
+        and top.settings.num_workers > 0
+        and (may_pay or top.loader_share > LOADER_BOUND_SHARE or top.flag)
     ):
         more = min(2 * workers, max_workers)
         if more <= workers:

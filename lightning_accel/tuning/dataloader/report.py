@@ -70,8 +70,10 @@ def decision_line(result: TunerDecision, original: LoaderSettings, source: str) 
         source += f"; not cached: {result.note}"
     changed = ", ".join(f"{k} {getattr(original, k)} -> {v}" for k, v in result.settings.as_dict().items()
                         if getattr(original, k) != v) or "no change"  # fmt: skip
-    return (f"DataLoaderTuner ({source}): {changed}; {result.samples_per_s:,.1f} samples/s per rank "
-            f"({result.speedup or float('nan'):.2f}x the loader's own settings).")
+    return (
+        f"DataLoaderTuner ({source}): {changed}; {result.samples_per_s:,.1f} samples/s per rank "
+        f"({result.speedup or float('nan'):.2f}x the loader's own settings)."
+    )
 
 
 def publish(result: TunerDecision, original: LoaderSettings, trials: Sequence[Trial], *, tuning_time_s: float,

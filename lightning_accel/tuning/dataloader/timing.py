@@ -101,8 +101,12 @@ class TrialError(RuntimeError):
 def loader_settings(loader: DataLoader) -> LoaderSettings:
     """The settings `loader` was built with."""
     workers = int(loader.num_workers)
-    return LoaderSettings(num_workers=workers, prefetch_factor=loader.prefetch_factor if workers else None,
-                          pin_memory=bool(loader.pin_memory), persistent_workers=bool(loader.persistent_workers))
+    return LoaderSettings(
+        num_workers=workers,
+        prefetch_factor=loader.prefetch_factor if workers else None,
+        pin_memory=bool(loader.pin_memory),
+        persistent_workers=bool(loader.persistent_workers),
+    )
 
 
 def rebuild_loader(loader: DataLoader, settings: LoaderSettings, stall_timeout_s: float = 0.0) -> DataLoader:

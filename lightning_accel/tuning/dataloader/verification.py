@@ -64,5 +64,7 @@ def verdict(live: LiveWait, recorded_share: float, tolerance: float, final: bool
 
 def verdict_line(live: LiveWait, recorded_share: float, failed: bool) -> str:
     """The log line of a finished check."""
-    return (f"DataLoaderTuner: the reused decision {'failed' if failed else 'passed'} its check: the loop waited for "
-            f"data {100 * live.share:.0f}% of {live.counted} steps (recorded when tuned: {100 * recorded_share:.0f}%).")
+    return (
+        f"DataLoaderTuner: the reused decision {'failed' if failed else 'passed'} its check: the loop waited for "
+        f"data {100 * live.share:.0f}% of {live.counted} steps (recorded when tuned: {100 * recorded_share:.0f}%)."
+    )
