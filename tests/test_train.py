@@ -240,6 +240,19 @@ def test_the_log_dir_check_leaves_help_and_interpolations_alone(tmp_path: Path) 
     assert (tmp_path / "runs").is_dir()
 
 
+def test_a_node_that_never_joins_ends_the_wait_with_the_setting_named(run_cli, tmp_path: Path) -> None:
+    """`trainer.num_nodes=2` with one node: the wait is bounded by `trainer.strategy.init_timeout_s` and says why."""
+    started = time.monotonic()
+    result = run_cli([*SMOKE, "strategy=ddp", "trainer.num_nodes=2", "trainer.devices=1",
+                      "trainer.strategy.init_timeout_s=3", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                     timeout=120)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    assert "not all of them joined" in result.stderr and "`trainer.strategy.init_timeout_s=3`" in result.stderr
+    assert "NODE_RANK" in result.stderr and "Traceback" not in result.stderr
+    assert "waiting up to 3 s" in result.stdout + result.stderr
+
+
 def test_external_launch_ids() -> None:
     from lightning_accel.launch import external_rank_job_name, external_run_id
 

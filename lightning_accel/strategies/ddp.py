@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import Any
 
@@ -9,9 +10,11 @@ from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.errors import LightningAccelWarning
+from lightning_accel.errors import ConfigError, LightningAccelWarning
 
 __all__ = ["DDPStrategy"]
+
+log = logging.getLogger(__name__)
 
 
 def _seconds(name: str, value: float | timedelta) -> timedelta:
@@ -46,8 +49,23 @@ class DDPStrategy(_LightningDDPStrategy):
         import torch.distributed as dist
 
         self._timeout = self.init_timeout
+        waited = self.init_timeout.total_seconds()
+        where = f"{self.cluster_environment.main_address}:{self.cluster_environment.main_port}"  # type: ignore[union-attr]
+        if self.num_nodes > 1 and self.local_rank == 0:
+            log.info(f"node {self.node_rank}: waiting up to {waited:g} s (`trainer.strategy.init_timeout_s`) for "
+                     f"{self.num_nodes} nodes x {self.num_processes} processes to join at {where}")  # fmt: skip
         try:
             super().setup_distributed()
+        except Exception as err:
+            if "Timed out" not in str(err) and "waiting for clients" not in str(err):
+                raise
+            raise ConfigError(
+                f"the job has {self.num_nodes} node(s) x {self.num_processes} process(es) "
+                f"(`trainer.num_nodes={self.num_nodes}`), but not all of them joined at {where} within {waited:g} s "
+                f"(`trainer.strategy.init_timeout_s={waited:g}`): {str(err).rstrip('.')}. Start the same command on "
+                "every node with its NODE_RANK and the same MASTER_ADDR/MASTER_PORT (or launch with torchrun/srun), "
+                "check that the nodes reach that address, or set `trainer.num_nodes` to the nodes you have."
+            ) from None
         finally:
             self._timeout = self.collective_timeout
         set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
