@@ -33,6 +33,7 @@ def test_valid_devices_pass(compose_train, devices: str) -> None:
         ("trainer.val_check_interval=0", "`trainer.val_check_interval=0`", "an integer >= 1"),
         ("trainer.val_check_interval=1.5", "`trainer.val_check_interval=1.5`", "0 < x <= 1.0"),
         ("trainer.max_steps=0", "`trainer.max_steps=0` trains nothing", "`fit=false`"),
+        ("trainer.max_steps=0 scheduler=onecycle", "`trainer.max_steps=0` trains nothing", "`fit=false`"),
         ("data.val_fraction=1.5", "`data.val_fraction=1.5`", "within [0, 1)"),
         ("data.val_fraction=0.6 data.test_fraction=0.5", "leaves no training data", "below 1"),
         ("nccl.preset=bogus", "`nccl.preset='bogus'`", "`nccl=NAME`"),
