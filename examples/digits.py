@@ -32,7 +32,7 @@ def _load_digits() -> tuple[Any, Any]:
     return data.data, data.target
 
 
-def _split(labels: Any, val_fraction: float, test_fraction: float, seed: int) -> tuple[Any, Any, Any]:
+def _split(labels: Any, val_fraction: float, test_fraction: float, seed: int | None) -> tuple[Any, Any, Any]:
     """Stratified, seeded train/val/test index arrays."""
     from sklearn.model_selection import train_test_split
 
@@ -55,7 +55,7 @@ class DigitsDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes.
         pin_memory: pin host batches for faster copies to the GPU.
         persistent_workers: keep workers alive between epochs; only used when `num_workers > 0`.
-        seed: seed of the split and of the training shuffle.
+        seed: seed of the split and of the training shuffle; None draws both from the global RNGs (`seed=null`).
 
     Raises:
         ValueError: for a non-positive batch size, negative workers or fractions outside (0, 1) summing to 1 or more.
@@ -73,7 +73,7 @@ class DigitsDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool = False,
         persistent_workers: bool = False,
-        seed: int = 0,
+        seed: int | None = 0,
     ) -> None:
         super().__init__()
         check_split_settings(val_fraction, test_fraction, num_workers, batch_size=batch_size)
@@ -110,7 +110,7 @@ class DigitsDataModule(pl.LightningDataModule):
             dataset,
             batch_size=self.batch_size,
             shuffle=train,
-            generator=torch.Generator().manual_seed(self.seed) if train else None,
+            generator=torch.Generator().manual_seed(self.seed) if train and self.seed is not None else None,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.persistent_workers and self.num_workers > 0,

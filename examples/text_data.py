@@ -91,7 +91,7 @@ class StdlibTextDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes.
         pin_memory: pin host batches for faster copies to the GPU.
         persistent_workers: keep workers alive between epochs; only used when `num_workers > 0`.
-        seed: seed of the training shuffle.
+        seed: seed of the training shuffle; None shuffles from torch's global RNG (`seed=null` in accel-train).
 
     Raises:
         ValueError: for a non-positive size, fractions outside (0, 1) or summing to 1 or more, or a corpus too
@@ -116,7 +116,7 @@ class StdlibTextDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool = False,
         persistent_workers: bool = False,
-        seed: int = 0,
+        seed: int | None = 0,
     ) -> None:
         super().__init__()
         check_split_settings(val_fraction, test_fraction, num_workers, block_size=block_size, batch_size=batch_size,
@@ -168,7 +168,7 @@ class StdlibTextDataModule(pl.LightningDataModule):
             batch_size=self.batch_size,
             shuffle=train,
             drop_last=train,
-            generator=torch.Generator().manual_seed(self.seed) if train else None,
+            generator=torch.Generator().manual_seed(self.seed) if train and self.seed is not None else None,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.persistent_workers and self.num_workers > 0,

@@ -34,14 +34,33 @@ class DDPStrategy(_LightningDDPStrategy):
     Args:
         init_timeout_s: seconds to wait for every rank to join the process group.
         timeout_s: seconds a collective may wait before the job fails (NCCL: with
-            `TORCH_NCCL_ASYNC_ERROR_HANDLING=1`, which `nccl=auto` sets, the process is torn down).
+            `TORCH_NCCL_ASYNC_ERROR_HANDLING=1`, which `nccl=auto` sets, the process is torn down); 1800 when
+            neither it nor `timeout` is given.
+        timeout: Lightning's own argument, accepted as it is there (a `timedelta`, or seconds): the collective
+            timeout, as `timeout_s`.
         **kwargs: Lightning's DDPStrategy arguments (and DistributedDataParallel's).
+
+    Raises:
+        ValueError: for a timeout that is not a positive number of seconds, or both `timeout` and `timeout_s`.
     """
 
-    def __init__(self, *, init_timeout_s: float | timedelta = 600.0, timeout_s: float | timedelta = 1800.0,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        init_timeout_s: float | timedelta = 600.0,
+        timeout_s: float | timedelta | None = None,
+        timeout: float | timedelta | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if timeout is not None and timeout_s is not None:
+            raise ValueError(
+                f"`timeout={timeout!r}` and `timeout_s={timeout_s!r}` both set the collective timeout; give one."
+            )
         self.init_timeout = _seconds("init_timeout_s", init_timeout_s)
-        self.collective_timeout = _seconds("timeout_s", timeout_s)
+        if timeout is not None:
+            self.collective_timeout = _seconds("timeout", timeout)
+        else:
+            self.collective_timeout = _seconds("timeout_s", 1800.0 if timeout_s is None else timeout_s)
         super().__init__(timeout=self.collective_timeout, **kwargs)
 
     @override

@@ -90,3 +90,10 @@ def test_short_fit_beats_chance(tmp_path: Path) -> None:
     result = trainer.test(model, datamodule=dm, verbose=False)[0]
     assert result["test/acc"] > 0.8  # chance is 0.1
     assert result["test/loss"] < 1.0
+
+
+def test_seed_none_splits_and_shuffles_from_the_global_rngs() -> None:
+    dm = DigitsDataModule(seed=None)
+    dm.setup("fit")
+    x, y = next(iter(dm.train_dataloader()))
+    assert len(x) == len(y) > 0

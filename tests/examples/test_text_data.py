@@ -112,3 +112,12 @@ def test_invalid_arguments_name_the_setting(kwargs: dict[str, Any], match: str) 
 def test_too_small_corpus_names_max_chars() -> None:
     with pytest.raises(ValueError, match="`data.max_chars=100`"):
         _setup(max_chars=100)
+
+
+def test_seed_none_shuffles_from_the_global_rng() -> None:
+    """`accel-train seed=null` (the README's "leave the RNGs alone") crashed in `manual_seed(None)`."""
+    dm = _setup(seed=None)
+    torch.manual_seed(1)
+    first = next(iter(dm.train_dataloader()))[0]
+    torch.manual_seed(1)
+    assert torch.equal(next(iter(dm.train_dataloader()))[0], first)  # the global RNG decides

@@ -131,3 +131,14 @@ def test_ddp_strategy_joins_with_the_init_timeout_then_sets_the_collective_one(m
     assert seen == {"init": timedelta(seconds=120), "collective": timedelta(seconds=45)}
     with pytest.raises(ValueError, match="`timeout_s=0` must be a positive number of seconds"):
         DDPStrategy(timeout_s=0)
+
+
+def test_ddp_strategy_accepts_lightnings_timeout_and_refuses_a_clash() -> None:
+    """Lightning's own `timeout` argument (Python and LightningCLI) sets the collective timeout, as `timeout_s`."""
+    assert DDPStrategy(timeout=timedelta(seconds=90)).collective_timeout == timedelta(seconds=90)
+    assert DDPStrategy(timeout=30).collective_timeout == timedelta(seconds=30)
+    assert DDPStrategy().collective_timeout == timedelta(seconds=1800)
+    with pytest.raises(ValueError, match="both set the collective timeout"):
+        DDPStrategy(timeout=timedelta(seconds=90), timeout_s=60)
+    with pytest.raises(ValueError, match="`timeout=-1` must be a positive number of seconds"):
+        DDPStrategy(timeout=-1)
