@@ -136,10 +136,16 @@ def estimated_optimizer_steps(trainer: pl.Trainer) -> int:
 
         total_steps = lightning_accel.estimated_optimizer_steps(self.trainer)
 
+    It agrees with `trainer.estimated_stepping_batches` wherever that one is exact (constant accumulation; tested
+    on a grid), and differs on purpose at the edges: `limit_train_batches=0` and `max_epochs=0` take 0 steps (Lightning
+    estimates a full epoch, or -1); a fit without an end raises instead of returning `inf`.
+
     Raises:
         ValueError: when the fit has no end (`max_steps=-1` and `max_epochs=-1`, or an iterable dataset without a
             length and no `max_steps`), so a schedule cannot be sized.
     """
+    if trainer.limit_train_batches == 0 or trainer.max_epochs == 0 or trainer.max_steps == 0:
+        return 0  # no training batch runs (Lightning leaves the train DataLoader unbuilt: its length reads inf)
     if trainer.train_dataloader is None:
         trainer.fit_loop.setup_data()
     return count_optimizer_steps(

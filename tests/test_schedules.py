@@ -69,3 +69,63 @@ def test_onecycle_peaks_at_optimizer_lr_and_ends_near_zero() -> None:
     assert max(lrs) == pytest.approx(0.5, rel=1e-3)
     assert lrs[0] == pytest.approx(0.5 / 25)
     assert lrs[-1] < 1e-4
+
+
+class _Estimates(Exception):
+    """Raised from configure_optimizers with both estimates: the fit stops before any step."""
+
+
+def _estimates(tmp_path, **trainer_kwargs) -> tuple[object, object]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_accel import estimated_optimizer_steps
+
+    class Model(BoringModel):
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            lightning = self.trainer.estimated_stepping_batches
+            try:
+                ours: object = estimated_optimizer_steps(self.trainer)
+            except ValueError as err:
+                ours = err
+            raise _Estimates(lightning, ours)
+
+    trainer = pl.Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, **trainer_kwargs)  # fmt: skip
+    with pytest.raises(_Estimates) as got:
+        trainer.fit(Model())
+    return got.value.args[0], got.value.args[1]
+
+
+# BoringModel: 64 batches per epoch
+GRID = [
+    dict(max_epochs=e, max_steps=s, limit_train_batches=b, accumulate_grad_batches=a)
+    for e in (1, 3)
+    for s in (-1, 7, 40)
+    for b in (1.0, 0.5, 5)
+    for a in (1, 3)
+]
+
+
+@pytest.mark.parametrize("kwargs", GRID, ids=[",".join(f"{k[:5]}={v}" for k, v in g.items()) for g in GRID])
+def test_estimated_optimizer_steps_agrees_with_lightning_without_an_accumulation_callback(tmp_path, kwargs) -> None:
+    lightning, ours = _estimates(tmp_path, **kwargs)
+    assert ours == lightning
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "lightning", "ours"),
+    [
+        (dict(max_epochs=2, limit_train_batches=0), -1, 0),  # "The fit has no end" before: it takes 0 steps
+        (dict(max_epochs=0), 64, 0),  # Lightning counts max(max_epochs, 1) epochs; none runs
+        (dict(max_epochs=-1, max_steps=12), 12, 12),
+        (dict(max_epochs=-1, max_steps=-1), float("inf"), ValueError),  # no schedule can be sized
+    ],
+)
+def test_estimated_optimizer_steps_at_the_edges(tmp_path, kwargs, lightning, ours) -> None:
+    got_lightning, got_ours = _estimates(tmp_path, **kwargs)
+    assert got_lightning == lightning
+    if ours is ValueError:
+        assert isinstance(got_ours, ValueError) and "no end" in str(got_ours)
+    else:
+        assert got_ours == ours

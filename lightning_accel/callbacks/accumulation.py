@@ -9,24 +9,48 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.schedules import AccumulationPlan
 
-__all__ = ["AccumulationScheduler"]
+__all__ = ["AccumulationScheduler", "ScheduleError", "ScheduleTypeError", "UnsupportedAccumulationError"]
+
+
+# Lightning's GradientAccumulationScheduler raises these types; ours are both those and lightning_accel's ConfigError,
+# so code (and tests) written against either catches them.
+class ScheduleError(ConfigError, MisconfigurationException):
+    """A bad schedule key or value (Lightning: `MisconfigurationException`)."""
+
+
+class ScheduleTypeError(ConfigError, TypeError):
+    """An empty schedule, or one that is no dict (Lightning: `TypeError`)."""
+
+
+class UnsupportedAccumulationError(ConfigError, RuntimeError):
+    """Manual optimization, or a strategy that fixes accumulation itself (Lightning: `RuntimeError`)."""
 
 
 class AccumulationScheduler(Callback):
     """Accumulate gradients over a number of micro-batches that changes with the epoch or the optimizer step.
 
-    A drop-in for Lightning's `GradientAccumulationScheduler` (epoch keys) that also takes optimizer-step keys
-    (`unit="step"`, e.g. a batch-size ramp) or a target global batch size. Each window of micro-batches ends in one
+    A drop-in superset of Lightning's `GradientAccumulationScheduler` (epoch keys: the same arguments, public
+    attributes `scheduling` with the implicit `{0: 1}` and `epochs`, methods `going_to_accumulate_grad_batches()` and
+    `get_accumulate_grad_batches(epoch)`, checks and warning in `on_train_start`, and exception types: ours subclass
+    Lightning's and `ConfigError`) that also takes optimizer-step keys (`unit="step"`, e.g. a batch-size ramp) or a
+    target global batch size. Each window of micro-batches ends in one
     optimizer step; its loss is averaged over the window's real length, so the last, partial window of an epoch
     weighs each sample like a full one. Under DDP the gradients are not all-reduced on the micro-batches inside a
     window (`no_sync`), and under `ModelParallelStrategy` FSDP2 modules skip their reduce-scatter likewise.
     `lightning_accel.estimated_optimizer_steps(trainer)` counts the optimizer steps of a fit under this schedule, so
     LR schedules sized with it end where they should. The window position is saved in checkpoints.
+
+    Deliberate differences from Lightning's: the last, partial window of an epoch is averaged over its real length
+    (Lightning divides by the full factor, so those samples weigh less); the checks also run in `setup`, before the
+    model is configured; string keys of digits (`{"2": 1}`, as Hydra passes them) are read as numbers; Lightning's
+    `accumulate_grad_batches` and a second accumulation callback are refused.
 
     Args:
         scheduling: `{key: micro_batches}`; the key is an epoch (`unit="epoch"`) or the optimizer step at which a
@@ -38,8 +62,12 @@ class AccumulationScheduler(Callback):
             `batch_size`.
 
     Raises:
-        ValueError: for a bad schedule, both or neither of `scheduling` and `global_batch_size`, or a global batch
-            the micro-batches do not divide.
+        ScheduleError: (a `MisconfigurationException`) for a negative or non-integer key, or a value below 1.
+        ScheduleTypeError: (a `TypeError`) for an empty schedule or one that is no dict.
+        ValueError: for both or neither of `scheduling` and `global_batch_size`, or a bad `unit`; a global batch
+            the micro-batches do not divide (`ConfigError`, at fit start).
+        UnsupportedAccumulationError: (a `RuntimeError`, at fit start) under manual optimization or a strategy that
+            accumulates itself (DeepSpeed).
 
     Logs:
         `train/accumulation`: micro-batches of the current optimizer step's window (count).
@@ -69,6 +97,9 @@ class AccumulationScheduler(Callback):
                 raise ValueError(f"`{name}={value!r}` must be a positive integer.")
         self.unit = unit
         self.scheduling = None if scheduling is None else _check_scheduling(scheduling, unit)
+        """`{key: micro_batches}` with the implicit `{0: 1}` when the first key is later (as Lightning's)."""
+        self.epochs = sorted(self.scheduling) if self.scheduling is not None else []
+        """The schedule's keys, sorted (epochs, or optimizer steps under `unit="step"`), as Lightning's."""
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self._plan: AccumulationPlan | None = None
@@ -88,9 +119,7 @@ class AccumulationScheduler(Callback):
         if self._plan is not None:
             return self._plan
         if self.scheduling is not None:
-            points = dict(self.scheduling)
-            points.setdefault(0, 1)
-            self._plan = AccumulationPlan(self.unit, tuple(sorted(points.items())))
+            self._plan = AccumulationPlan(self.unit, tuple(sorted(self.scheduling.items())))
         else:
             assert self.global_batch_size is not None
             micro = self.micro_batch_size or _loader_batch_size(trainer)
@@ -101,28 +130,53 @@ class AccumulationScheduler(Callback):
             )
         return self._plan
 
+    def going_to_accumulate_grad_batches(self) -> bool:
+        """Whether any window holds more than one micro-batch (a global batch not yet resolved counts as yes)."""
+        if self.scheduling is not None:
+            return any(v > 1 for v in self.scheduling.values())
+        return self._plan is None or any(v > 1 for _, v in self._plan.points)
+
+    def get_accumulate_grad_batches(self, epoch: int, step: int = 0) -> int:
+        """Micro-batches per optimizer step at `epoch` (and optimizer `step`, for `unit="step"`), as Lightning's.
+
+        Raises:
+            RuntimeError: for `global_batch_size` before fit start resolved it against the DataLoader.
+        """
+        if self.scheduling is not None:
+            return AccumulationPlan(self.unit, tuple(sorted(self.scheduling.items()))).at(epoch, step)
+        if self._plan is None:
+            raise RuntimeError("`global_batch_size` is resolved against the train DataLoader at fit start; call "
+                               "`accumulation_plan(trainer)` first.")  # fmt: skip
+        return self._plan.at(epoch, step)
+
+    def _check_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Lightning's checks, at Lightning's point (`on_train_start`) and earlier (`setup`)."""
+        if not pl_module.automatic_optimization:
+            raise UnsupportedAccumulationError(
+                "Automatic gradient accumulation and the `GradientAccumulationScheduler` (here AccumulationScheduler) "
+                "are not supported under manual optimization (`automatic_optimization=False`); step the optimizer "
+                "yourself every N micro-batches, or remove the callback."
+            )
+        if trainer.strategy.handles_gradient_accumulation:
+            raise UnsupportedAccumulationError(
+                f"The `{type(trainer.strategy).__name__}` does not support `accumulate_grad_batches` changing between "
+                "epochs (it accumulates gradients itself); configure accumulation in the strategy and remove "
+                "AccumulationScheduler."
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError(
+                "You have set `accumulate_grad_batches` and are using the `GradientAccumulationScheduler` "
+                f"(AccumulationScheduler, which sets it per window): `trainer.accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}`; leave it at 1 (`accumulation=none`) or remove the callback."
+            )
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):  # type: ignore[attr-defined]
+            raise ConfigError("Use one accumulation callback: drop Lightning's GradientAccumulationScheduler.")
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if trainer.accumulate_grad_batches != 1:
-            raise ConfigError(
-                f"`trainer.accumulate_grad_batches={trainer.accumulate_grad_batches}` cannot be combined with "
-                "AccumulationScheduler, which sets it per window; leave it at 1 (`accumulation=none`) or drop "
-                "the callback."
-            )
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
-            raise ConfigError("Use one accumulation callback: drop Lightning's GradientAccumulationScheduler.")
-        if not pl_module.automatic_optimization:
-            raise ConfigError(
-                "AccumulationScheduler needs automatic optimization; with `automatic_optimization=False` step the "
-                "optimizer yourself every N micro-batches."
-            )
-        if trainer.strategy.handles_gradient_accumulation:
-            raise ConfigError(
-                f"`strategy={type(trainer.strategy).__name__}` accumulates gradients itself; configure accumulation "
-                "in the strategy instead of AccumulationScheduler."
-            )
+        self._check_trainer(trainer, pl_module)
         self._plan = None
         self._window_size = self._window_pos = 0
         self._saved_accumulate = trainer.accumulate_grad_batches
@@ -142,6 +196,17 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_trainer(trainer, pl_module)
+        if self.going_to_accumulate_grad_batches() and (
+            is_overridden("optimizer_step", pl_module) or is_overridden("optimizer_zero_grad", pl_module)
+        ):
+            rank_zero_warn(
+                "When using `Trainer(accumulate_grad_batches != 1)` and overriding "
+                "`LightningModule.optimizer_{step,zero_grad}`, the hooks will not be called on every batch "
+                "(rather, they are called on every optimization step); AccumulationScheduler calls them once per "
+                "window.",
+                category=LightningAccelWarning,
+            )
         self._fsdp_modules = _fsdp_modules(pl_module)  # configure_model has run by now
 
     @override
@@ -200,16 +265,26 @@ class AccumulationScheduler(Callback):
 
 
 def _check_scheduling(scheduling: Mapping[int, int], unit: str) -> dict[int, int]:
+    """The schedule with int keys, sorted, and `{0: 1}` added when it starts later (as Lightning's).
+
+    Raises:
+        ScheduleTypeError: for an empty schedule or one that is no dict.
+        ScheduleError: for a key that is no integer >= 0, or a value that is no integer >= 1.
+    """
     if not isinstance(scheduling, Mapping) or not scheduling:
-        raise ValueError(f"`scheduling={scheduling!r}` must be a non-empty dict of {{{unit}: micro_batches}}.")
+        raise ScheduleTypeError(f"`scheduling={scheduling!r}` must be a non-empty dict of {{{unit}: micro_batches}}.")
     checked: dict[int, int] = {}
     for key, value in scheduling.items():
-        key_int = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+        key_int = int(key) if isinstance(key, str) and key.isdigit() else key
         if isinstance(key_int, bool) or not isinstance(key_int, int) or key_int < 0:
-            raise ValueError(f"`scheduling` key {key!r} must be a {unit} number >= 0.")
+            what = "Epoch" if unit == "epoch" else "Optimizer step"
+            raise ScheduleError(f"{what} should be an int greater than or equal to 0: `scheduling` key {key!r} in "
+                                f"{dict(scheduling)!r}; use {unit} numbers from 0.")  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`scheduling[{key_int}]={value!r}` must be a positive number of micro-batches.")
+            raise ScheduleError(f"Accumulation factor should be an int greater than 0: `scheduling[{key_int}]="
+                                f"{value!r}`; use a number of micro-batches >= 1.")  # fmt: skip
         checked[key_int] = value
+    checked.setdefault(0, 1)
     return dict(sorted(checked.items()))
 
 
