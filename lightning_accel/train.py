@@ -14,6 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lightning_accel.data_settings import instantiate_datamodule, split_data_config
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.presets import (
@@ -222,6 +223,7 @@ def run(cfg: DictConfig) -> RunSummary | None:
     apply_nccl(cfg)
     check_ckpt_path(cfg)
     callbacks = instantiate_callbacks(cfg)  # their own argument checks, before anything is built or spawned
+    split_data_config(OmegaConf.to_container(cfg.data, resolve=True))  # a data setting its target does not take
     if cfg.get("check", False):
         print_check(cfg, resolved)
         return None
@@ -229,7 +231,7 @@ def run(cfg: DictConfig) -> RunSummary | None:
 
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(cfg.data)
+    datamodule = instantiate_datamodule(cfg.data)  # loader settings it does not take go to its DataLoaders
     model = instantiate(cfg.model)
     loggers = instantiate_named(cfg.get("logger"))
     if not loggers:

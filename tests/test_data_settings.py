@@ -1,0 +1,54 @@
+"""A preset's DataLoader settings on a datamodule that does not take them (lightning-hydra-template's MNIST-style)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel.data_settings import instantiate_datamodule, split_data_config
+from lightning_accel.errors import ConfigError
+
+
+class TemplateStyleDataModule(pl.LightningDataModule):
+    """Like the template's MNISTDataModule: `batch_size`, `num_workers`, `pin_memory`, no `persistent_workers`."""
+
+    def __init__(self, batch_size: int = 4, num_workers: int = 0, pin_memory: bool = False) -> None:
+        super().__init__()
+        self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
+
+    def train_dataloader(self) -> DataLoader:
+        data = TensorDataset(torch.arange(32.0).reshape(16, 2))
+        return DataLoader(data, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers,
+                          pin_memory=self.pin_memory)  # fmt: skip
+
+    def val_dataloader(self) -> list[DataLoader]:
+        return [DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=self.batch_size)]
+
+
+TARGET = f"{__name__}.TemplateStyleDataModule"
+
+
+def test_settings_it_takes_go_to_its_constructor_the_others_to_its_loaders() -> None:
+    """`preset=amp` sets `data.num_workers=2` and `data.persistent_workers=true`: a TypeError before."""
+    datamodule = instantiate_datamodule({"_target_": TARGET, "batch_size": 4, "num_workers": 2,
+                                         "persistent_workers": True})  # fmt: skip
+    assert datamodule.num_workers == 2
+    train = datamodule.train_dataloader()
+    assert train.num_workers == 2 and train.persistent_workers and train.batch_size == 4
+    assert isinstance(train.sampler, torch.utils.data.RandomSampler)  # shuffling kept
+    (val,) = datamodule.val_dataloader()
+    assert val.persistent_workers is False  # no workers there: persistent_workers does not apply
+    assert sorted(next(iter(train))[0].shape) == [2, 4]
+
+
+def test_a_setting_that_is_no_loader_argument_is_named_before_anything_is_built() -> None:
+    with pytest.raises(ConfigError, match=r"`data.block_size=64` is not an argument of .*TemplateStyleDataModule"):
+        split_data_config({"_target_": TARGET, "block_size": 64})
+
+
+def test_a_datamodule_that_takes_them_gets_them_unchanged() -> None:
+    taken, loader = split_data_config({"_target_": "lightning_accel.examples.StdlibTextDataModule", "num_workers": 2,
+                                       "persistent_workers": True})  # fmt: skip
+    assert loader == {} and taken["persistent_workers"] is True
