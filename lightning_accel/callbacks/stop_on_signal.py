@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -58,15 +57,21 @@ def parse_signals(names: Sequence[str | int]) -> list[int]:
     return numbers
 
 
-def agree(signum: int, group: Any = None) -> int:
-    """The largest signal any rank received (0: none), the same on every rank: one all-reduce, every rank joins."""
+def agree(signum: int, requeue: bool = False, group: Any = None) -> tuple[int, bool]:
+    """The largest stop signal any rank received (0: none) and whether any got the requeue signal, the same on
+    every rank: one all-reduce on a gloo group (CPU tensors, no GPU sync), which every rank joins."""
     import torch.distributed as dist
 
-    flag = torch.tensor([signum], dtype=torch.int32)
-    if dist.get_backend(group) != "gloo":
-        raise AssertionError("agree() runs on a gloo group (CPU tensors)")
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag.item())
+    flags = torch.tensor([signum, int(requeue)], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return int(flags[0]), bool(flags[1])
+
+
+def _window_closed(trainer: pl.Trainer) -> bool:
+    """Whether the batch that just ended closed an accumulation window (the optimizer stepped); True where the loop
+    does not say (Lightning's `_TrainingEpochLoop._should_accumulate`, the same on every rank)."""
+    should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
+    return not (callable(should_accumulate) and should_accumulate())
 
 
 class StopOnSignal(Callback):
@@ -77,19 +82,24 @@ class StopOnSignal(Callback):
     callback takes over SIGTERM and SIGINT (and, on SLURM with auto-requeue, the requeue signal, SIGUSR1 by default)
     for each stage of the Trainer and:
 
-    1. in the handler, only notes the signal (no collective, no I/O); on rank 0 of a job Lightning launched it also
-       forwards the signal to the child ranks, and a repeat after a second (a user insisting) stops at once
-       (SIGINT: `KeyboardInterrupt`; others: exit 128 + N);
-    2. after each training batch, all ranks agree on a CPU all-reduce whether any rank received a signal (a gloo
-       group beside NCCL, so no GPU sync), so they stop at the same step;
+    1. in the handler, only notes the signal (no collective, no I/O, no lock); on rank 0 of a job Lightning launched
+       it forwards SIGTERM to the child ranks (a terminal's Ctrl-C reaches them all already). A second Ctrl-C a
+       second or more after the first stops at once (`KeyboardInterrupt`); other repeats change nothing;
+    2. after each training batch that closes an accumulation window (so no window is cut), all ranks agree on a CPU
+       all-reduce whether any rank received a signal (a gloo group beside NCCL, so no GPU sync), so they stop at the
+       same step;
     3. then saves `last.ckpt` through the first `ModelCheckpoint` (atomically, see `AtomicCheckpointIO`), or, for the
        SLURM requeue signal, Lightning's `hpc_ckpt_<n>.ckpt` and `scontrol requeue` (the requeued job resumes from
-       it), and raises `SignalExit` on every rank: exit code 128 + N (143 for SIGTERM, 130 for SIGINT);
-    4. on more than one rank, a watchdog ends the process with that code if it still runs `grace_s` after the
-       signal (a rank stuck in data loading, a collective with a dead peer, a long validation).
+       it), and raises `SignalExit` on every rank: exit code 128 + N (143 for SIGTERM, 130 for SIGINT, 138 for
+       SIGUSR1);
+    4. on more than one rank, a watchdog thread (started with the stage) ends the process with that code if it still
+       runs `grace_s` after the signal, or after the agreement (the save counts from there): a rank stuck in data
+       loading, a collective with a dead peer, a long validation.
 
-    Under one process a signal during validation, test or predict stops at the next batch; under several, training
-    stops at the next training batch and other stages by the watchdog.
+    Under one process a signal during validation, test or predict stops at the next batch (without a new checkpoint:
+    the last one stays); under several, training stops at the next closed window and other stages by the watchdog.
+    Not covered: a signal in the short time between Lightning registering its handlers and the first stage hook
+    (data set-up when resuming without a sanity check), where Lightning's own handler still runs.
 
     Args:
         signals: the signals that stop the run, by name or number.
@@ -127,19 +137,26 @@ class StopOnSignal(Callback):
 
     def _reset(self) -> None:
         self.received = 0
-        """The first signal this rank received in the current stage (0: none)."""
+        """The first stop signal this rank received and has not acted on yet (0: none)."""
         self._received_at = 0.0
+        self._requeue = False  # the SLURM requeue signal arrived
         self._handlers: ExitStack | None = None
         self._stage: str | None = None
         self._trainer: pl.Trainer | None = None
         self._group: Any = None
         self._requeue_signal: int | None = None
-        self._watchdog: threading.Timer | None = None
+        self._deadline: float | None = None  # when the watchdog ends this rank (monotonic seconds)
+        self._watchdog: threading.Thread | None = None
+        self._stop_watchdog = threading.Event()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_handlers=None, _trainer=None, _group=None, _watchdog=None, _stage=None)
+        state.update(_handlers=None, _trainer=None, _group=None, _watchdog=None, _stage=None, _stop_watchdog=None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._stop_watchdog = threading.Event()
 
     # -- handlers, installed per stage after Lightning registers its own (Trainer._run, after on_fit_start) --------
 
@@ -147,7 +164,7 @@ class StopOnSignal(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         import torch.distributed as dist
 
-        self.received, self._trainer = 0, trainer
+        self._trainer = trainer  # `received` is kept: a signal not acted on in fit still stops the next stage
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized() and self._group is None:
             # every rank runs setup, in the same order: creating the group is itself a collective
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
@@ -165,6 +182,11 @@ class StopOnSignal(Callback):
             previous = signal.signal(number, self._on_signal)
             stack.callback(self._restore_one, number, previous)
         self._handlers, self._stage = stack, stage
+        if self._trainer is not None and self._trainer.world_size > 1 and self._watchdog is None:
+            # started here, not in the handler: starting a thread inside a signal handler can deadlock
+            self._stop_watchdog.clear()
+            self._watchdog = threading.Thread(target=self._watch, name="StopOnSignal-watchdog", daemon=True)
+            self._watchdog.start()
 
     def _restore_one(self, number: int, previous: Any) -> None:
         if signal.getsignal(number) == self._on_signal:  # Lightning's teardown may already have put its own back
@@ -174,37 +196,35 @@ class StopOnSignal(Callback):
         if self._handlers is not None and (stage is None or stage == self._stage):
             self._handlers.close()
             self._handlers, self._stage = None, None
-            if self._trainer is None or self._trainer.world_size == 1:
-                self._disarm()
+            if not self.received and self._watchdog is not None:  # after a signal it guards the way out
+                self._stop_watchdog.set()
+                self._watchdog = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Only notes the signal: no collective, no I/O, no lock (it runs between two bytecodes of the main thread)."""
         now = time.monotonic()
+        if signum == self._requeue_signal:
+            self._requeue = True  # no deadline: SLURM sends SIGTERM at the limit, and that one has its own
+            return
         if self.received:
-            if now - self._received_at < _DUPLICATE_S:
-                return
-            self._uninstall()
-            if signum == signal.SIGINT:
+            if signum == signal.SIGINT and now - self._received_at >= _DUPLICATE_S:
+                self._uninstall()  # a user pressing Ctrl-C again: stop now
                 raise KeyboardInterrupt
-            os._exit(128 + signum)
+            return  # a repeat (rank 0's forwarded copy, a scheduler's reminder) changes nothing
         self.received, self._received_at = signum, now
-        trainer = self._trainer
-        launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
-        for proc in getattr(launcher, "procs", ()):  # the child ranks Lightning started (rank 0 only)
-            if proc.poll() is None:
-                proc.send_signal(signum)
-        if trainer is not None and trainer.world_size > 1:
-            self._arm(signum)
+        if signum != signal.SIGINT:  # a terminal's Ctrl-C reaches every rank already; `kill` reaches one
+            trainer = self._trainer
+            launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
+            for proc in getattr(launcher, "procs", ()):  # the child ranks Lightning started (rank 0 only)
+                if proc.poll() is None:
+                    proc.send_signal(signum)
+        self._deadline = now + self.grace_s
 
-    def _arm(self, signum: int) -> None:
-        if self._watchdog is None:
-            self._watchdog = threading.Timer(self.grace_s, _end_process, args=(signum, self.grace_s))
-            self._watchdog.daemon = True
-            self._watchdog.start()
-
-    def _disarm(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+    def _watch(self) -> None:
+        while not self._stop_watchdog.wait(0.25):
+            deadline = self._deadline
+            if deadline is not None and self.received and time.monotonic() > deadline:
+                _end_process(self.received, self.grace_s)
 
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -246,6 +266,8 @@ class StopOnSignal(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._uninstall()  # Lightning skips teardown after an exception
+        if isinstance(exception, SignalExit) and trainer.world_size == 1:
+            self.received, self._requeue = 0, False  # acted on: a later fit in this process starts clean
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -257,23 +279,33 @@ class StopOnSignal(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        signum = agree(self.received, self._group) if self._group is not None else self.received
-        if not signum:
+        if not _window_closed(trainer):  # stopping mid-accumulation would resume with a part of the window's gradients
+            return
+        signum, requeue = self.received, self._requeue
+        if self._group is not None:  # the same batches on every rank, so every rank joins this all-reduce
+            signum, requeue = agree(signum, requeue, self._group)
+        if not (signum or requeue):
             return
         if trainer.world_size > 1:
-            self._arm(signum)  # a rank that learned it from the others ends by the same deadline
-        if signum == self._requeue_signal:
+            self._deadline = time.monotonic() + self.grace_s  # from here: the save, then the way out
+        self._stop(trainer, signum, requeue, save=self.save_checkpoint)
+
+    def _stop(self, trainer: pl.Trainer, signum: int, requeue: bool, save: bool) -> None:
+        if requeue:
+            assert self._requeue_signal is not None
+            signum = self._requeue_signal
             rank_zero_info(f"StopOnSignal: {signal.Signals(signum).name}: saving the HPC checkpoint and requeueing")
             trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
-        elif self.save_checkpoint:
+        elif save:
             _save_last(trainer)
         rank_zero_info(f"StopOnSignal: {signal.Signals(signum).name} received; every rank stops at global step "
                        f"{trainer.global_step} (exit {128 + signum})")  # fmt: skip
         raise SignalExit(signum)
 
     def _check_alone(self, trainer: pl.Trainer) -> None:
-        if self.received and trainer.world_size == 1:
-            raise SignalExit(self.received)
+        """One process, outside a training batch: stop at once (the requeue still saves and requeues)."""
+        if (self.received or self._requeue) and trainer.world_size == 1:
+            self._stop(trainer, self.received, self._requeue, save=False)
 
     @override
     def on_validation_batch_end(
@@ -296,7 +328,7 @@ def _save_last(trainer: pl.Trainer) -> None:
     if checkpoint is None or checkpoint.dirpath is None:
         return
     save: Callable[..., Any] | None = getattr(checkpoint, "_save_last_checkpoint", None)
-    if checkpoint.save_last and save is not None:
+    if checkpoint.save_last is True and save is not None:  # "link" would only point at an older checkpoint
         save(trainer, checkpoint._monitor_candidates(trainer))
     else:
         trainer.save_checkpoint(
@@ -305,6 +337,7 @@ def _save_last(trainer: pl.Trainer) -> None:
 
 
 def _end_process(signum: int, grace_s: float) -> None:
-    print(f"StopOnSignal: {signal.Signals(signum).name} {grace_s:.0f} s ago and this rank still runs; exiting "
-          f"{128 + signum}", file=sys.stderr, flush=True)  # fmt: skip
+    name = signal.Signals(signum).name
+    message = f"StopOnSignal: {name} and {grace_s:.0f} s later this rank still runs; exit {128 + signum}\n"
+    os.write(2, message.encode())  # not print: the main thread may hold stderr's lock
     os._exit(128 + signum)

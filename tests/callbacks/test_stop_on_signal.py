@@ -128,3 +128,23 @@ def test_bad_settings_name_the_argument(kwargs: dict, match: str) -> None:
 
 def test_parse_signals_takes_names_short_names_and_numbers() -> None:
     assert parse_signals(["SIGTERM", "int", 10]) == [signal.SIGTERM, signal.SIGINT, 10]
+
+
+class _SendAtBatch(pl.Callback):
+    def __init__(self, signum: int, batch: int) -> None:
+        self.signum, self.batch = signum, batch
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.batch:
+            os.kill(os.getpid(), self.signum)
+
+
+def test_a_signal_mid_window_stops_when_the_window_closes(tmp_path) -> None:
+    """4 micro-batches per step: a signal at batch 5 stops after batch 7, the window's last, so the checkpoint holds
+    whole optimizer steps only."""
+    trainer = _trainer(tmp_path, StopOnSignal(), _SendAtBatch(signal.SIGTERM, batch=5), accumulate_grad_batches=4)
+    with pytest.raises(SignalExit):
+        trainer.fit(_Tiny(), _loader())
+    assert trainer.global_step == 2 and trainer.fit_loop.epoch_loop.batch_progress.current.processed == 8
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert saved["global_step"] == 2
