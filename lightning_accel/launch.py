@@ -233,11 +233,18 @@ def check_output_root(argv: Sequence[str], env: Mapping[str, str] | None = None)
         key, value = "ACCEL_LOG_DIR", env["ACCEL_LOG_DIR"]
     if value is None:
         key, value = "paths.log_dir", "outputs"
-    root = value.split("${", 1)[0]
-    if "${" in value:
-        root = os.path.dirname(root) if not root.endswith("/") else root
-    if not root:
+    if key == "paths.log_dir" and value == "outputs" and any(a.split("=", 1)[0].lstrip("+~") == "paths" for a in argv):
+        return  # another `paths` config chooses the log directory
+    if "${" in value:  # resolved by Hydra later; only a prefix that already exists as a file is wrong for sure
+        head = value.split("${", 1)[0]
+        prefix = head.rstrip("/") if head.endswith("/") else os.path.dirname(head)
+        while prefix and not os.path.lexists(prefix) and os.path.dirname(prefix) != prefix:
+            prefix = os.path.dirname(prefix)
+        if prefix and os.path.exists(prefix) and not os.path.isdir(prefix):
+            raise ConfigError(f"`{key}={value}`: {prefix!r} is a file, not a directory; point `paths.log_dir` (or "
+                              "ACCEL_LOG_DIR) at a writable directory.")  # fmt: skip
         return
+    root = value
     try:
         os.makedirs(root, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=root, prefix=".accel-write-check-"):
@@ -252,8 +259,12 @@ def register_resolvers() -> None:
     """`${accel_run_id:STAMP}`, `${accel_unique:STAMP}` and `${accel_job_name:DEFAULT}` for conf/hydra/default.yaml
     (idempotent)."""
     if not OmegaConf.has_resolver("accel_run_id"):
-        OmegaConf.register_new_resolver("accel_run_id", lambda stamp: external_run_id(unique_stamp(str(stamp))))
+        # cached in the config, like Hydra's `now`: a submitit job (another process, another token) that resolves
+        # the sweep directory again from the pickled config gets the same one, and so does its requeue
+        OmegaConf.register_new_resolver(
+            "accel_run_id", lambda stamp: external_run_id(unique_stamp(str(stamp))), use_cache=True
+        )
     if not OmegaConf.has_resolver("accel_unique"):
-        OmegaConf.register_new_resolver("accel_unique", lambda stamp: unique_stamp(str(stamp)))
+        OmegaConf.register_new_resolver("accel_unique", lambda stamp: unique_stamp(str(stamp)), use_cache=True)
     if not OmegaConf.has_resolver("accel_job_name"):
         OmegaConf.register_new_resolver("accel_job_name", lambda default: external_rank_job_name(str(default)))

@@ -149,17 +149,24 @@ def check_ckpt_path(cfg: DictConfig) -> None:
     path = cfg.get("ckpt_path")
     if path is None or not cfg.get("fit", True) or str(path) in ("best", "hpc", "registry"):
         return
+    from lightning_accel.strategies.checkpoint_io import recover_directory
+
     if str(path) == "last":
         dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
-        if dirpath is not None and not (Path(str(dirpath)) / "last.ckpt").exists():
-            raise ConfigError(f"`ckpt_path=last` finds no {Path(str(dirpath)) / 'last.ckpt'}: this run directory "
+        if dirpath is None:
+            return
+        last = Path(str(dirpath)) / "last.ckpt"
+        recover_directory(last)  # a directory checkpoint whose swap a kill interrupted
+        if not last.exists():
+            raise ConfigError(f"`ckpt_path=last` finds no {last}: this run directory "
                               "holds no earlier run. Resume in the earlier run's directory "
                               "(`hydra.run.dir=<its directory> ckpt_path=last`) or pass its checkpoint file "
                               "(`ckpt_path=<dir>/checkpoints/last.ckpt`).")  # fmt: skip
-        return
+        path = last  # checked below like any path: Lightning drops `weights_only` for some strategies
     import zipfile
 
     file = Path(str(path))
+    recover_directory(file)
     if not file.exists():
         raise ConfigError(f"`ckpt_path={str(path)!r}` does not exist; pass a checkpoint file (`.../checkpoints/"
                           "last.ckpt`) or `ckpt_path=last` in the run directory to resume.")  # fmt: skip
@@ -180,7 +187,7 @@ def check_ckpt_path(cfg: DictConfig) -> None:
         if (file / "meta.pt").is_file():
             load_metadata(file / "meta.pt")
     else:
-        load_metadata(file)
+        load_metadata(file, mmap=True)  # mapped, not read: every rank checks, before launch
 
 
 def _weights_only(method: Any) -> dict[str, bool]:

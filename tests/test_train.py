@@ -233,11 +233,16 @@ def test_an_unwritable_log_dir_exits_2_naming_the_setting(run_cli, tmp_path: Pat
 
 
 def test_the_log_dir_check_leaves_help_and_interpolations_alone(tmp_path: Path) -> None:
+    from lightning_accel.errors import ConfigError
     from lightning_accel.launch import check_output_root
 
     check_output_root(["--help"], {"ACCEL_LOG_DIR": "/proc/nope"})  # no run: nothing checked
-    check_output_root([f"hydra.run.dir={tmp_path}/runs/${{now:%H}}"], {})  # the part before `${` is checked
-    assert (tmp_path / "runs").is_dir()
+    check_output_root(["paths=cluster"], {})  # another `paths` config decides
+    # an interpolated path is Hydra's to resolve (`/scratch/${oc.env:USER}`: /scratch itself may be unwritable)
+    check_output_root(["hydra.run.dir=/proc/${oc.env:USER}/runs"], {})
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        check_output_root([f"paths.log_dir={tmp_path}/file/${{now:%H}}"], {})
 
 
 def test_a_node_that_never_joins_ends_the_wait_with_the_setting_named(run_cli, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,21 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-__all__ = ["AtomicCheckpointIO", "atomic_torch_save", "recover_directory", "remove_stale_staging", "replace_directory"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "atomic_torch_save",
+    "hidden_name",
+    "recover_directory",
+    "remove_stale_staging",
+    "replace_directory",
+    "staging_path",
+]
+
+
+def hidden_name(name: str) -> str:
+    """The prefix of the temporary names beside checkpoint `name`: hidden, and without `_` so that Lightning, which
+    reads any name holding `hpc_ckpt_` as an HPC checkpoint version, never counts a leftover one."""
+    return "." + name.replace("_", "-")
 
 
 def atomic_torch_save(obj: Any, path: _PATH) -> None:
@@ -26,7 +41,7 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
     temporary file is removed and `path` is as it was."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f"{hidden_name(target.name)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
             torch.save(obj, handle)
@@ -70,14 +85,15 @@ def replace_directory(new: Path, path: Path) -> None:
 
     Where the file system can swap two paths in one step (Linux, most local file systems) the old and the new trade
     places and the old is then removed: a kill at any moment leaves one whole checkpoint at `path`. Elsewhere the old
-    one is moved aside to `.<name>.old-<id>`, `new` renamed into place, then the old removed; a kill between the two
-    renames leaves the old one aside, and `recover_directory` (run before every pipeline save and load) puts it back.
+    one is moved aside to `.<name>.old-<time>`, `new` renamed into place, then the old removed; a kill between the
+    two renames leaves the old one aside, and `recover_directory` (run before every pipeline save and load, and
+    before accel-train resumes) puts it back.
     """
     new, path = Path(new), Path(path)
-    if path.exists() and _exchange(new, path):
-        shutil.rmtree(new) if new.is_dir() else new.unlink()
+    if path.exists() and not path.is_symlink() and _exchange(new, path):
+        _remove(new)
         return
-    old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+    old = path.with_name(f"{hidden_name(path.name)}.old-{time.time_ns():x}")
     had_old = path.exists()
     if had_old:
         os.replace(path, old)
@@ -88,28 +104,56 @@ def replace_directory(new: Path, path: Path) -> None:
             os.replace(old, path)
         raise
     if had_old:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _aside_time(path: Path) -> int:
+    try:
+        return int(path.name.rsplit(".old-", 1)[1], 16)
+    except (IndexError, ValueError):
+        return -1
 
 
 def recover_directory(path: Path) -> bool:
-    """If a save died between `replace_directory`'s two renames (`path` gone, `.<name>.old-<id>` beside it), move
-    the newest such directory back to `path`. Returns whether it did."""
+    """If a save died between `replace_directory`'s two renames (`path` gone, `.<name>.old-<time>` beside it), move
+    the latest one moved aside back to `path` (by the time in its name: an older one may be half removed). Returns
+    whether it did."""
     path = Path(path)
-    if path.exists() or not path.parent.is_dir():
+    if os.path.lexists(path) or not path.parent.is_dir():
         return False
-    aside = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    aside = sorted(path.parent.glob(f"{hidden_name(path.name)}.old-*"), key=_aside_time)
     if not aside:
         return False
-    os.replace(aside[-1], path)
+    try:
+        os.replace(aside[-1], path)
+    except FileNotFoundError:  # another rank of this job recovered it first
+        return os.path.lexists(path)
     return True
 
 
+def staging_path(path: Path) -> Path:
+    """Where a checkpoint directory for `path` is written before it is swapped in."""
+    return path.with_name(f"{hidden_name(path.name)}.saving-{uuid.uuid4().hex[:8]}")
+
+
 def remove_stale_staging(path: Path) -> None:
-    """Remove `.<name>.saving-<id>` directories beside `path`: what saves killed before completion left behind."""
+    """Remove what killed saves left beside `path`: `.<name>.saving-<id>` directories, and (once `path` exists)
+    `.<name>.old-<time>` ones whose removal was cut short."""
     path = Path(path)
-    if path.parent.is_dir():
-        for stale in path.parent.glob(f".{path.name}.saving-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+    if not path.parent.is_dir():
+        return
+    stale = list(path.parent.glob(f"{hidden_name(path.name)}.saving-*"))
+    if os.path.lexists(path):
+        stale += path.parent.glob(f"{hidden_name(path.name)}.old-*")
+    for leftover in stale:
+        shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

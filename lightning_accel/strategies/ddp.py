@@ -76,7 +76,13 @@ class DDPStrategy(_LightningDDPStrategy):
         try:
             super().setup_distributed()
         except Exception as err:
-            if "Timed out" not in str(err) and "waiting for clients" not in str(err):
+            text = str(err).lower()
+            store_errors = tuple(
+                getattr(dist, name) for name in ("DistStoreError", "DistNetworkError") if hasattr(dist, name)
+            )
+            if not isinstance(err, store_errors) and not any(
+                k in text for k in ("timed out", "timeout", "waiting for clients")
+            ):
                 raise
             raise ConfigError(
                 f"the job has {self.num_nodes} node(s) x {self.num_processes} process(es) "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +21,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
-from lightning_accel.strategies.checkpoint_io import recover_directory, remove_stale_staging, replace_directory
+from lightning_accel.strategies.checkpoint_io import (
+    recover_directory,
+    remove_stale_staging,
+    replace_directory,
+    staging_path,
+)
 from lightning_accel.strategies.pipeline_stages import (
     StagePlan,
     check_dcp_metadata,
@@ -515,7 +519,7 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         path = Path(self.broadcast(filepath))
         # Written beside its target under a temporary name, then renamed over it: a save that dies (SIGKILL, a full
         # disk) leaves the previous checkpoint whole, and no stale shards of an earlier save mix in (last.ckpt).
-        staging = path.with_name(f".{path.name}.saving-{self.broadcast(uuid.uuid4().hex[:8])}")
+        staging = Path(self.broadcast(staging_path(path)))
         if self.global_rank == 0:
             recover_directory(path)  # a save killed mid-swap on a file system without an atomic exchange
             remove_stale_staging(path)  # shards of saves that were killed before they completed

@@ -277,7 +277,7 @@ def prune_to_stages(model: nn.Module, plan: StagePlan, stages: Sequence[int]) ->
     return views
 
 
-def load_metadata(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+def load_metadata(path: str | Path, weights_only: bool | None = None, mmap: bool = False) -> dict[str, Any]:
     """A checkpoint's pickled metadata (`meta.pt`: loops, callbacks, hyper-parameters), loaded with
     `weights_only=True` unless the caller passes `weights_only=False` for a file it trusts: a file that needs more than
     tensors and plain types is refused before anything in it runs.
@@ -288,7 +288,9 @@ def load_metadata(path: str | Path, weights_only: bool | None = None) -> dict[st
     import pickle
 
     try:
-        return torch.load(path, weights_only=True if weights_only is None else weights_only)
+        # on the CPU: checked before launch, every rank would otherwise put the state on cuda:0
+        return torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only,
+                          mmap=mmap)  # fmt: skip
     except pickle.UnpicklingError as err:
         first = str(err).strip().splitlines()
         found = next((line.strip() for line in first if "GLOBAL" in line or "Unsupported" in line), first[0] if first
