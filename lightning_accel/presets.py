@@ -203,6 +203,9 @@ def _check_accumulation(cfg: DictConfig) -> None:
         )
     global_batch = node.get("global_batch_size")
     micro = node.get("micro_batch_size")
+    data_class = str(OmegaConf.select(cfg, "data._target_", default="")).rsplit(".", 1)[-1]
+    if micro is None and data_class in {c for c, _, _ in _EXAMPLE_DATA.values()}:
+        micro = OmegaConf.select(cfg, "data.batch_size", default=None)  # per device in the examples; others: at fit
     world = _world_size(cfg.trainer)
     if isinstance(global_batch, int) and isinstance(micro, int) and micro > 0 and world is not None:
         from lightning_accel.callbacks.accumulation import micro_batches_for

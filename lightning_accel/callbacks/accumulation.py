@@ -109,6 +109,7 @@ class AccumulationScheduler(Callback):
         self._restore: list[Callable[[], None]] = []
         self._fsdp_modules: list[Any] = []
         self._loaded_plan: dict[str, Any] | None = None  # the plan of a loaded checkpoint, until this one resolves
+        self._verified = False  # the first batch was checked against the global batch
 
     def accumulation_plan(self, trainer: pl.Trainer) -> AccumulationPlan:
         """The plan this callback follows in `trainer`, resolving `global_batch_size` against its DataLoader.
@@ -122,7 +123,17 @@ class AccumulationScheduler(Callback):
             self._plan = AccumulationPlan(self.unit, tuple(sorted(self.scheduling.items())))
         else:
             assert self.global_batch_size is not None
-            micro = self.micro_batch_size or _loader_batch_size(trainer)
+            loader_size = _loader_batch_size(trainer, required=self.micro_batch_size is None)
+            if self.micro_batch_size is not None and loader_size not in (None, self.micro_batch_size):
+                raise ConfigError(
+                    f"`micro_batch_size={self.micro_batch_size}`, but the train DataLoader the Trainer built yields "
+                    f"{loader_size} samples per device (a datamodule that divides its batch by the world size, as "
+                    f"lightning-hydra-template's does?): a step would train on {loader_size} x {trainer.world_size} "
+                    f"device(s) x micro-batches, not the {self.global_batch_size} logged. Drop `micro_batch_size` (it "
+                    "is read from the loader)."
+                )
+            micro = loader_size or self.micro_batch_size
+            assert micro is not None
             self._plan = AccumulationPlan.constant(micro_batches_for(self.global_batch_size, micro, trainer.world_size))
             rank_zero_info(
                 f"AccumulationScheduler: global batch {self.global_batch_size} = {micro} per device x "
@@ -178,6 +189,7 @@ class AccumulationScheduler(Callback):
             return
         self._check_trainer(trainer, pl_module)
         self._plan = None
+        self._verified = False
         self._window_size = self._window_pos = 0
         self._saved_accumulate = trainer.accumulate_grad_batches
         self._restore = _take_over_loop(trainer, self)
@@ -219,6 +231,8 @@ class AccumulationScheduler(Callback):
     ) -> None:
         if self._window_pos >= self._window_size:
             micro_batches = self.accumulation_plan(trainer).at(trainer.current_epoch, trainer.global_step)
+            if self.global_batch_size is not None and not self._verified:
+                self._verify_global_batch(trainer, batch, micro_batches)
             left_in_epoch = trainer.num_training_batches - batch_idx
             self._window_size = int(min(micro_batches, left_in_epoch)) if left_in_epoch > 0 else micro_batches
             self._window_pos = 0
@@ -233,6 +247,22 @@ class AccumulationScheduler(Callback):
     ) -> None:
         if self.window_complete:
             pl_module.log("train/accumulation", float(self._window_size), on_step=True, on_epoch=False)
+
+    def _verify_global_batch(self, trainer: pl.Trainer, batch: Any, micro_batches: int) -> None:
+        """The first batch's real size against the one the global batch was computed from: a mismatch is an error,
+        never a run that trains on another batch than it logs."""
+        from lightning_accel.tuning.dataloader.loop import batch_size_of
+
+        self._verified = True
+        real = batch_size_of(batch)
+        micro = self.global_batch_size // (micro_batches * trainer.world_size)  # type: ignore[operator]
+        if real not in (1, micro) and real < micro * 2:  # 1: no tensor to count; a first batch is a full one
+            actual = real * trainer.world_size * micro_batches
+            raise ConfigError(
+                f"AccumulationScheduler: global batch {self.global_batch_size} was computed from {micro} samples per "
+                f"device, but the first batch holds {real}: the real global batch is {actual}. Drop "
+                "`micro_batch_size` (it is read from the loader), or fix the datamodule's batch size."
+            )
 
     @property
     def window_complete(self) -> bool:
@@ -304,7 +334,7 @@ def micro_batches_for(global_batch_size: int, micro_batch_size: int, world_size:
     return global_batch_size // per_window
 
 
-def _loader_batch_size(trainer: pl.Trainer) -> int:
+def _loader_batch_size(trainer: pl.Trainer, required: bool = True) -> int | None:
     if trainer.train_dataloader is None:
         trainer.fit_loop.setup_data()
     loader = trainer.train_dataloader
@@ -312,6 +342,8 @@ def _loader_batch_size(trainer: pl.Trainer) -> int:
     if size is None:
         size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     if not isinstance(size, int):
+        if not required:
+            return None
         raise ConfigError(
             f"AccumulationScheduler cannot read a batch size from the train DataLoader ({type(loader).__name__}); "
             "pass `micro_batch_size=`."

@@ -218,8 +218,15 @@ def test_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
 
 
 def test_global_batch_that_does_not_divide_names_the_numbers() -> None:
-    with pytest.raises(ConfigError, match=r"`global_batch_size=10` is not a multiple of .* = 4; use 8 or 12"):
-        _fit([AccumulationScheduler(global_batch_size=10, micro_batch_size=4)])
+    with pytest.raises(ConfigError, match=r"`global_batch_size=5` is not a multiple of .* = 2; use 4 or 6"):
+        _fit([AccumulationScheduler(global_batch_size=5)])  # the loader's batches of 2
+
+
+def test_a_micro_batch_size_other_than_the_loaders_is_an_error_not_a_wrong_log() -> None:
+    """lightning-hydra-template divides `data.batch_size` by the world size: `micro_batch_size: ${data.batch_size}`
+    logged a global batch twice the real one on 2 ranks. The loader the Trainer built decides."""
+    with pytest.raises(ConfigError, match=r"`micro_batch_size=4`, but the train DataLoader .* yields 2 samples"):
+        _fit([AccumulationScheduler(global_batch_size=8, micro_batch_size=4)])
 
 
 def test_conflicts_are_errors() -> None:
@@ -227,3 +234,17 @@ def test_conflicts_are_errors() -> None:
         _fit([AccumulationScheduler({0: 2})], accumulate_grad_batches=2)
     with pytest.raises(ConfigError, match="GradientAccumulationScheduler"):
         _fit([AccumulationScheduler({0: 2}), GradientAccumulationScheduler({0: 2})])
+
+
+def test_the_first_batch_is_checked_when_the_loader_does_not_say_its_batch_size() -> None:
+    """A batch sampler without `batch_size`: `micro_batch_size=4` is taken on trust, and the first batch (2 samples)
+    proves it wrong before any step is counted."""
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[AccumulationScheduler(global_batch_size=8, micro_batch_size=4)])  # fmt: skip
+    model = cases.Regression(functools.partial(cases.schedules.cosine_schedule))
+    data = cases.dataset(1)
+    pairs = [[i, i + 1] for i in range(0, len(data) - 1, 2)]  # a plain list of index lists: no batch_size to read
+    loader = torch.utils.data.DataLoader(data, batch_sampler=pairs)
+    with pytest.raises(ConfigError, match=r"computed from 4 samples per device, but the first batch holds 2"):
+        trainer.fit(model, loader)
