@@ -291,6 +291,7 @@ class StopOnSignal(Callback):
         self._stop(trainer, signum, requeue, save=self.save_checkpoint)
 
     def _stop(self, trainer: pl.Trainer, signum: int, requeue: bool, save: bool) -> None:
+        _quiet_child_observer()  # the child ranks exit 128 + N too, by agreement, not as a failure
         if requeue:
             assert self._requeue_signal is not None
             signum = self._requeue_signal
@@ -334,6 +335,16 @@ def _save_last(trainer: pl.Trainer) -> None:
         trainer.save_checkpoint(
             os.path.join(checkpoint.dirpath, f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}")
         )
+
+
+def _quiet_child_observer() -> None:
+    """Lightning's launcher (rank 0 of a job it started) polls the child ranks every 5 s and SIGKILLs every process,
+    rank 0 included, when one exits non-zero: the children's agreed exit 128 + N would turn rank 0's own exit into
+    -9 whenever it ends a poll later than they do. Its `child-process-observer` thread is told it is done (a Lightning
+    internal; absent elsewhere, nothing happens); the watchdog still bounds the way out."""
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer" and callable(getattr(thread, "_run", None)):
+            thread._run = lambda: True  # type: ignore[attr-defined]
 
 
 def _end_process(signum: int, grace_s: float) -> None:
