@@ -13,6 +13,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
+from lightning_accel.errors import ConfigError
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -153,6 +155,19 @@ def estimated_optimizer_steps(trainer: pl.Trainer) -> int:
     )
 
 
+def _need_total_steps(function: str, group: str, total_steps: int | None) -> int:
+    """The `scheduler` group's factories need the fit's length; a model that calls them without it (one that is not
+    ours, as lightning-hydra-template's `self.hparams.scheduler(optimizer=optimizer)`) learns how to pass it."""
+    if total_steps is None:
+        raise ConfigError(
+            f"`scheduler={group}` ({function}) needs `total_steps`, the fit's optimizer steps; call it in "
+            "`configure_optimizers` as `scheduler(optimizer=optimizer, total_steps="
+            "lightning_accel.estimated_optimizer_steps(self.trainer))` and step it every optimizer step "
+            '(`{"scheduler": ..., "interval": "step"}`), or use `lightning_accel.schedules.configure_optimizers`.'
+        )
+    return total_steps
+
+
 def _check_warmup(total_steps: int, warmup_steps: int | float, min_lr_ratio: float) -> int:
     """Validate a warm-up + decay schedule's settings; returns the warm-up in optimizer steps."""
     if total_steps <= 0:
@@ -183,7 +198,7 @@ def _warmup_then(decay: Callable[[float], float], total_steps: int, warmup_steps
 
 
 def cosine_schedule(
-    optimizer: Optimizer, total_steps: int, *, warmup_steps: int | float = 0, min_lr_ratio: float = 0.0
+    optimizer: Optimizer, total_steps: int | None = None, *, warmup_steps: int | float = 0, min_lr_ratio: float = 0.0
 ) -> LambdaLR:
     """Linear warm-up for `warmup_steps`, then cosine decay to `min_lr_ratio` x the base LR at the last step.
 
@@ -197,6 +212,7 @@ def cosine_schedule(
     Raises:
         ValueError: for a negative or too long warm-up or a ratio outside [0, 1].
     """
+    total_steps = _need_total_steps("cosine_schedule", "cosine", total_steps)
     warmup = _check_warmup(total_steps, warmup_steps, min_lr_ratio)
 
     def cosine(progress: float) -> float:
@@ -206,7 +222,7 @@ def cosine_schedule(
 
 
 def linear_warmup_schedule(
-    optimizer: Optimizer, total_steps: int, *, warmup_steps: int | float = 0.05, min_lr_ratio: float = 0.0
+    optimizer: Optimizer, total_steps: int | None = None, *, warmup_steps: int | float = 0.05, min_lr_ratio: float = 0.0
 ) -> LambdaLR:
     """Linear warm-up for `warmup_steps`, then linear decay to `min_lr_ratio` x the base LR at the last step.
 
@@ -219,13 +235,14 @@ def linear_warmup_schedule(
     Raises:
         ValueError: for a negative or too long warm-up or a ratio outside [0, 1].
     """
+    total_steps = _need_total_steps("linear_warmup_schedule", "linear", total_steps)
     warmup = _check_warmup(total_steps, warmup_steps, min_lr_ratio)
     return LambdaLR(optimizer, _warmup_then(lambda p: 1.0 - (1.0 - min_lr_ratio) * p, total_steps, warmup))
 
 
 def onecycle_schedule(
     optimizer: Optimizer,
-    total_steps: int,
+    total_steps: int | None = None,
     *,
     max_lr: float | None = None,
     pct_start: float = 0.3,
@@ -244,6 +261,7 @@ def onecycle_schedule(
         final_div_factor: final LR = initial LR / final_div_factor.
         anneal_strategy: "cos" or "linear".
     """
+    total_steps = _need_total_steps("onecycle_schedule", "onecycle", total_steps)
     peak: float | list[float] = max_lr if max_lr is not None else [g["lr"] for g in optimizer.param_groups]
     return OneCycleLR(
         optimizer,

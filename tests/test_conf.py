@@ -197,3 +197,14 @@ def test_slurm_launcher_sends_the_signal_lightning_requeues_on(compose_train, tm
                                  signal_delay_s=launcher.signal_delay_s, additional_parameters=extra)  # fmt: skip
     assert "#SBATCH --signal=USR1@300" in script and "USR2" not in script
     assert SLURMEnvironment().requeue_signal == signal.SIGUSR1
+
+
+def test_schedule_keys_change_from_the_command_line(compose_train) -> None:
+    """`callbacks.accumulation.scheduling={0:1,50:2}` failed ("Key '50' is not in struct"): the schedule is a list of
+    [step, micro-batches] pairs, which an override replaces whole."""
+    from hydra.utils import instantiate
+
+    cfg = compose_train(["accumulation=schedule", "callbacks.accumulation.scheduling=[[0,1],[50,2]]"])
+    assert instantiate(cfg.callbacks.accumulation).scheduling == {0: 1, 50: 2}
+    assert instantiate(compose_train(["accumulation=schedule"]).callbacks.accumulation).scheduling == {
+        0: 1, 100: 2, 300: 4}  # fmt: skip

@@ -129,3 +129,15 @@ def test_estimated_optimizer_steps_at_the_edges(tmp_path, kwargs, lightning, our
         assert isinstance(got_ours, ValueError) and "no end" in str(got_ours)
     else:
         assert got_ours == ours
+
+
+@pytest.mark.parametrize("name", ["cosine_schedule", "linear_warmup_schedule", "onecycle_schedule"])
+def test_a_schedule_called_without_total_steps_says_how(name: str) -> None:
+    """lightning-hydra-template's model calls `self.hparams.scheduler(optimizer=optimizer)`: onecycle said only
+    "missing ... 'total_steps'"."""
+    from lightning_accel import schedules
+    from lightning_accel.errors import ConfigError
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ConfigError, match=r"needs `total_steps`.*estimated_optimizer_steps\(self.trainer\)"):
+        getattr(schedules, name)(optimizer=optimizer)

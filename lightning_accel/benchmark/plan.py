@@ -137,6 +137,8 @@ def _accumulation(cfg: DictConfig, micro_global: int) -> int:
             if isinstance(global_batch, int) and micro_global > 0:
                 return max(1, global_batch // micro_global)
             schedule = node.get("scheduling")
+            if OmegaConf.is_list(schedule) and schedule:  # [[key, micro_batches], ...]
+                return int(min(schedule, key=lambda pair: int(pair[0]))[1])
             if isinstance(schedule, DictConfig) and schedule:
                 return int(schedule[sorted(schedule.keys(), key=int)[0]])
     accumulate = cfg.trainer.get("accumulate_grad_batches", 1)

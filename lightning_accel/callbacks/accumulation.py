@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -53,8 +53,10 @@ class AccumulationScheduler(Callback):
     `accumulate_grad_batches` and a second accumulation callback are refused.
 
     Args:
-        scheduling: `{key: micro_batches}`; the key is an epoch (`unit="epoch"`) or the optimizer step at which a
-            window starts (`unit="step"`). Keys before the first one accumulate 1 micro-batch.
+        scheduling: `{key: micro_batches}`, or a list of `[key, micro_batches]` pairs (what a Hydra config holds, so
+            `callbacks.accumulation.scheduling=[[0,1],[50,2]]` replaces it from the command line); the key is an
+            epoch (`unit="epoch"`) or the optimizer step at which a window starts (`unit="step"`). Keys before the
+            first one accumulate 1 micro-batch.
         unit: "epoch" or "step".
         global_batch_size: instead of `scheduling`, accumulate `global_batch_size / (micro_batch_size x world_size)`
             micro-batches per step.
@@ -79,7 +81,7 @@ class AccumulationScheduler(Callback):
 
     def __init__(
         self,
-        scheduling: Mapping[int, int] | None = None,
+        scheduling: Mapping[int, int] | Sequence[Sequence[int]] | None = None,
         *,
         unit: Literal["epoch", "step"] = "epoch",
         global_batch_size: int | None = None,
@@ -294,15 +296,21 @@ class AccumulationScheduler(Callback):
                 )
 
 
-def _check_scheduling(scheduling: Mapping[int, int], unit: str) -> dict[int, int]:
+def _check_scheduling(scheduling: Mapping[int, int] | Sequence[Sequence[int]], unit: str) -> dict[int, int]:
     """The schedule with int keys, sorted, and `{0: 1}` added when it starts later (as Lightning's).
 
     Raises:
         ScheduleTypeError: for an empty schedule or one that is no dict.
         ScheduleError: for a key that is no integer >= 0, or a value that is no integer >= 1.
     """
+    if _is_pair_list(scheduling):  # [[key, micro_batches], ...]: a Hydra list the command line replaces whole
+        keys = [pair[0] for pair in scheduling]  # type: ignore[index]
+        if len(set(map(str, keys))) != len(keys):
+            raise ScheduleError(f"`scheduling={list(map(list, scheduling))!r}` names a key twice; list each once.")  # type: ignore[arg-type]
+        scheduling = {pair[0]: pair[1] for pair in scheduling}  # type: ignore[index]
     if not isinstance(scheduling, Mapping) or not scheduling:
-        raise ScheduleTypeError(f"`scheduling={scheduling!r}` must be a non-empty dict of {{{unit}: micro_batches}}.")
+        raise ScheduleTypeError(f"`scheduling={scheduling!r}` must be a non-empty dict of {{{unit}: micro_batches}} "
+                                "(or a list of [key, micro_batches] pairs).")  # fmt: skip
     checked: dict[int, int] = {}
     for key, value in scheduling.items():
         key_int = int(key) if isinstance(key, str) and key.isdigit() else key
@@ -316,6 +324,15 @@ def _check_scheduling(scheduling: Mapping[int, int], unit: str) -> dict[int, int
         checked[key_int] = value
     checked.setdefault(0, 1)
     return dict(sorted(checked.items()))
+
+
+def _is_pair_list(value: Any) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, (str, bytes))
+        and len(value) > 0
+        and all(isinstance(p, Sequence) and not isinstance(p, (str, bytes)) and len(p) == 2 for p in value)
+    )
 
 
 def micro_batches_for(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
