@@ -157,10 +157,15 @@ def hydra_safe_launch(trainer: pl.Trainer | None = None, child_timeout_s: float 
             dist.destroy_process_group()
 
 
-def unique_stamp(stamp: str) -> str:
+def resolve_run_id(stamp: Any) -> str:
+    """`${accel_run_id:STAMP}`: the external run id, else `unique_stamp(STAMP)`."""
+    return external_run_id(unique_stamp(stamp))
+
+
+def unique_stamp(stamp: Any) -> str:
     """`stamp` (a time to the second) and a token drawn once per process: runs started in the same second, on one
     machine or on several sharing a file system, get different directories, and every lookup in one process agrees."""
-    return f"{stamp}_{_PROCESS_TOKEN}"
+    return f"{stamp!s}_{_PROCESS_TOKEN}"
 
 
 def external_run_id(default: str, env: Mapping[str, str] | None = None) -> str:
@@ -255,16 +260,24 @@ def check_output_root(argv: Sequence[str], env: Mapping[str, str] | None = None)
                           "`paths.log_dir` (or ACCEL_LOG_DIR) at a writable directory.") from None  # fmt: skip
 
 
+def precision_resolver(requested: Any, accelerator: Any = "auto") -> str:
+    """`${accel_precision:amp,${trainer.accelerator}}`: the Lightning precision string `amp` (or any request) means on
+    this machine, so a Trainer built from the config needs no `apply_precision` call (conf/precision/amp.yaml)."""
+    from lightning_accel.precision import resolve_precision
+
+    return resolve_precision(str(requested), str(accelerator) if accelerator is not None else "auto").value
+
+
 def register_resolvers() -> None:
     """`${accel_run_id:STAMP}`, `${accel_unique:STAMP}` and `${accel_job_name:DEFAULT}` for conf/hydra/default.yaml
     (idempotent)."""
     if not OmegaConf.has_resolver("accel_run_id"):
         # cached in the config, like Hydra's `now`: a submitit job (another process, another token) that resolves
         # the sweep directory again from the pickled config gets the same one, and so does its requeue
-        OmegaConf.register_new_resolver(
-            "accel_run_id", lambda stamp: external_run_id(unique_stamp(str(stamp))), use_cache=True
-        )
+        OmegaConf.register_new_resolver("accel_run_id", resolve_run_id, use_cache=True)
+    if not OmegaConf.has_resolver("accel_precision"):
+        OmegaConf.register_new_resolver("accel_precision", precision_resolver, use_cache=True)
     if not OmegaConf.has_resolver("accel_unique"):
-        OmegaConf.register_new_resolver("accel_unique", lambda stamp: unique_stamp(str(stamp)), use_cache=True)
+        OmegaConf.register_new_resolver("accel_unique", unique_stamp, use_cache=True)
     if not OmegaConf.has_resolver("accel_job_name"):
         OmegaConf.register_new_resolver("accel_job_name", lambda default: external_rank_job_name(str(default)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -60,8 +61,11 @@ def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
     from lightning_accel.precision import apply_float32_matmul_precision, resolve_precision
 
     accelerator = cfg.trainer.get("accelerator", "auto")
+    raw = OmegaConf.to_container(cfg.trainer, resolve=False).get("precision", "32-true")  # type: ignore[union-attr]
+    requested = re.match(r"\$\{accel_precision:([^,}]+)", str(raw))  # conf/precision/amp.yaml: resolved already
     resolved = resolve_precision(
-        cfg.trainer.get("precision", "32-true"), accelerator if isinstance(accelerator, str) else "auto"
+        requested.group(1) if requested else cfg.trainer.get("precision", "32-true"),
+        accelerator if isinstance(accelerator, str) else "auto",
     )
     apply_float32_matmul_precision(cfg.get("float32_matmul_precision"))
     with open_dict(cfg):

@@ -12,6 +12,7 @@ from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from lightning.pytorch.strategies import DDPStrategy
+from omegaconf import OmegaConf
 
 from lightning_accel.callbacks import AccumulationScheduler
 from lightning_accel.errors import ConfigError, LightningAccelWarning
@@ -45,7 +46,7 @@ COMPANIONS = {("data", "digits"): ["model=classifier"]}
 _CPU_AMP = "bf16-mixed" if read_cpu_info().has_native_bf16 else "32-true"
 PRECISIONS: dict[str, tuple[str, str | type[Exception]]] = {
     "fp32": ("32-true", "32-true"),
-    "amp": ("amp", _CPU_AMP),
+    "amp": (_CPU_AMP, _CPU_AMP),  # resolved as the config is read (`${accel_precision:...}`): no call needed
     "bf16_mixed": ("bf16-mixed", "bf16-mixed"),
     "fp16_mixed": ("16-mixed", "bf16-mixed"),  # fp16 autocast does not run on CPU: bf16, with a warning
     "bf16_true": ("bf16-true", "bf16-true"),
@@ -140,10 +141,11 @@ def test_presets_set_the_ladder(compose_train) -> None:
     baseline = compose_train(["preset=baseline"])
     assert (baseline.trainer.precision, baseline.data.num_workers, baseline.trainer.devices) == ("32-true", 0, 1)
     amp = compose_train(["preset=amp"])
-    assert amp.trainer.precision == "amp" and amp.data.num_workers > 0  # resolved per hardware at launch
+    amp_raw = OmegaConf.to_container(amp.trainer, resolve=False)["precision"]
+    assert amp_raw.startswith("${accel_precision:amp") and amp.data.num_workers > 0  # resolved per hardware
     ddp = compose_train(["preset=ddp"])
     assert ddp.trainer.strategy._target_.endswith("DDPStrategy") and ddp.trainer.devices == "auto"
-    assert ddp.trainer.precision == "amp"
+    assert OmegaConf.to_container(ddp.trainer, resolve=False)["precision"] == amp_raw
     for cfg in (amp, ddp):  # the DataLoader's workers are found by timing real steps
         assert cfg.callbacks.dataloader_tuner._target_.endswith("DataLoaderTuner")
     assert "dataloader_tuner" not in baseline.callbacks
@@ -208,3 +210,25 @@ def test_schedule_keys_change_from_the_command_line(compose_train) -> None:
     assert instantiate(cfg.callbacks.accumulation).scheduling == {0: 1, 50: 2}
     assert instantiate(compose_train(["accumulation=schedule"]).callbacks.accumulation).scheduling == {
         0: 1, 100: 2, 300: 4}  # fmt: skip
+
+
+def test_precision_amp_builds_a_trainer_in_an_app_that_never_calls_apply_precision(tmp_path) -> None:
+    """A lightning-hydra-template app with `precision=amp` instantiated its Trainer with `precision='amp'` and got
+    Lightning's "Precision 'amp' is invalid": the resolver, registered by the search-path plugin Hydra imports in
+    every app, gives this machine's precision string."""
+    import subprocess
+    import sys
+
+    app = tmp_path / "app.py"
+    app.write_text(
+        "import hydra\nfrom hydra.utils import instantiate\n\n"
+        "@hydra.main(version_base='1.3', config_path=None, config_name='train')\n"
+        "def main(cfg):\n    trainer = instantiate(cfg.trainer, logger=False)\n"
+        "    print('PRECISION', trainer.precision)\n\n"
+        "if __name__ == '__main__':\n    main()\n"
+    )
+    done = subprocess.run([sys.executable, str(app), "hydra.searchpath=[pkg://lightning_accel.conf]", "precision=amp",
+                           "trainer.accelerator=cpu", "~trainer.plugins", f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "PRECISION bf16-mixed" in done.stdout or "PRECISION 32-true" in done.stdout

@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
+from omegaconf import OmegaConf
 
 PROVIDER = "lightning_accel"
 PATH = "pkg://lightning_accel.conf"
+
+
+def _lazy(name: str) -> Any:
+    """A resolver that imports lightning_accel when a config resolves it, not when Hydra scans its plugins (which
+    would import torch in every Hydra app)."""
+
+    def resolve(*args: Any) -> Any:
+        from lightning_accel import launch
+
+        return getattr(launch, name)(*args)
+
+    return resolve
+
+
+# The resolvers this package's configs use (`${accel_precision:amp,...}` in precision=amp, `${accel_run_id:...}` and
+# `${accel_job_name:...}` in hydra=default), so that any app using them (lightning-hydra-template's, say) resolves
+# them with no call of ours: a Trainer from `precision=amp` gets this machine's precision string.
+for _name, _function, _cached in (
+    ("accel_precision", "precision_resolver", True),
+    ("accel_run_id", "resolve_run_id", True),
+    ("accel_unique", "unique_stamp", True),
+    ("accel_job_name", "external_rank_job_name", False),
+):
+    if not OmegaConf.has_resolver(_name):
+        OmegaConf.register_new_resolver(_name, _lazy(_function), use_cache=_cached)
 
 
 class LightningAccelSearchPathPlugin(SearchPathPlugin):
