@@ -78,14 +78,17 @@ def interrupt_once(tmp_path: Path, signum: int, target: str) -> tuple[float, int
 
 
 def _resume(tmp_path: Path, step: int) -> None:
+    """Resume from last.ckpt to the next multiple of 5 (where the checkpoint callback saves again)."""
     run_dir = tmp_path / "run"
     last = run_dir / "checkpoints" / "last.ckpt"
-    done = subprocess.run([sys.executable, "-m", "lightning_accel.train", *SMOKE, f"trainer.max_steps={step + 2}",
+    target = (step // 5 + 1) * 5
+    done = subprocess.run([sys.executable, "-m", "lightning_accel.train", *SMOKE, f"trainer.max_steps={target}",
                            f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'resumed'}"],
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-    assert resumed["global_step"] == step + 2
+    assert resumed["global_step"] == target
+    assert f"Restoring states from the checkpoint path at {last}" in done.stdout + done.stderr
 
 
 CASES = [(signal.SIGTERM, "rank1"), (signal.SIGINT, "group")]  # the rest, 10 times each: -m slow
