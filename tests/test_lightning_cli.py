@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,7 @@ def test_the_cli_example_trains_on_two_ranks_with_our_callbacks_and_lightnings_t
     assert "timeout: 1800" in config and "lightning_accel.callbacks.StopOnSignal" in config
 
 
+@pytest.mark.slow  # the clash itself: tests/strategies/test_nccl.py, in process
 def test_a_clash_of_lightnings_timeout_and_ours_is_named(tmp_path: Path) -> None:
     done = _cli(tmp_path, "--trainer.strategy.init_args.timeout_s=60", "--trainer.max_steps=1")
     assert done.returncode != 0

@@ -83,6 +83,7 @@ def test_io_bound_dataset_gets_more_workers_than_cpus(tmp_path: Path) -> None:
     assert max(t.settings.num_workers for t in tuner.trials) <= 4 * CPUS  # max_workers: 4 x the CPUs by default
 
 
+@pytest.mark.slow  # ~40 s; the I/O-bound cases cover the default suite
 def test_cpu_bound_dataset_gets_what_the_cpus_give(tmp_path: Path) -> None:
     # ~20 ms of Python per batch and ~8 ms per step, all on the same 2 CPUs (training on the CPU)
     tuner, referee = _tune_and_referee(cases.BusyDataset(), tmp_path, batch_size=16, step_loops=150_000)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from _run_logs import config_digests
 
 # A few steps of a small GPT on 2 CPU processes under ModelParallelStrategy, parallelized by callbacks.parallelize.
@@ -31,6 +32,7 @@ def test_model_parallel_two_cpu_processes_share_one_run_directory(run_cli, tmp_p
     assert len(list(Path(summary["best_checkpoint"]).glob("*.distcp"))) == 2
 
 
+@pytest.mark.slow  # the DDP multirun case (tests/test_train.py) covers the same launcher path by default
 def test_multirun_with_model_parallel_keeps_one_sweep_directory(run_cli, tmp_path: Path) -> None:
     """Job 0 shards with FSDP2 (dp=2), job 1 splits layers with tensor parallelism (tp=2); Lightning #11300 again."""
     result = run_cli(["-m", *MODEL_PARALLEL, "trainer.strategy.tensor_parallel_size=1,2"], cwd=tmp_path)
