@@ -106,17 +106,21 @@ def check_app_config(cfg: DictConfig) -> list[str]:
 
     from lightning_accel.errors import LightningAccelWarning
 
-    if all(isinstance(cfg.get(node), DictConfig) and "_target_" in cfg.get(node) for node in ("trainer", "model", "data")):
+    if all(
+        isinstance(cfg.get(node), DictConfig) and "_target_" in cfg.get(node) for node in ("trainer", "model", "data")
+    ):
         check_config(cfg)
     choices = dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
     callbacks = cfg.get("callbacks") or {}
     warnings = []
     for (group, option), name in _GROUP_CALLBACKS.items():
         if choices.get(group) == option and name not in callbacks:
-            warnings.append(f"`{group}={option}` adds `callbacks.{name}`, but the composed config has no such callback "
-                            "(a `callbacks: null` later in the defaults, as lightning-hydra-template's debug configs "
-                            f"set, dropped it): the run does not do what `{group}={option}` says. Put "
-                            f"`{group}: {option}` after the config that empties `callbacks`, or add it back.")  # fmt: skip
+            warnings.append(
+                f"`{group}={option}` adds `callbacks.{name}`, but the composed config has no such callback (a "
+                "`callbacks: null` later in the defaults, as lightning-hydra-template's debug configs set, dropped "
+                f"it): the run does not do what `{group}={option}` says. Put `{group}: {option}` after the config "
+                "that empties `callbacks`, or add it back."
+            )
     for message in warnings:
         rank_zero_warn(message, category=LightningAccelWarning)
     return warnings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -14,6 +15,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
+from lightning_accel.patching import patch_attribute
 from lightning_accel.schedules import AccumulationPlan
 
 __all__ = ["AccumulationScheduler", "ScheduleError", "ScheduleTypeError", "UnsupportedAccumulationError"]
@@ -108,7 +110,7 @@ class AccumulationScheduler(Callback):
         self._window_size = 0  # micro-batches of the current window
         self._window_pos = 0  # micro-batches of the current window started so far
         self._saved_accumulate = 1
-        self._restore: list[Callable[[], None]] = []
+        self._restore = ExitStack()  # the loop patches; closed in teardown and on_exception
         self._fsdp_modules: list[Any] = []
         self._loaded_plan: dict[str, Any] | None = None  # the plan of a loaded checkpoint, until this one resolves
         self._verified = False  # the first batch was checked against the global batch
@@ -194,15 +196,20 @@ class AccumulationScheduler(Callback):
         self._verified = False
         self._window_size = self._window_pos = 0
         self._saved_accumulate = trainer.accumulate_grad_batches
+        self._restore.close()
         self._restore = _take_over_loop(trainer, self)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        for undo in self._restore:
-            undo()
-        self._restore = []
+        if stage == "fit":
+            self._undo(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._undo(trainer)  # Lightning skips teardown after an exception
+
+    def _undo(self, trainer: pl.Trainer) -> None:
+        self._restore.close()
         for module in self._fsdp_modules:
             module.set_requires_gradient_sync(True, recurse=False)
         self._fsdp_modules = []
@@ -368,22 +375,16 @@ def _loader_batch_size(trainer: pl.Trainer, required: bool = True) -> int | None
     return size
 
 
-def _take_over_loop(trainer: pl.Trainer, scheduler: AccumulationScheduler) -> list[Callable[[], None]]:
+def _take_over_loop(trainer: pl.Trainer, scheduler: AccumulationScheduler) -> ExitStack:
     """Make Lightning's training loop step and zero gradients at this scheduler's window boundaries.
 
     Lightning decides both with `batch_idx % accumulate_grad_batches` within an epoch, which only holds for windows
-    of one size aligned to the epoch start. Two methods of the loop objects are shadowed on the instances (restored
-    by the returned callables): `_TrainingEpochLoop._accumulated_batches_reached` and
-    `_AutomaticOptimization._make_zero_grad_fn` (Lightning 2.x).
+    of one size aligned to the epoch start. Two methods of the loop objects are shadowed on the instances through
+    `patch_attribute`: `_TrainingEpochLoop._accumulated_batches_reached` and
+    `_AutomaticOptimization._make_zero_grad_fn` (Lightning 2.x). The returned stack undoes both.
     """
     epoch_loop = trainer.fit_loop.epoch_loop
     automatic = epoch_loop.automatic_optimization
-    for obj, name in ((epoch_loop, "_accumulated_batches_reached"), (automatic, "_make_zero_grad_fn")):
-        if not callable(getattr(obj, name, None)):
-            raise RuntimeError(
-                f"AccumulationScheduler needs `{type(obj).__name__}.{name}`, which this Lightning "
-                f"{pl.__version__} lacks; use Lightning 2.x or Lightning's GradientAccumulationScheduler."
-            )
 
     def make_zero_grad_fn(batch_idx: int, optimizer: torch.optim.Optimizer) -> Callable[[], None] | None:
         if automatic._skip_backward or scheduler._window_pos != 1:
@@ -395,14 +396,12 @@ def _take_over_loop(trainer: pl.Trainer, scheduler: AccumulationScheduler) -> li
 
         return zero_grad_fn
 
-    epoch_loop._accumulated_batches_reached = lambda: scheduler.window_complete
-    automatic._make_zero_grad_fn = make_zero_grad_fn
-
-    def undo() -> None:
-        for obj, name in ((epoch_loop, "_accumulated_batches_reached"), (automatic, "_make_zero_grad_fn")):
-            obj.__dict__.pop(name, None)
-
-    return [undo]
+    why = "AccumulationScheduler (or use Lightning's GradientAccumulationScheduler)"
+    stack = ExitStack()
+    stack.callback(patch_attribute(epoch_loop, "_accumulated_batches_reached", lambda: scheduler.window_complete,
+                                   why=why))  # fmt: skip
+    stack.callback(patch_attribute(automatic, "_make_zero_grad_fn", make_zero_grad_fn, why=why))
+    return stack
 
 
 def _fsdp_modules(pl_module: pl.LightningModule) -> list[Any]:
