@@ -342,9 +342,11 @@ def _quiet_child_observer() -> None:
     rank 0 included, when one exits non-zero: the children's agreed exit 128 + N would turn rank 0's own exit into
     -9 whenever it ends a poll later than they do. Its `child-process-observer` thread is told it is done (a Lightning
     internal; absent elsewhere, nothing happens); the watchdog still bounds the way out."""
+    from lightning_accel.patching import patch_attribute
+
     for thread in threading.enumerate():
         if thread.name == "child-process-observer" and callable(getattr(thread, "_run", None)):
-            thread._run = lambda: True  # type: ignore[attr-defined]
+            patch_attribute(thread, "_run", lambda: True)  # kept: the process is on its way out
 
 
 def _end_process(signum: int, grace_s: float) -> None:
