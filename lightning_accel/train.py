@@ -7,6 +7,7 @@ import logging
 import re
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,8 +75,9 @@ def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
     return resolved
 
 
-def apply_nccl(cfg: DictConfig) -> NcclPlan | None:
-    """Set the NCCL variables of `cfg.nccl.preset` for a CUDA run (the launched ranks inherit them) and log them.
+def apply_nccl(cfg: DictConfig, undo: ExitStack | None = None) -> NcclPlan | None:
+    """Set the NCCL variables of `cfg.nccl.preset` for a CUDA run (the launched ranks inherit them) and log them;
+    with `undo`, the stack removes them again when it closes (accel-train closes it at the end of each job).
 
     Raises:
         ConfigError: for an unknown preset, or `nccl=ib` without an ACTIVE InfiniBand/RoCE port.
@@ -94,7 +96,9 @@ def apply_nccl(cfg: DictConfig) -> NcclPlan | None:
                          num_nodes=int(cfg.trainer.get("num_nodes", 1)), trace_dir=trace_dir)  # fmt: skip
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    plan.apply()
+    removal = plan.apply()
+    if undo is not None:
+        undo.callback(removal)
     log.info(plan.describe())
     return plan
 
@@ -217,6 +221,12 @@ def _drop_logger_callbacks(callbacks: list[Any]) -> list[Any]:
 
 
 def run(cfg: DictConfig) -> RunSummary | None:
+    """See `_run`; what the job sets in `os.environ` (NCCL variables) is removed when it ends, however it ends."""
+    with ExitStack() as job_env:
+        return _run(cfg, job_env)
+
+
+def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     """Check the composed config, build data, model, callbacks, loggers and Trainer, fit, test and summarise.
 
     Returns the summary on global rank zero, None on the other ranks.
@@ -231,7 +241,7 @@ def run(cfg: DictConfig) -> RunSummary | None:
     compression = apply_ddp_grad_compression(cfg)
     if compression:
         log.info(compression)
-    apply_nccl(cfg)
+    apply_nccl(cfg, job_env)
     check_ckpt_path(cfg)
     callbacks = instantiate_callbacks(cfg)  # their own argument checks, before anything is built or spawned
     split_data_config(OmegaConf.to_container(cfg.data, resolve=True))  # a data setting its target does not take

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,11 +26,21 @@ class NcclPlan:
     notes: list[str] = field(default_factory=list)
     """Why each choice was made, for the log."""
 
-    def apply(self, env: dict[str, str] | os._Environ[str] | None = None) -> None:
-        """Write `set` into `env` (None: `os.environ`, inherited by every rank Lightning launches)."""
+    def apply(self, env: dict[str, str] | os._Environ[str] | None = None) -> Callable[[], None]:
+        """Write `set` into `env` (None: `os.environ`, inherited by every rank Lightning launches); returns the undo,
+        which removes what this call added (a value changed since is left alone), so the next job of a
+        same-process multirun starts from the user's environment, not this job's."""
         target = os.environ if env is None else env
-        for key, value in self.set.items():
-            target.setdefault(key, value)
+        added = {key: value for key, value in self.set.items() if key not in target}
+        target.update(added)
+
+        def undo() -> None:
+            for key, value in added.items():
+                if target.get(key) == value:
+                    del target[key]
+            added.clear()
+
+        return undo
 
     def describe(self) -> str:
         parts = [f"nccl={self.preset}: set " + (", ".join(f"{k}={v}" for k, v in self.set.items()) or "nothing")]

@@ -142,3 +142,26 @@ def test_ddp_strategy_accepts_lightnings_timeout_and_refuses_a_clash() -> None:
         DDPStrategy(timeout=timedelta(seconds=90), timeout_s=60)
     with pytest.raises(ValueError, match="`timeout=-1` must be a positive number of seconds"):
         DDPStrategy(timeout=-1)
+
+
+def test_two_same_process_jobs_see_only_their_own_nccl_variables(compose_train, monkeypatch) -> None:
+    """A same-process multirun (`-m nccl=nvls_off,socket`): job 2 inherited job 1's NCCL_* and reported them as
+    "kept yours". Each job's variables are removed when it ends; the user's own stay."""
+    import os
+    from contextlib import ExitStack
+
+    from lightning_accel import train
+
+    for key in [k for k in os.environ if k.startswith(("NCCL_", "TORCH_NCCL_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")  # the user's own
+    monkeypatch.setattr(train, "runs_on_cuda", lambda cfg: True)
+    with ExitStack() as job:
+        first = train.apply_nccl(compose_train(["nccl=nvls_off"]), job)
+        assert first is not None and os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert "NCCL_NVLS_ENABLE" not in os.environ and os.environ["NCCL_DEBUG"] == "WARN"
+    with ExitStack() as job:
+        second = train.apply_nccl(compose_train(["nccl=socket"]), job)
+        assert second is not None and "NCCL_NVLS_ENABLE" not in os.environ
+        assert second.kept == {k: v for k, v in second.kept.items() if k == "NCCL_DEBUG"}  # only the user's
+    assert not [k for k in os.environ if k.startswith(("NCCL_", "TORCH_NCCL_")) and k != "NCCL_DEBUG"]
