@@ -27,8 +27,8 @@ def rank_zero_warn(message: str, **kwargs: Any) -> None:
 
 
 __all__ = [
-    "FLOAT32_MATMUL_PRECISIONS", "LIGHTNING_PRECISIONS", "PRECISION_SENTINELS", "Hardware", "ResolvedPrecision",
-    "apply_float32_matmul_precision", "resolve_precision",
+    "FLOAT32_MATMUL_PRECISIONS", "LIGHTNING_PRECISIONS", "PIPELINE_PRECISIONS", "PRECISION_CHOICES",
+    "PRECISION_SENTINELS", "Hardware", "ResolvedPrecision", "apply_float32_matmul_precision", "resolve_precision",
 ]  # fmt: skip
 
 PRECISION_SENTINELS = ("amp", "fp8")
@@ -37,6 +37,13 @@ LIGHTNING_PRECISIONS = (
     "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true",
     "64-true",
 )  # fmt: skip
+LIGHTNING_SHORT_PRECISIONS = ("16", "32", "64", "bf16")
+"""Lightning's older short spellings, still accepted by `Trainer(precision=...)`."""
+PRECISION_CHOICES = PRECISION_SENTINELS + LIGHTNING_PRECISIONS + LIGHTNING_SHORT_PRECISIONS
+"""Every `trainer.precision` a config may hold (checked before launch)."""
+PIPELINE_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "bf16", "16-true")
+"""What `strategy=pipeline` runs: fp16 mixed precision needs a GradScaler around a backward the schedule runs
+itself; Transformer Engine and fp8 are not wired through pipeline stages."""
 FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")
 """Values of `torch.set_float32_matmul_precision`: `high` allows TF32 (or bf16x3), `medium` bf16 matmuls."""
 

@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_accel.errors import ConfigError
+from lightning_accel.precision import FLOAT32_MATMUL_PRECISIONS, PRECISION_CHOICES
 
 __all__ = [
     "check_app_config",
@@ -20,11 +21,6 @@ __all__ = [
 ]
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
-# `amp` and `fp8` are resolved per hardware (lightning_accel.precision) before the Trainer is built.
-_PRECISIONS = (
-    "amp", "fp8", "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
-    "32-true", "64-true", "16", "32", "64", "bf16",
-)  # fmt: skip
 _DEVICES_STR = re.compile(r"^\s*(auto|-1|\d+|\d+\s*(,\s*\d+\s*)*,?)\s*$")
 
 
@@ -44,11 +40,11 @@ def check_config(cfg: DictConfig) -> None:
     _check_devices(trainer.get("devices", "auto"))
     _check_choice("trainer.accelerator", trainer.get("accelerator", "auto"), _ACCELERATORS)
     _check_choice(
-        "trainer.precision", trainer.get("precision", "32-true"), _PRECISIONS, hint="or pick `precision=NAME`"
+        "trainer.precision", trainer.get("precision", "32-true"), PRECISION_CHOICES, hint="or pick `precision=NAME`"
     )
     _check_strategy(trainer.get("strategy", "auto"))
     if cfg.get("float32_matmul_precision") is not None:
-        _check_choice("float32_matmul_precision", cfg.float32_matmul_precision, ("highest", "high", "medium"),
+        _check_choice("float32_matmul_precision", cfg.float32_matmul_precision, FLOAT32_MATMUL_PRECISIONS,
                       hint="or null to leave it alone")  # fmt: skip
     _check_int("trainer.num_nodes", trainer.get("num_nodes", 1), minimum=1)
     _check_int("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), minimum=1)

@@ -10,24 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
+
+from lightning_accel.batches import samples_in
 
 __all__ = ["RunStats", "RunSummary", "collect_summary", "print_summary", "write_summary"]
 
 # Reference figures a datamodule may expose, shown beside the metrics (the examples' text data has these).
 _BASELINE_ATTRS = ("unigram_bpc", "uniform_bpc")
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else 1
-    if isinstance(batch, dict):
-        return _batch_size(next(iter(batch.values()))) if batch else 0
-    if isinstance(batch, (list, tuple)):
-        return _batch_size(batch[0]) if batch else 0
-    return 0
 
 
 class RunStats(Callback):
@@ -46,7 +37,7 @@ class RunStats(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.samples += _batch_size(batch)
+        self.samples += samples_in(batch)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from lightning_accel.batches import samples_in
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.patching import patch_attribute
 from lightning_accel.schedules import AccumulationPlan
@@ -260,10 +261,8 @@ class AccumulationScheduler(Callback):
     def _verify_global_batch(self, trainer: pl.Trainer, batch: Any, micro_batches: int) -> None:
         """The first batch's real size against the one the global batch was computed from: a mismatch is an error,
         never a run that trains on another batch than it logs."""
-        from lightning_accel.tuning.dataloader.loop import batch_size_of
-
         self._verified = True
-        real = batch_size_of(batch)
+        real = samples_in(batch, default=1)
         micro = self.global_batch_size // (micro_batches * trainer.world_size)  # type: ignore[operator]
         if real not in (1, micro) and real < micro * 2:  # 1: no tensor to count; a first batch is a full one
             actual = real * trainer.world_size * micro_batches

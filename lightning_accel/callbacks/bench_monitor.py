@@ -16,6 +16,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_accel.batches import samples_in
+
 __all__ = ["BenchMonitor", "StageMeasurement"]
 
 MODES = ("min", "max")
@@ -252,7 +254,7 @@ class BenchMonitor(Callback):
         if not callable(declared):
             return
         try:
-            self.measurement.flops_per_batch = float(declared(_batch_size(batch)))
+            self.measurement.flops_per_batch = float(declared(samples_in(batch)))
             self.measurement.flops_source = f"{type(pl_module).__name__}.flops_per_batch"
         except Exception:  # another signature than flops_per_batch(batch_size): count instead
             self.measurement.flops_per_batch = None
@@ -280,7 +282,7 @@ class BenchMonitor(Callback):
             except Exception as err:
                 m.flops_source = f"not counted: {type(err).__name__}: {err}"
         replicas = _data_parallel_replicas(trainer)  # pipeline and tensor-parallel ranks share their batches
-        samples = _batch_size(batch) * replicas
+        samples = samples_in(batch) * replicas
         tokens = _batch_tokens(batch) * replicas
         m.batches += 1
         m.samples += samples
@@ -362,16 +364,6 @@ class BenchMonitor(Callback):
 
 def _reached(value: float, target: float, mode: str) -> bool:
     return value <= target if mode == "min" else value >= target
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else 1
-    if isinstance(batch, dict):
-        return _batch_size(next(iter(batch.values()))) if batch else 0
-    if isinstance(batch, (list, tuple)):
-        return _batch_size(batch[0]) if batch else 0
-    return 0
 
 
 def _batch_tokens(batch: Any) -> int:

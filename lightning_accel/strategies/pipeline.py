@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
+from lightning_accel.precision import PIPELINE_PRECISIONS  # one home for precision names
 from lightning_accel.strategies.checkpoint_io import (
     recover_directory,
     remove_stale_staging,
@@ -41,10 +42,6 @@ from lightning_accel.strategies.pipeline_stages import (
 )
 
 __all__ = ["PIPELINE_PRECISIONS", "PipelineStrategy"]
-
-# fp16 mixed precision needs a GradScaler around a backward the schedule runs itself; Transformer Engine and fp8 are
-# not wired through pipeline stages.
-PIPELINE_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "bf16", "16-true")
 
 
 class PipelineStrategy(_LightningModelParallelStrategy):

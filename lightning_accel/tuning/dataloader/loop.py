@@ -15,11 +15,11 @@ import lightning.pytorch as pl
 import psutil
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
+from lightning_accel.batches import samples_in
 from lightning_accel.system import read_cpu_info, read_memory_limit
 from lightning_accel.tuning.dataloader import policy
 from lightning_accel.tuning.dataloader.timing import (
@@ -222,10 +222,7 @@ def memory_free(processes: int) -> int:
 
 def batch_size_of(batch: Any) -> int:
     """Samples in a batch, read from its first tensor; 1 when it holds none (then throughput counts batches)."""
-    try:
-        return extract_batch_size(batch)
-    except Exception:  # Lightning's MisconfigurationException: no tensor to read it from
-        return 1
+    return samples_in(batch, default=1)
 
 
 def search_in_lockstep(
