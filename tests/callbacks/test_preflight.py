@@ -179,6 +179,8 @@ def _ddp_main(out: Path) -> None:
     except PreflightError as err:
         error = f"PreflightError: {err}"
     (out / f"rank{rank}.json").write_text(json.dumps({"error": error, "steps": model.steps}))
+    if torch.distributed.is_initialized():  # else gloo's threads can abort the exit ("terminate called ...")
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
