@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from _env import DISTRIBUTED_ENV
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -19,10 +20,7 @@ from lightning_accel.launch import register_resolvers
 
 CONF_MODULE = "lightning_accel.conf"
 
-# Set by an in-process distributed fit (Lightning's launcher writes them into os.environ); a subprocess that inherits
-# LOCAL_RANK believes its ranks were launched for it and waits for them forever.
-_DISTRIBUTED_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")  # fmt: skip
+_DISTRIBUTED_ENV = DISTRIBUTED_ENV
 
 
 @pytest.fixture(autouse=True)

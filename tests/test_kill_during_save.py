@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from _env import clean_env
 
 from lightning_accel.strategies import consolidate_checkpoint
 
@@ -72,8 +73,7 @@ COMMON = ["trainer.accelerator=cpu", "data.max_chars=200000", "test=false", "tra
 
 def _env(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "killmod.py").write_text(_KILLER)
-    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env = clean_env()
     env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     return env
 

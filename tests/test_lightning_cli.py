@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _env import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env = clean_env()
     examples = ROOT / "examples"
     command = [sys.executable, str(examples / "cli.py"), "fit", "--config", str(examples / "cli.yaml"),
                f"--trainer.default_root_dir={tmp_path}", "--data.max_chars=200000", *args]  # fmt: skip

@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from _env import clean_env
 
 APP = Path(__file__).parent / "template_app"
 
 
 def _run(tmp_path: Path, *overrides: str) -> tuple[dict, str]:
-    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join([str(APP), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, str(APP / "train.py"), *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip

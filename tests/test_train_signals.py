@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from _env import clean_env
 
 SMOKE = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000", "strategy=ddp", "trainer.devices=2",
          "test=false", "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.every_n_train_steps=5",
@@ -24,8 +25,7 @@ DEADLINE_S = 30.0
 
 
 def _env() -> dict[str, str]:
-    drop = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "TORCHELASTIC_RUN_ID"}
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONUNBUFFERED": "1"}
+    return clean_env(PYTHONUNBUFFERED="1")
 
 
 def _ranks(proc: subprocess.Popen, timeout: float = 120.0) -> list[psutil.Process]:
