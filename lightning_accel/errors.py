@@ -1,8 +1,23 @@
-"""The project's exception and warning classes."""
+"""The project's exception and warning classes.
+
+One family for users' mistakes: `ConfigError` (a `ValueError`) and `ConfigTypeError` (also a `TypeError`), so
+`except ValueError` / `except TypeError` in a user's script keeps working. A library constructor names its own
+arguments (`n_stages=3`), not a Hydra path; it passes `setting="n_stages"`, and the composition layer, which knows
+where the value came from, rewrites the message with `err.at("trainer.strategy")` to say `trainer.strategy.n_stages=3`.
+"""
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "LightningAccelError", "LightningAccelWarning", "NonFiniteLossError", "PreflightError"]
+import re
+
+__all__ = [
+    "ConfigError",
+    "ConfigTypeError",
+    "LightningAccelError",
+    "LightningAccelWarning",
+    "NonFiniteLossError",
+    "PreflightError",
+]
 
 
 class LightningAccelError(Exception):
@@ -10,7 +25,37 @@ class LightningAccelError(Exception):
 
 
 class ConfigError(LightningAccelError, ValueError):
-    """A setting that cannot work; the message names the setting, the value received and the fix."""
+    """A setting that cannot work; the message names the setting, the value received and the fix.
+
+    Args:
+        message: the whole message, naming the setting as a constructor argument in backticks (`` `n_stages=3` ``).
+        setting: the argument's name when the error is about one argument; `at(prefix)` then rewrites every
+            backticked mention of it (`` `n_stages `` -> `` `trainer.strategy.n_stages ``).
+    """
+
+    def __init__(self, message: str = "", *, setting: str | None = None) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+    def at(self, prefix: str) -> ConfigError:
+        """The same error, of the same class, with the setting named by its config path under `prefix`
+        (e.g. `"trainer.strategy"`); an error without a `setting`, or one already under `prefix`, comes back as is."""
+        message = str(self)
+        if not self.setting or not prefix:
+            return self
+        pattern = re.compile(r"`" + re.escape(self.setting) + r"(?=[`=\[.])")
+        moved = pattern.sub(f"`{prefix}.{self.setting}", message)
+        if moved == message:
+            return self
+        err = type(self).__new__(type(self))
+        Exception.__init__(err, moved)
+        err.setting = f"{prefix}.{self.setting}"
+        err.__cause__, err.__traceback__ = self.__cause__, self.__traceback__
+        return err
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A setting of the wrong type (a string where a number belongs); otherwise as `ConfigError`."""
 
 
 class NonFiniteLossError(LightningAccelError):
