@@ -1,4 +1,4 @@
-"""GPUMonitor scenarios: a tiny model, a recording logger, a driver that scripts time, and the 2-process run.
+"""GPUMonitor scenarios: a slow loader, a recording logger, a driver that scripts time, and the 2-process run.
 
 Run under torchrun (`python -m torch.distributed.run --nproc-per-node=2 _gpu_monitor_cases.py OUT node`, or two
 launches with `--nnodes=2 --nproc-per-node=1 --node-rank=K ... OUT nodes`), every rank installs a fake NVML of two
@@ -19,8 +19,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from _fake_nvml import FakeClock, FakeGPU, FakeNVML
+from _tiny import TinyRegression
 from lightning.pytorch.loggers import Logger
-from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_accel.callbacks.gpu_monitor import GPUMonitor
@@ -48,22 +48,6 @@ class Data(Dataset):
 
 def loader(batches: int = BATCHES_PER_EPOCH, sleep_s: float = 0.0) -> DataLoader:
     return DataLoader(Data(2 * batches, sleep_s), batch_size=2)
-
-
-class TinyModel(pl.LightningModule):
-    def __init__(self, step_sleep_s: float = 0.0) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 1)
-        self.step_sleep_s = step_sleep_s
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.step_sleep_s:
-            time.sleep(self.step_sleep_s)
-        x, y = batch
-        return nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 class RecordingLogger(Logger):
@@ -152,7 +136,7 @@ def run_distributed(out: Path, topology: str) -> dict[str, Any]:
     sleep_s = 0.015 if rank == 1 else 0.0  # rank 1 waits 30 ms per batch for data: the straggler
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(TinyModel(), DataLoader(Data(40, sleep_s), batch_size=2))
+        trainer.fit(TinyRegression(), DataLoader(Data(40, sleep_s), batch_size=2))
     return {
         "rank": rank, "node": node, "local_rank": trainer.local_rank, "global_step": trainer.global_step,
         "sampled": any(driver.sampled_on), "own_group": all(driver.own_group), "nvml_inits": fake.inits,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import io
 import itertools
 import json
 import os
@@ -19,6 +22,8 @@ import _gpu_monitor_cases as cases
 import lightning.pytorch as pl
 import pytest
 from _fake_nvml import FakeClock, FakeGPU, FakeNVML, install
+from _tiny import TinyRegression
+from _wait import wait_until
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
@@ -85,7 +90,7 @@ class Run:
         )  # fmt: skip
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(cases.TinyModel(), cases.loader(), ckpt_path=ckpt_path)
+            trainer.fit(TinyRegression(), cases.loader(), ckpt_path=ckpt_path)
         return trainer, recorder, [str(w.message) for w in caught if issubclass(w.category, LightningAccelWarning)]
 
 
@@ -103,49 +108,102 @@ def _ours(recorder: cases.RecordingLogger) -> dict[int, dict[str, float]]:
     return steps
 
 
-def test_logged_windows_alerts_and_report_follow_the_script(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monitor = _monitor(print_report=True)
-    trainer, recorder, warned = Run(monkeypatch, tmp_path).fit(monitor)
-    assert trainer.global_step == 30
-    logged = _ours(recorder)
-    assert sorted(logged) == [*LOG_STEPS, 30]  # 30: the summary at the end
-    for window, step in enumerate(LOG_STEPS):
-        got = logged[step]
-        util0, util1 = _expected(_gpu0_util, window), _expected(_gpu1_util, window)
-        assert (got["gpu/0/utilization_pct"], got["gpu/0/utilization_pct/min"], got["gpu/0/utilization_pct/max"]) \
-            == pytest.approx(util0, abs=1e-9)  # fmt: skip
-        assert got["gpu/1/utilization_pct"] == pytest.approx(util1[0], abs=1e-9)
-        assert got["gpu/0/power_w"] == pytest.approx(_expected(lambda t: 300 + 10 * t, window)[0], abs=1e-9)
-        used = _expected(lambda t: 60_000 + 2_000 * t, window)
-        assert (got["gpu/1/memory_used_mib"], got["gpu/1/memory_used_mib/max"]) == pytest.approx(used[::2], abs=1e-6)
-        assert got["gpu/1/memory_used_pct/max"] == pytest.approx(100 * used[2] / 81_559, abs=1e-9)
-        thermal = _expected(lambda t: float(t >= 6), window)[0]
-        assert got["gpu/0/throttle_thermal_frac"] == got["gpu/0/throttle_any_frac"] == pytest.approx(thermal)
-        assert got["gpu/0/energy_wh"] == pytest.approx(350 * T[5 * window + 4] / 3600)
-        assert got["gpus/utilization_pct/max"] == pytest.approx(max(util0[0], util1[0]), abs=1e-9)
-        assert got["gpu/0/tensor_activity_pct"] == 50.0 and "gpu/1/tensor_activity_pct" not in got  # GPM: Hopper only
-        assert "gpu/1/pcie_rx_mb_s" not in got and got["gpu/0/pcie_rx_mb_s"] == 1.0  # NotSupported: dropped
-        assert 0 <= got["gpu_monitor/overhead_pct"] < 100
-        assert not any(k.startswith("ranks/") for k in got)  # one process
-    per_gpu = {k.split("/", 2)[2] for k in logged[14] if k.startswith("gpu/0/")}
+@dataclasses.dataclass(frozen=True)
+class Scripted:
+    """What the fit of `_script()` left: the tests below each check one aspect of it."""
+
+    monitor: GPUMonitor
+    trainer: pl.Trainer
+    logged: dict[int, dict[str, float]]  # our metrics by step
+    warned: list[str]  # our warnings' messages
+    printed: str  # stdout of the fit
+    run_dir: Path  # the CSV logger's directory
+
+    def report(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "gpu_report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> Scripted:
+    """One fit of 3 epochs over `_script()`'s GPUs, shared by the tests of what it logs, warns and reports."""
+    tmp_path = tmp_path_factory.mktemp("scripted")
+    with pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stdout(io.StringIO()) as out:
+        monitor = _monitor(print_report=True)
+        trainer, recorder, warned = Run(monkeypatch, tmp_path).fit(monitor)
+    return Scripted(monitor, trainer, _ours(recorder), warned, out.getvalue(), Path(trainer.loggers[0].log_dir))
+
+
+def test_a_window_at_every_log_step_and_the_summary_at_the_end(scripted: Scripted) -> None:
+    assert scripted.trainer.global_step == 30
+    assert sorted(scripted.logged) == [*LOG_STEPS, 30]  # 30: the summary at the end
+
+
+def test_every_window_logs_every_reading_and_its_stats(scripted: Scripted) -> None:
+    per_gpu = {k.split("/", 2)[2] for k in scripted.logged[14] if k.startswith("gpu/0/")}
     expected_keys = {m.name for m in METRICS} | {f"{m.name}/{s}" for m in METRICS for s in ("min", "max")
                                                   if s in m.stats}  # fmt: skip
-    assert per_gpu == expected_keys and all({k for k in logged[s] if k.startswith("gpu/0/")} ==
-                                            {f"gpu/0/{k}" for k in per_gpu} for s in LOG_STEPS)  # fmt: skip
-    # Each alert once, at the step the script implies (windows before warmup_steps=10 are not checked: GPU 0 is
-    # idle at first).
-    alerts = {k.rsplit("/", 1)[1]: s for s, got in logged.items() for k in got if k.startswith("gpu_monitor/alert/")}
+    assert per_gpu == expected_keys
+    for step in LOG_STEPS:
+        assert {k for k in scripted.logged[step] if k.startswith("gpu/0/")} == {f"gpu/0/{k}" for k in per_gpu}, step
+
+
+@pytest.mark.parametrize("window", range(len(LOG_STEPS)))
+def test_window_values_follow_the_script(scripted: Scripted, window: int) -> None:
+    got = scripted.logged[LOG_STEPS[window]]
+    util0, util1 = _expected(_gpu0_util, window), _expected(_gpu1_util, window)
+    assert (got["gpu/0/utilization_pct"], got["gpu/0/utilization_pct/min"], got["gpu/0/utilization_pct/max"]) \
+        == pytest.approx(util0, abs=1e-9)  # fmt: skip
+    assert got["gpu/1/utilization_pct"] == pytest.approx(util1[0], abs=1e-9)
+    assert got["gpu/0/power_w"] == pytest.approx(_expected(lambda t: 300 + 10 * t, window)[0], abs=1e-9)
+    used = _expected(lambda t: 60_000 + 2_000 * t, window)
+    assert (got["gpu/1/memory_used_mib"], got["gpu/1/memory_used_mib/max"]) == pytest.approx(used[::2], abs=1e-6)
+    assert got["gpu/1/memory_used_pct/max"] == pytest.approx(100 * used[2] / 81_559, abs=1e-9)
+    thermal = _expected(lambda t: float(t >= 6), window)[0]
+    assert got["gpu/0/throttle_thermal_frac"] == got["gpu/0/throttle_any_frac"] == pytest.approx(thermal)
+    assert got["gpu/0/energy_wh"] == pytest.approx(350 * T[5 * window + 4] / 3600)
+    assert got["gpus/utilization_pct/max"] == pytest.approx(max(util0[0], util1[0]), abs=1e-9)
+
+
+def test_readings_a_gpu_cannot_give_are_left_out(scripted: Scripted) -> None:
+    for step in LOG_STEPS:
+        got = scripted.logged[step]
+        assert got["gpu/0/tensor_activity_pct"] == 50.0 and "gpu/1/tensor_activity_pct" not in got, step  # GPM: Hopper
+        assert "gpu/1/pcie_rx_mb_s" not in got and got["gpu/0/pcie_rx_mb_s"] == 1.0, step  # NotSupported: dropped
+
+
+def test_one_process_logs_its_overhead_and_no_rank_keys(scripted: Scripted) -> None:
+    for step in LOG_STEPS:
+        got = scripted.logged[step]
+        assert 0 <= got["gpu_monitor/overhead_pct"] < 100, step
+        assert not any(k.startswith("ranks/") for k in got), step
+
+
+def test_each_alert_once_at_the_step_the_script_implies(scripted: Scripted) -> None:
+    # windows before warmup_steps=10 are not checked: GPU 0 is idle at first
+    alerts = {k.rsplit("/", 1)[1]: s for s, got in scripted.logged.items() for k in got
+              if k.startswith("gpu_monitor/alert/")}  # fmt: skip
     assert alerts == {"throttling": 19, "memory_headroom": 24, "low_utilization": 29}
+
+
+def test_each_alert_warns_once_and_says_what_it_saw(scripted: Scripted) -> None:
+    warned = scripted.warned
     assert len(warned) == 3 and [w.split(":")[0] for w in warned] == [f"GPUMonitor at step {s}" for s in (19, 24, 29)]
     assert "`gpu/0` ran with reduced clocks 100% of the last 1.8 s (thermal 100%" in warned[0]
     assert "`gpu/1` peaked at 96.9% of its memory" in warned[1] and "`gpu/1` was busy 20%" in warned[2]
-    # The report: in the CSV logger's directory, with the totals the script implies.
-    run_dir = Path(trainer.loggers[0].log_dir)
-    assert [p.name for p in monitor.report_files] == ["gpu_report.json", "gpu_report.md", "gpu_report.png"]
-    assert all(p.parent == run_dir and p.stat().st_size > 0 for p in monitor.report_files)
-    report = json.loads((run_dir / "gpu_report.json").read_text())
+
+
+def test_the_report_is_written_beside_the_logs_and_printed(scripted: Scripted) -> None:
+    files = scripted.monitor.report_files
+    assert [p.name for p in files] == ["gpu_report.json", "gpu_report.md", "gpu_report.png"]
+    assert all(p.parent == scripted.run_dir and p.stat().st_size > 0 for p in files)
+    assert "| gpu/1 | NVIDIA A100-SXM4-80GB |" in (scripted.run_dir / "gpu_report.md").read_text()
+    assert "GPUMonitor report" in scripted.printed
+    csv_header = (scripted.run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "gpu/0/utilization_pct" in csv_header and len(csv_header) == len(set(csv_header))  # every logger
+
+
+def test_the_report_totals_follow_the_script(scripted: Scripted) -> None:
+    report = scripted.report()
     gpu0, gpu1 = report["gpus"]
     assert (gpu0["gpu"], gpu0["name"], gpu1["name"]) == ("gpu/0", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB")
     assert gpu0["utilization_mean_pct"] == pytest.approx(sum(_gpu0_util(T[s]) * cases.dt(s) for s in range(30)) / T[-1])
@@ -155,11 +213,7 @@ def test_logged_windows_alerts_and_report_follow_the_script(
     assert gpu1["memory_peak_gib"] == pytest.approx((60_000 + 2_000 * T[-1]) / 1024)
     assert [a["name"] for a in report["alerts"]] == ["throttling", "memory_headroom", "low_utilization"]
     assert report["fit_seconds"] == pytest.approx(T[-1]) and report["monitor_overhead_s"] > 0
-    assert "| gpu/1 | NVIDIA A100-SXM4-80GB |" in (run_dir / "gpu_report.md").read_text()
-    assert logged[30]["gpu_monitor/summary/gpu/0/energy_wh"] == pytest.approx(gpu0["energy_wh"])
-    assert "GPUMonitor report" in capsys.readouterr().out
-    csv_header = (run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert "gpu/0/utilization_pct" in csv_header and len(csv_header) == len(set(csv_header))  # every logger
+    assert scripted.logged[30]["gpu_monitor/summary/gpu/0/energy_wh"] == pytest.approx(gpu0["energy_wh"])
 
 
 @pytest.mark.parametrize(
@@ -244,6 +298,21 @@ def test_resuming_continues_the_report(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert [p["t"] for p in resumed_monitor.report.history] == pytest.approx([p["t"] for p in whole.report.history])
 
 
+class _StepsAfterAReading(TinyRegression):
+    """Each training step first waits for a reading by the monitor's sampler thread taken after the step began."""
+
+    def __init__(self, monitor: GPUMonitor) -> None:
+        super().__init__()
+        self.monitor = monitor
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        sampler = self.monitor.sampler
+        assert sampler is not None, "GPUMonitor's sampler is not running"
+        seen = sampler.samples
+        wait_until(lambda: sampler.samples > seen, timeout_s=30, what=f"a reading by the sampler (step {batch_idx})")
+        return super().training_step(batch, batch_idx)
+
+
 def test_the_real_thread_samples_during_a_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import time
 
@@ -252,10 +321,10 @@ def test_the_real_thread_samples_during_a_fit(monkeypatch: pytest.MonkeyPatch, t
     monitor = GPUMonitor(device_indices=[0, 1], interval_s=0.01, report_dir=tmp_path, print_report=False, plot=False)
     trainer = pl.Trainer(accelerator="cpu", max_steps=20, log_every_n_steps=5, callbacks=[monitor], logger=[recorder],
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
-    trainer.fit(cases.TinyModel(step_sleep_s=0.02), cases.loader(batches=20))
+    trainer.fit(_StepsAfterAReading(monitor), cases.loader(batches=20))
     logged = _ours(recorder)
-    assert sum("gpu/1/utilization_pct" in logged.get(s, {}) for s in (4, 9, 14, 19)) >= 3
-    assert fake.calls["nvmlDeviceGetUtilizationRates"] >= 10 and monitor.sampler is None  # stopped at the end
+    assert [s for s in (4, 9, 14, 19) if "gpu/1/utilization_pct" in logged.get(s, {})] == [4, 9, 14, 19]
+    assert fake.calls["nvmlDeviceGetUtilizationRates"] >= 2 * 20 and monitor.sampler is None  # stopped at the end
 
 
 @pytest.mark.parametrize(
