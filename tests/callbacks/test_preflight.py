@@ -1,8 +1,9 @@
 """Preflight: a FAIL stops the fit before its first step, a WARN warns once, and on 2 DDP ranks a bad rank is named.
 
-Run under torchrun (`python -m torch.distributed.run --standalone --nproc-per-node=2 test_preflight.py OUT`) this file
-is the 2-rank scenario: each rank reads a fake tree whose /dev/shm is 16 GiB, except rank 1's, which is 64 MiB, fits
-with `Preflight(checks=["shm"], num_workers=2)` and writes OUT/rank<k>.json with the error it got and its step count.
+Run under torchrun (`_torchrun.torchrun`: `python -m torch.distributed.run --standalone --nproc-per-node=2
+test_preflight.py OUT`, with `tests/` on PYTHONPATH) this file is the 2-rank scenario: each rank reads a fake tree
+whose /dev/shm is 16 GiB, except rank 1's, which is 64 MiB, fits with `Preflight(checks=["shm"], num_workers=2)` and
+writes OUT/rank<k>.json with the error it got and its step count.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -20,37 +20,20 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from _tiny import TinyRegression, tiny_loader
+from _torchrun import torchrun
 
 from lightning_accel.callbacks.preflight import Preflight, _grouped
 from lightning_accel.errors import LightningAccelWarning, PreflightError
 
 
-class Counting(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 1)
-        self.steps = 0
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.steps += 1
-        x, y = batch
-        return nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def fit(callback: Preflight, root: str, model: Counting | None = None, **trainer_kwargs: Any) -> Counting:
-    gen = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen))
+def fit(callback: Preflight, root: str, model: TinyRegression | None = None, **trainer_kwargs: Any) -> TinyRegression:
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=3, callbacks=[callback], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, **trainer_kwargs,
     )  # fmt: skip
-    model = model or Counting()
-    trainer.fit(model, DataLoader(data, batch_size=4))
+    model = model or TinyRegression()
+    trainer.fit(model, tiny_loader())
     return model
 
 
@@ -80,11 +63,11 @@ def restore_statvfs():
 
 def test_a_failure_stops_the_fit_before_the_first_step(tmp_path: Path, restore_statvfs) -> None:
     root = fake_root(tmp_path / "root", shm_mib=64)
-    callback, model = Preflight(num_workers=2, root=root), Counting()
+    callback, model = Preflight(num_workers=2, root=root), TinyRegression()
     with pytest.raises(PreflightError) as error, warnings.catch_warnings():
         warnings.simplefilter("ignore", LightningAccelWarning)  # num_workers=2 may exceed this machine's CPUs
         fit(callback, str(tmp_path), model)
-    assert model.steps == 0
+    assert model.training_steps == 0
     message = str(error.value)
     assert "before its first step" in message and "FAIL shm on rank 0 (node 0, host " in message
     assert "/dev/shm 64.0 MiB" in message and "fix: run the container with `--shm-size=8g`" in message
@@ -96,7 +79,7 @@ def test_a_warning_only_run_completes_and_warns_once(tmp_path: Path) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = fit(Preflight(root=root), str(tmp_path))
-    assert model.steps == 3
+    assert model.training_steps == 3
     ours = [w for w in caught if issubclass(w.category, LightningAccelWarning)]
     assert len(ours) == 1, [str(w.message) for w in ours]
     text = str(ours[0].message)
@@ -108,7 +91,7 @@ def test_fail_on_warn_and_a_subset_of_checks(tmp_path: Path) -> None:
     with pytest.raises(PreflightError, match="WARN cpus"):
         fit(Preflight(fail_on="WARN", root=root), str(tmp_path))
     callback = Preflight(fail_on="WARN", checks=["bf16", "shm"], root=root)
-    assert fit(callback, str(tmp_path)).steps == 3
+    assert fit(callback, str(tmp_path)).training_steps == 3
     assert [c["name"] for c in callback.results[0]["checks"]] == ["bf16", "shm"]
 
 
@@ -120,13 +103,13 @@ def test_a_crash_in_the_checks_warns_and_the_fit_goes_on(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(preflight, "run_checks", broken)
     with pytest.warns(LightningAccelWarning, match=r"WARN preflight on rank 0 .*RuntimeError: boom"):
-        assert fit(Preflight(root=fake_root(tmp_path / "root")), str(tmp_path)).steps == 3
+        assert fit(Preflight(root=fake_root(tmp_path / "root")), str(tmp_path)).training_steps == 3
 
 
 def test_suite_basics(tmp_path: Path) -> None:
     callback = Preflight(checks=["cpus"], root=fake_root(tmp_path / "root"))
     assert type(pickle.loads(pickle.dumps(callback))) is Preflight
-    assert fit(callback, str(tmp_path / "a")).steps == fit(callback, str(tmp_path / "b")).steps == 3
+    assert fit(callback, str(tmp_path / "a")).training_steps == fit(callback, str(tmp_path / "b")).training_steps == 3
     assert callback.state_dict() == {}
     assert type(pickle.loads(pickle.dumps(callback))) is Preflight
 
@@ -153,9 +136,7 @@ def test_results_are_grouped_by_check_and_name_their_nodes() -> None:
 
 
 def test_two_ddp_ranks_stop_together_and_name_the_bad_one(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
-    proc = subprocess.run([*command, str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
+    proc = torchrun(__file__, str(tmp_path), timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -166,19 +147,17 @@ def test_two_ddp_ranks_stop_together_and_name_the_bad_one(tmp_path: Path) -> Non
 def _ddp_main(out: Path) -> None:
     rank = int(os.environ["RANK"])
     root = fake_root(out / f"root{rank}", shm_mib=64 if rank == 1 else 16384)
-    gen = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(16, 4, generator=gen), torch.randn(16, 1, generator=gen))
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out),
         callbacks=[Preflight(checks=["shm"], num_workers=2, root=root)],
     )  # fmt: skip
-    model, error = Counting(), ""
+    model, error = TinyRegression(), ""
     try:
-        trainer.fit(model, DataLoader(data, batch_size=4))
+        trainer.fit(model, tiny_loader())
     except PreflightError as err:
         error = f"PreflightError: {err}"
-    (out / f"rank{rank}.json").write_text(json.dumps({"error": error, "steps": model.steps}))
+    (out / f"rank{rank}.json").write_text(json.dumps({"error": error, "steps": model.training_steps}))
     if torch.distributed.is_initialized():  # else gloo's threads can abort the exit ("terminate called ...")
         torch.distributed.destroy_process_group()
 

@@ -9,30 +9,18 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from _tiny import TinyRegression, tiny_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks import StopOnSignal
 from lightning_accel.callbacks.stop_on_signal import SignalExit, parse_signals
 from lightning_accel.errors import ConfigError
 
 
-class _Tiny(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.layer(x), y)
-
+class _Tiny(TinyRegression):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val/loss", nn.functional.mse_loss(self.layer(x), y))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        self.log("val/loss", self.loss(batch))
 
 
 class _SendAt(pl.Callback):
@@ -52,8 +40,7 @@ class _SendAt(pl.Callback):
 
 
 def _loader() -> DataLoader:
-    gen = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(64, 4, generator=gen), torch.randn(64, 1, generator=gen)), batch_size=4)
+    return tiny_loader(64)
 
 
 def _trainer(tmp_path, *callbacks: pl.Callback, **kwargs: Any) -> pl.Trainer:
