@@ -7,35 +7,34 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from _tiny import TinyRegression, tiny_loader
+from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks import LRScaling
 from lightning_accel.callbacks.lr_scaling import lr_scale_factor
 
 
-class _Model(pl.LightningModule):
+class _Model(TinyRegression):
+    """SGD at LR 0.1 under a step-interval LambdaLR 1 / (1 + step), or OneCycleLR; records the LR of every batch."""
+
     def __init__(self, schedule: str = "lambda") -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 1)
+        super().__init__(lr=0.1, lr_decay=True)
         self.schedule = schedule
         self.seen: list[float] = []
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.seen.append(self.trainer.optimizers[0].param_groups[0]["lr"])
-        x, y = batch
-        return nn.functional.mse_loss(self.layer(x), y)
+        return super().training_step(batch, batch_idx)
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        if self.schedule != "onecycle":
+            return super().configure_optimizers()
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
-        if self.schedule == "onecycle":
-            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=100)
-        else:
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=100)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=8)
+        return tiny_loader(64, batch_size=8, seed=None)
 
 
 def _fit(callback: LRScaling, tmp_path: Path, schedule: str = "lambda", accumulate: int = 4, **kwargs) -> _Model:

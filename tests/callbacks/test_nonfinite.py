@@ -16,11 +16,10 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
+from _tiny import TinyRegression, decaying_lr, tiny_loader
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks._lr_hold import active_hold
 from lightning_accel.callbacks.nonfinite import NonFiniteGuard, drop_gradients, nonfinite_report
@@ -28,7 +27,7 @@ from lightning_accel.callbacks.skipped_steps import SkippedStepGuard
 from lightning_accel.errors import LightningAccelWarning, NonFiniteLossError
 
 
-class NaNLossModel(pl.LightningModule):
+class NaNLossModel(TinyRegression):
     """A linear regression whose loss is NaN on the training batches `nan_batches`.
 
     SGD with momentum (a zeroed gradient would still move the weights; a dropped one does not) at LR 1/(k + 1) on
@@ -36,16 +35,14 @@ class NaNLossModel(pl.LightningModule):
     """
 
     def __init__(self, nan_batches: tuple[int, ...] = (), fused_adamw: bool = False) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 1)
+        super().__init__(lr=0.1, momentum=0.9, lr_decay=True)
         self.nan_batches = set(nan_batches)
         self.fused_adamw = fused_adamw  # an optimizer that unscales inside `GradScaler.step`
         self.weights: list[torch.Tensor] = []  # at the start of each batch
         self.steps: list[tuple[int, float]] = []
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.mse_loss(self.layer(x).float(), y)
+        loss = super().training_step(batch, batch_idx)
         return loss * float("nan") if batch_idx in self.nan_batches else loss
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -56,11 +53,8 @@ class NaNLossModel(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         if self.fused_adamw:
-            opt: torch.optim.Optimizer = torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)
-        else:
-            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+            return decaying_lr(torch.optim.AdamW(self.parameters(), lr=0.1, fused=True))
+        return super().configure_optimizers()
 
     @property
     def lrs(self) -> list[float]:
@@ -68,8 +62,7 @@ class NaNLossModel(pl.LightningModule):
 
 
 def _loader() -> DataLoader:
-    gen = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(64, 4, generator=gen), torch.randn(64, 1, generator=gen)), batch_size=4)
+    return tiny_loader(64)
 
 
 def _trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
@@ -227,7 +220,7 @@ DDP_SCRIPT = """
 import sys, warnings
 import lightning.pytorch as pl
 import torch
-sys.path.insert(0, {tests_dir!r})
+sys.path[:0] = [{tests_dir!r}, {tests_root!r}]
 from test_nonfinite import NaNLossModel, _loader
 from lightning_accel.callbacks.nonfinite import NonFiniteGuard
 from lightning_accel.errors import LightningAccelWarning
@@ -253,7 +246,9 @@ with open({ckpt_dir!r} + f"/rank{{trainer.global_rank}}.txt", "w") as f:  # the 
 
 def test_ddp_a_nan_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
     script = tmp_path / "ddp_nonfinite.py"
-    script.write_text(textwrap.dedent(DDP_SCRIPT.format(tests_dir=str(Path(__file__).parent), ckpt_dir=str(tmp_path))))
+    here = Path(__file__)
+    script.write_text(textwrap.dedent(DDP_SCRIPT.format(tests_dir=str(here.parent), tests_root=str(here.parents[1]),
+                                                        ckpt_dir=str(tmp_path))))  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(find_free_network_port())}
     # its own session, so a hang (ranks out of step) kills the launcher and the rank it spawned, which ignore SIGTERM
     proc = subprocess.Popen(

@@ -13,18 +13,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from _tiny import TinyRegression, tiny_loader
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks import AccumulationScheduler
 from lightning_accel.callbacks._lr_hold import active_hold, hold_lr_schedulers, release_lr_schedulers
 from lightning_accel.callbacks.skipped_steps import SkippedStepGuard, scale_dropped
 
 
-class InfGradModel(pl.LightningModule):
+class InfGradModel(TinyRegression):
     """A linear regression whose gradients are forced to inf on the training batches `inf_batches` (loss stays finite).
 
     SGD at LR 1/(k + 1) on optimizer step k (a step-interval LambdaLR), so the LR each step used names the
@@ -32,8 +32,7 @@ class InfGradModel(pl.LightningModule):
     """
 
     def __init__(self, inf_batches: tuple[int, ...] = ()) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 1)
+        super().__init__(lr=1.0, lr_decay=True)
         self.inf_batches = set(inf_batches)
         self.steps: list[tuple[int, float, torch.Tensor]] = []
 
@@ -47,19 +46,13 @@ class InfGradModel(pl.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.steps.append((self.global_step, optimizer.param_groups[0]["lr"], self.layer.weight.detach().clone()))
 
-    def configure_optimizers(self) -> Any:
-        opt = torch.optim.SGD(self.parameters(), lr=1.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
     @property
     def lrs(self) -> list[float]:
         return [lr for _, lr, _ in self.steps]
 
 
 def _loader() -> DataLoader:
-    gen = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(64, 4, generator=gen), torch.randn(64, 1, generator=gen)), batch_size=4)
+    return tiny_loader(64)
 
 
 def _fp16() -> MixedPrecision:
