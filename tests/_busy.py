@@ -11,8 +11,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
+
+import psutil
+from _wait import wait_until
 
 
 def start_busy_processes(count: int = 1) -> list[int]:
@@ -31,12 +33,18 @@ def stop_processes(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _cpu_s(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
 @contextlib.contextmanager
-def busy(count: int = 1, settle_s: float = 0.2) -> Iterator[list[int]]:
-    """`count` busy processes for the duration of the block (given `settle_s` to start spinning)."""
+def busy(count: int = 1, spun_s: float = 0.1, timeout_s: float = 30.0) -> Iterator[list[int]]:
+    """`count` busy processes for the duration of the block, entered once each has used `spun_s` of CPU (it then
+    spins: Python starts in less)."""
     pids = start_busy_processes(count)
     try:
-        time.sleep(settle_s)
+        wait_until(lambda: all(_cpu_s(pid) >= spun_s for pid in pids), timeout_s, f"{count} busy process(es) to spin")
         yield pids
     finally:
         stop_processes(pids)
