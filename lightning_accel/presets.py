@@ -391,9 +391,13 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
             "takes 32-true, bf16-mixed, bf16-true or 16-true); use `precision=bf16_mixed`."
         )
     if name == "pipeline" and isinstance(strategy, (DictConfig, Mapping)):
-        from lightning_accel.strategies.pipeline import check_pipeline_config
+        from lightning_accel.strategies.pipeline import check_pipeline_settings
 
-        check_pipeline_config(strategy, precision, _world_size(trainer))
+        values = OmegaConf.to_container(strategy, resolve=True) if isinstance(strategy, DictConfig) else strategy
+        try:
+            check_pipeline_settings(values, precision=precision, world=_world_size(trainer))  # type: ignore[arg-type]
+        except ConfigError as err:  # the library names its arguments; the user wrote them under these paths
+            raise err.at("trainer" if err.setting == "precision" else "trainer.strategy") from None
     if not on_cuda and precision.startswith("transformer-engine"):
         raise ConfigError(
             f"`trainer.precision={precision}` needs a CUDA GPU (Transformer Engine), but this run is on the CPU; "

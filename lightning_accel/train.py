@@ -186,7 +186,7 @@ def check_ckpt_path(cfg: DictConfig) -> None:
         raise ConfigError(f"`ckpt_path={str(path)!r}` is not a checkpoint (not a torch.save archive: truncated, "
                           "corrupt or another kind of file); pass the run's `checkpoints/last.ckpt` or another "
                           "checkpoint.")  # fmt: skip
-    from lightning_accel.strategies.pipeline_stages import check_dcp_metadata, load_metadata
+    from lightning_accel.strategies.pipeline import check_dcp_metadata, load_metadata
 
     # no pickle payload runs: a file (or a distributed checkpoint's metadata) needing more than tensors and plain
     # types is refused here, whatever torch's default `weights_only` is (False before torch 2.6)

@@ -3,15 +3,17 @@ checkpoint files written atomically."""
 
 from __future__ import annotations
 
+from lightning_accel.precision import PIPELINE_PRECISIONS  # owned by precision.py, exported here as before
 from lightning_accel.strategies.checkpoint_io import AtomicCheckpointIO, atomic_torch_save
 from lightning_accel.strategies.ddp import DDPStrategy
 from lightning_accel.strategies.nccl import NCCL_PRESETS, NcclPlan, default_route_interface, nccl_plan
-from lightning_accel.strategies.pipeline import PIPELINE_PRECISIONS, PipelineStrategy
-from lightning_accel.strategies.pipeline_stages import (
+from lightning_accel.strategies.pipeline import (
     SCHEDULES,
-    StagePlan,
+    PipelineSettings,
+    PipelineStagePlan,
+    PipelineStrategy,
     consolidate_checkpoint,
-    plan_stages,
+    plan_pipeline_stages,
     stage_ranks,
 )
 
@@ -22,12 +24,13 @@ __all__ = [
     "AtomicCheckpointIO",
     "DDPStrategy",
     "NcclPlan",
+    "PipelineSettings",
+    "PipelineStagePlan",
     "PipelineStrategy",
-    "StagePlan",
     "atomic_torch_save",
     "consolidate_checkpoint",
     "default_route_interface",
     "nccl_plan",
-    "plan_stages",
+    "plan_pipeline_stages",
     "stage_ranks",
 ]

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_accel import examples
-from lightning_accel.strategies.pipeline_stages import plan_stages, prune_to_stages, schedule_class, stage_ranks
+from lightning_accel.strategies.pipeline import plan_pipeline_stages, prune_to_stages, schedule_spec, stage_ranks
 
 
 def make(args: argparse.Namespace) -> examples.GPTLanguageModel:
@@ -94,10 +94,10 @@ def time_pipeline(args: argparse.Namespace, schedule: str, n_micro: int) -> tupl
     from torch.distributed.pipelining import PipelineStage
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cls, per_rank, placement = schedule_class(schedule)
+    spec = schedule_spec(schedule)
     model = make(args)
-    plan = plan_stages(args.layers, block_list="blocks", n_stages=world * per_rank)
-    ranks = stage_ranks(plan.n_stages, world, placement)
+    plan = plan_pipeline_stages(args.layers, block_list="blocks", n_stages=world * spec.stages_per_rank)
+    ranks = stage_ranks(plan.n_stages, world, spec.placement)
     local = [s for s, r in enumerate(ranks) if r == rank]
     views = prune_to_stages(model, plan, local)
     stages = [PipelineStage(v, s, plan.n_stages, torch.device("cpu")) for s, v in zip(local, views, strict=True)]
@@ -105,7 +105,8 @@ def time_pipeline(args: argparse.Namespace, schedule: str, n_micro: int) -> tupl
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return model.pipeline_loss(out, target) / n_micro
 
-    pipe = cls(stages[0] if per_rank == 1 else stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False)
+    pipe = spec.schedule_class(stages[0] if spec.single_stage else stages, n_microbatches=n_micro, loss_fn=loss_fn,
+                               scale_grads=False)  # fmt: skip
     x, y = batch(args)
     first, last = 0 in local, plan.n_stages - 1 in local
     clock = BusyClock(stages)
@@ -132,7 +133,7 @@ def ideal_bubble(schedule: str, pp: int, n_micro: int) -> float:
     which fill the gaps with weight-gradient work once there are enough micro-batches."""
     if schedule in ZERO_BUBBLE:
         return 0.0
-    per_rank = schedule_class(schedule)[1]
+    per_rank = schedule_spec(schedule).stages_per_rank
     return (pp - 1) / (per_rank * n_micro + pp - 1)
 
 

@@ -1,8 +1,10 @@
 """GPT-tiny runs under PipelineStrategy for tests/strategies/test_pipeline.py, on 2 (or 4) ranks under torchrun.
 
 `python -m torch.distributed.run --standalone --nproc-per-node N _pipeline_cases.py OUT_DIR CASE...` runs the named
-cases on every rank; each rank writes OUT_DIR/rank<k>.json. `reference()` is the single-process run in plain PyTorch
-the cases are held to: the same model, data, AdamW, cosine schedule and gradient clipping, one step per batch, in fp32.
+cases on every rank; each rank writes OUT_DIR/rank<k>.json, one record per case: its result, `{"error": traceback}`
+when it raised, or `{"not_run": reason}` when an earlier case left a rank stuck and the launch ended. `reference()`
+is the single-process run in plain PyTorch the cases are held to: the same model, data, AdamW, cosine schedule and
+gradient clipping, one step per batch, in fp32.
 
 Cases: `gpipe`, `1f1b`, `interleaved_1f1b` (20 steps, validation after each epoch); `resume` (1f1b with a checkpoint
 after epoch 1, step 10, then a second Trainer resumed from it; rank 0 also consolidates the step-20 checkpoint into
@@ -20,6 +22,8 @@ import functools
 import json
 import os
 import sys
+import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_accel import examples, schedules
 from lightning_accel.callbacks import AccumulationScheduler
-from lightning_accel.strategies import PipelineStrategy, consolidate_checkpoint
+from lightning_accel.strategies.pipeline import PipelineStrategy, consolidate_checkpoint
 
 SEED = 0
 BATCH = 8  # sequences per optimizer step (with dp=2: 4 per replica)
@@ -174,34 +178,76 @@ def run_resume(root: str, dp: int, data_parallel: str = "replicate") -> dict[str
     return results
 
 
+def run_named(name: str, root: str, dp: int) -> dict[str, Any]:
+    """The case called `name` (see the module docstring)."""
+    if name == "resume":
+        return run_resume(f"{root}/resume", dp)
+    if name == "short_val":  # the last validation batch of 3 samples: fewer micro-batches than 1F1B's stages
+        return run_case(f"{root}/short_val", schedule="1f1b", dp=dp, val_extra=3)
+    if name == "accumulate":
+        return run_case(f"{root}/acc", schedule="1f1b", dp=dp, accumulate=2)
+    if name == "accumulation_scheduler":
+        return run_case(f"{root}/acc_s", schedule="interleaved_1f1b", dp=dp, accumulate=2, scheduler=True)
+    if name == "split_points":  # uneven: 1 block, then 3
+        return run_case(f"{root}/split", schedule="gpipe", dp=dp, split_points=["blocks.1"])
+    if name == "fsdp_accumulation_scheduler":
+        return run_case(f"{root}/fsdp_acc", schedule="1f1b", dp=dp, data_parallel="fsdp", accumulate=2,
+                        scheduler=True, micro=2)  # fmt: skip
+    if name in ("bf16-mixed", "bf16-true"):
+        return run_case(f"{root}/{name}", schedule="1f1b", dp=dp, precision=name)
+    if name == "fsdp_resume":
+        return run_resume(f"{root}/fsdp", dp, data_parallel="fsdp")
+    if name == "fsdp_interleaved":
+        return run_case(f"{root}/fsdp_il", schedule="interleaved_1f1b", dp=dp, data_parallel="fsdp")
+    return run_case(f"{root}/{name}", schedule=name, dp=dp)
+
+
+SYNC_TIMEOUT_S = 90.0  # the ranks end a healthy case within seconds of each other; longer: one is stuck
+
+
+def all_ranks_done(out: Path, case: str, rank: int, world: int) -> bool:
+    """Mark `case` done on this rank and wait (polling, with a deadline) until every rank has; False when one does
+    not arrive in time (stuck in a collective its partner left by raising). Files, not the process group: it may
+    be the thing that is broken."""
+    marks = out / "done"
+    marks.mkdir(exist_ok=True)
+    (marks / f"{case}.{rank}").touch()
+    deadline = time.monotonic() + SYNC_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if all((marks / f"{case}.{r}").exists() for r in range(world)):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def write_results(out: Path, rank: int, results: dict[str, Any]) -> None:
+    """This rank's records so far, replaced whole: a rank killed later leaves those of the cases it finished."""
+    path = out / f"rank{rank}.json"
+    partial = path.with_suffix(".json.tmp")
+    partial.write_text(json.dumps(results))
+    os.replace(partial, path)
+
+
 def main(out: Path, cases: list[str]) -> None:
-    world = int(os.environ["WORLD_SIZE"])
+    """Run `cases` in turn; each case's record is its result or `{"error": traceback}`, so a case that raises fails
+    only its own tests. When a rank does not finish a case (a rank that raised left its partner waiting in a
+    collective), the remaining cases are recorded as not run and this process exits, which ends the launch."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dp = world // 2
     root = str(out / "runs")
     results: dict[str, Any] = {}
-    for case in cases:
-        if case == "resume":
-            results[case] = run_resume(f"{root}/resume", dp)
-        elif case == "short_val":  # the last validation batch of 3 samples: fewer micro-batches than 1F1B's stages
-            results[case] = run_case(f"{root}/short_val", schedule="1f1b", dp=dp, val_extra=3)
-        elif case == "accumulate":
-            results[case] = run_case(f"{root}/acc", schedule="1f1b", dp=dp, accumulate=2)
-        elif case == "accumulation_scheduler":
-            results[case] = run_case(f"{root}/acc_s", schedule="interleaved_1f1b", dp=dp, accumulate=2, scheduler=True)
-        elif case == "split_points":  # uneven: 1 block, then 3
-            results[case] = run_case(f"{root}/split", schedule="gpipe", dp=dp, split_points=["blocks.1"])
-        elif case == "fsdp_accumulation_scheduler":
-            results[case] = run_case(f"{root}/fsdp_acc", schedule="1f1b", dp=dp, data_parallel="fsdp", accumulate=2,
-                                     scheduler=True, micro=2)  # fmt: skip
-        elif case in ("bf16-mixed", "bf16-true"):
-            results[case] = run_case(f"{root}/{case}", schedule="1f1b", dp=dp, precision=case)
-        elif case == "fsdp_resume":
-            results[case] = run_resume(f"{root}/fsdp", dp, data_parallel="fsdp")
-        elif case == "fsdp_interleaved":
-            results[case] = run_case(f"{root}/fsdp_il", schedule="interleaved_1f1b", dp=dp, data_parallel="fsdp")
-        else:
-            results[case] = run_case(f"{root}/{case}", schedule=case, dp=dp)
-    (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
+    for index, case in enumerate(cases):
+        try:
+            results[case] = run_named(case, root, dp)
+        except Exception:
+            results[case] = {"error": traceback.format_exc()}
+        write_results(out, rank, results)
+        if not all_ranks_done(out, case, rank, world):
+            reason = f"not run: a rank did not finish case {case!r} within {SYNC_TIMEOUT_S:.0f} s, so the launch ended"
+            results.update({later: {"not_run": reason} for later in cases[index + 1 :]})
+            write_results(out, rank, results)
+            sys.stderr.flush()
+            os._exit(1)  # torchrun stops the stuck rank
 
 
 if __name__ == "__main__":

@@ -1,33 +1,46 @@
 """PipelineStrategy on 2 CPU ranks (gloo): GPipe, 1F1B and interleaved 1F1B train and validate as one process does,
 checkpoints resume the same curve and consolidate into the plain GPT, `accel-train preset=pipeline` runs; the stage
-planning and the errors, without ranks."""
+planning, the settings and the errors, without ranks; no patch outlives a fit that raised."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import re
-import types
+import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
 
 import _pipeline_cases as cases
+import lightning.pytorch as pl
 import pytest
 import torch
-from _torchrun import rank_results
+from _torchrun import torchrun
 
 from lightning_accel import examples
-from lightning_accel.errors import ConfigError, LightningAccelWarning
+from lightning_accel.errors import ConfigError, ConfigTypeError, LightningAccelWarning
 from lightning_accel.presets import check_config
-from lightning_accel.strategies import PipelineStrategy, consolidate_checkpoint, plan_stages, stage_ranks
-from lightning_accel.strategies import pipeline_stages as stages_module
-from lightning_accel.strategies.pipeline_stages import (
+from lightning_accel.strategies.checkpoint_io import replace_directory
+from lightning_accel.strategies.pipeline import (
+    PipelineSettings,
+    PipelineStrategy,
+    check_dcp_metadata,
     check_microbatches,
+    check_pipeline_settings,
+    check_precision,
+    consolidate_checkpoint,
+    load_metadata,
     microbatches_for,
+    plan_pipeline_stages,
     prune_to_stages,
-    schedule_class,
+    schedule_spec,
+    split_batch,
+    stage_ranks,
 )
+from lightning_accel.strategies.pipeline.strategy import _check_module
 
 STEPS = cases.EPOCHS * cases.BATCHES_PER_EPOCH
 TOLERANCE = 1e-4  # relative, fp32: micro-batch losses are scaled so that they sum to the batch mean
@@ -41,22 +54,56 @@ def reference() -> dict[str, Any]:
     return cases.reference()
 
 
-def _torchrun(out: Path, ranks: int, *names: str) -> list[dict[str, Any]]:
-    return rank_results(cases.__file__, out, *names, ranks=ranks, env={"OMP_NUM_THREADS": "1"})
+@dataclasses.dataclass
+class Launch:
+    """What one torchrun launch of _pipeline_cases.py left: each rank's record of each case, and how it ended."""
+
+    records: list[dict[str, Any]]
+    """Per rank, case name -> its result, `{"error": traceback}` or `{"not_run": reason}`; {} for a rank that wrote
+    nothing."""
+    ended: str
+    """How the launch ended (exit status, the end of stderr), shown for a case without a result."""
+
+    def case(self, name: str) -> list[dict[str, Any]]:
+        """`name`'s result on every rank; fails the calling test, and only it, with what each rank recorded."""
+        problems, launch_broke = [], False
+        for rank, records in enumerate(self.records):
+            record = records.get(name)
+            if record is None or "not_run" in record:
+                problems.append(f"rank {rank}: " + (record["not_run"] if record else "no result"))
+                launch_broke = True
+            elif "error" in record:
+                problems.append(f"rank {rank} raised:\n{record['error']}")
+        if problems:
+            ended = f"\n{self.ended}" if launch_broke else ""
+            pytest.fail(f"case {name!r}: " + "\n".join(problems) + ended, pytrace=False)
+        return [records[name] for records in self.records]
+
+
+def _launch(out: Path, ranks: int, *names: str) -> Launch:
+    """Every case in `names` in one torchrun launch of `ranks` processes; a case that raises fails only its tests."""
+    try:
+        proc = torchrun(cases.__file__, str(out), *names, ranks=ranks, env={"OMP_NUM_THREADS": "1"})
+        ended = f"the launch exited with {proc.returncode}; its stderr ends:\n{proc.stderr[-4000:]}"
+    except subprocess.TimeoutExpired as err:
+        stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else err.stderr or ""
+        ended = f"the launch ran past {err.timeout:.0f} s and was killed; its stderr ends:\n{stderr[-4000:]}"
+    files = [out / f"rank{rank}.json" for rank in range(ranks)]
+    return Launch([json.loads(f.read_text()) if f.is_file() else {} for f in files], ended)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Every 2-rank case of _pipeline_cases.py in one torchrun launch (~20 s on 2 idle cores)."""
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """Every 2-rank case of _pipeline_cases.py in one torchrun launch (~15 s on 2 idle cores)."""
     available = [name for name in ZERO_BUBBLE if _available(name)]
     names = [*SCHEDULES, *available, "accumulate", "accumulation_scheduler", "resume", "bf16-mixed", "bf16-true",
              "split_points", "short_val"]  # fmt: skip
-    return _torchrun(tmp_path_factory.mktemp("pipeline"), 2, *names)
+    return _launch(tmp_path_factory.mktemp("pipeline"), 2, *names)
 
 
 def _available(schedule: str) -> bool:
     try:
-        schedule_class(schedule)
+        schedule_spec(schedule)
     except ConfigError:
         return False
     return True
@@ -73,10 +120,10 @@ def test_reference_learns_and_clips(reference: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES + ZERO_BUBBLE)
-def test_two_stages_match_one_process(two_ranks: list[dict[str, Any]], reference: Any, schedule: str) -> None:
+def test_two_stages_match_one_process(two_ranks: Launch, reference: Any, schedule: str) -> None:
     if schedule in ZERO_BUBBLE and not _available(schedule):
         pytest.skip(f"torch {torch.__version__} has no {schedule} schedule")  # the error for it is tested below
-    rank0, rank1 = (r[schedule] for r in two_ranks)
+    rank0, rank1 = two_ranks.case(schedule)
     train, val = _relative(rank0["losses"], reference["losses"]), _relative(rank0["val"], reference["val"])
     print(f"{schedule}, pp=2: max relative difference over {STEPS} steps: train loss {train:.1e}, val loss {val:.1e}")
     assert rank0["global_step"] == rank1["global_step"] == STEPS
@@ -91,30 +138,30 @@ def test_two_stages_match_one_process(two_ranks: list[dict[str, Any]], reference
     assert rank0["n_params"] + rank1["n_params"] == full and 0 < rank0["n_params"] < full
 
 
-def test_a_short_last_validation_batch_runs_under_1f1b(two_ranks: list[dict[str, Any]], reference: Any) -> None:
+def test_a_short_last_validation_batch_runs_under_1f1b(two_ranks: Launch, reference: Any) -> None:
     """3 samples left over: fewer than 1F1B's 2 stages need as micro-batches; they go through the stages in order."""
-    rank0, rank1 = (r["short_val"] for r in two_ranks)
+    rank0, rank1 = two_ranks.case("short_val")
     assert rank0["global_step"] == STEPS and len(rank0["val"]) == cases.EPOCHS
     assert rank0["val"] == rank1["val"] and all(math.isfinite(v) for v in rank0["val"])
     assert _relative(rank0["losses"], reference["losses"]) < TOLERANCE  # training is untouched
-    assert rank0["val"] != two_ranks[0]["1f1b"]["val"]  # the extra samples were evaluated
+    assert rank0["val"] != two_ranks.case("1f1b")[0]["val"]  # the extra samples were evaluated
 
 
 def test_micro_batch_rules_of_each_schedule_are_config_errors(compose_train) -> None:
     check_microbatches("gpipe", 1, 2, 2)
-    with pytest.raises(ConfigError, match=r"`trainer.strategy.n_microbatches=1` is fewer than the 2 pipeline stages"):
+    with pytest.raises(ConfigError, match=r"^`n_microbatches=1` is fewer than the 2 pipeline stages"):
         check_microbatches("1f1b", 1, 2, 2)
-    with pytest.raises(ConfigError, match=r"`trainer.strategy.n_microbatches=9` is not a multiple of its 2 rounds"):
+    with pytest.raises(ConfigError, match=r"^`n_microbatches=9` is not a multiple of its 2 rounds"):
         check_microbatches("interleaved_1f1b", 9, 8, 4)
     check_microbatches("interleaved_1f1b", 8, 8, 4)
-    with pytest.raises(ConfigError, match=r"n_microbatches=1` is fewer than the 2 pipeline stages"):
+    with pytest.raises(ConfigError, match=r"`trainer.strategy.n_microbatches=1` is fewer than the 2 pipeline stages"):
         check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.n_microbatches=1",
                                     "trainer.strategy.schedule=1f1b"]))  # fmt: skip
 
 
-def test_split_points_make_uneven_stages(two_ranks: list[dict[str, Any]], reference: Any) -> None:
+def test_split_points_make_uneven_stages(two_ranks: Launch, reference: Any) -> None:
     """`split_points=["blocks.1"]`: stage 0 runs the embeddings and 1 block, stage 1 the other 3 and the head."""
-    rank0, rank1 = (r["split_points"] for r in two_ranks)
+    rank0, rank1 = two_ranks.case("split_points")
     block = sum(p.numel() for p in cases.make_model().blocks[0].parameters())
     assert rank1["n_params"] - rank0["n_params"] > block  # 3 blocks + the head outweigh 1 block + the embeddings
     assert _relative(rank0["losses"], reference["losses"]) < TOLERANCE
@@ -122,11 +169,10 @@ def test_split_points_make_uneven_stages(two_ranks: list[dict[str, Any]], refere
 
 
 @pytest.mark.parametrize("case", ["accumulate", "accumulation_scheduler"])
-def test_accumulation_adds_batches_after_micro_batches(two_ranks: list[dict[str, Any]], reference: Any,
-                                                       case: str) -> None:  # fmt: skip
+def test_accumulation_adds_batches_after_micro_batches(two_ranks: Launch, reference: Any, case: str) -> None:
     """2 batches of 4 (each 4 micro-batches of 1) per optimizer step train as one batch of 8, whether
     `accumulate_grad_batches=2` or `AccumulationScheduler({0: 2})` sets the window."""
-    run = two_ranks[0][case]
+    run = two_ranks.case(case)[0]
     assert run["global_step"] == STEPS and len(run["losses"]) == 2 * STEPS
     per_step = [(a + b) / 2 for a, b in zip(run["losses"][::2], run["losses"][1::2], strict=True)]
     assert _relative(per_step, reference["losses"]) < TOLERANCE
@@ -134,18 +180,18 @@ def test_accumulation_adds_batches_after_micro_batches(two_ranks: list[dict[str,
 
 
 @pytest.mark.parametrize(("precision", "tolerance"), [("bf16-mixed", 2e-3), ("bf16-true", 2e-2)])
-def test_bf16_presets_follow_the_fp32_curve(two_ranks: list[dict[str, Any]], reference: Any, precision: str,
+def test_bf16_presets_follow_the_fp32_curve(two_ranks: Launch, reference: Any, precision: str,
                                              tolerance: float) -> None:  # fmt: skip
-    run = two_ranks[0][precision]
+    run, other = two_ranks.case(precision)
     print(f"{precision}, pp=2: max relative difference from fp32 over {STEPS} steps "
           f"{_relative(run['losses'], reference['losses']):.1e}")  # fmt: skip
-    assert run["global_step"] == STEPS and two_ranks[1][precision]["losses"] == run["losses"]
+    assert run["global_step"] == STEPS and other["losses"] == run["losses"]
     assert _relative(run["losses"], reference["losses"]) < tolerance
 
 
-def test_checkpoint_resumes_and_consolidates(two_ranks: list[dict[str, Any]], reference: Any) -> None:
-    for results in two_ranks:
-        resume = results["resume"]
+def test_checkpoint_resumes_and_consolidates(two_ranks: Launch, reference: Any) -> None:
+    runs = two_ranks.case("resume")
+    for resume in runs:
         full, resumed = resume["full"], resume["resumed"]
         assert resume["checkpoint_is_directory"]
         assert resumed["global_step"] == STEPS and len(resumed["losses"]) == STEPS // 2
@@ -153,7 +199,7 @@ def test_checkpoint_resumes_and_consolidates(two_ranks: list[dict[str, Any]], re
               f"{_relative(resumed['losses'], full['losses'][STEPS // 2 :]):.1e}")  # fmt: skip
         assert _relative(resumed["losses"], full["losses"][STEPS // 2 :]) < 1e-6
         assert _relative(resumed["val"], full["val"][1:]) < 1e-6
-    consolidated = two_ranks[0]["resume"]
+    consolidated = runs[0]
     assert consolidated["consolidated_keys_match"]
     print(f"consolidated checkpoint, plain GPT: val loss {consolidated['consolidated_val']:.6f}, "
           f"pipeline {consolidated['full']['val'][-1]:.6f}")  # fmt: skip
@@ -163,48 +209,51 @@ def test_checkpoint_resumes_and_consolidates(two_ranks: list[dict[str, Any]], re
 @pytest.mark.slow
 def test_pp2_x_dp2_on_four_ranks(tmp_path: Path, reference: dict[str, Any]) -> None:
     """pp=2 x dp=2: replicated and FSDP2-sharded stages; 4 CPU processes (~60 s on 2 cores), so `-m slow` only."""
-    ranks = _torchrun(tmp_path, 4, *SCHEDULES, "resume", "fsdp_resume", "fsdp_interleaved",
-                      "fsdp_accumulation_scheduler")  # fmt: skip
-    for results in ranks:
-        for case in [*SCHEDULES, "fsdp_interleaved"]:
-            run = results[case]
+    launch = _launch(tmp_path, 4, *SCHEDULES, "resume", "fsdp_resume", "fsdp_interleaved",
+                     "fsdp_accumulation_scheduler")  # fmt: skip
+    for case in [*SCHEDULES, "fsdp_interleaved"]:
+        for run in launch.case(case):
             assert _relative(run["losses"], reference["losses"]) < TOLERANCE, case
             assert _relative(run["val"], reference["val"]) < TOLERANCE, case
-        for case in ("resume", "fsdp_resume"):
-            full, resumed = results[case]["full"], results[case]["resumed"]
+    for case in ("resume", "fsdp_resume"):
+        runs = launch.case(case)
+        for run in runs:
+            full, resumed = run["full"], run["resumed"]
             assert _relative(full["losses"], reference["losses"]) < TOLERANCE
             assert _relative(resumed["losses"], full["losses"][STEPS // 2 :]) < 1e-6
-        windows = results["fsdp_accumulation_scheduler"]["losses"]
+        assert abs(runs[0]["consolidated_val"] - reference["val"][-1]) < TOLERANCE * reference["val"][-1]
+    for run in launch.case("fsdp_accumulation_scheduler"):
+        windows = run["losses"]
         per_step = [(a + b) / 2 for a, b in zip(windows[::2], windows[1::2], strict=True)]
         assert _relative(per_step, reference["losses"]) < TOLERANCE
-    assert sum(r["fsdp_interleaved"]["dtensor_params"] for r in ranks) == 2 * N_PARAMS  # every tensor sharded
-    for case in ("resume", "fsdp_resume"):
-        assert abs(ranks[0][case]["consolidated_val"] - reference["val"][-1]) < TOLERANCE * reference["val"][-1]
+    assert sum(r["dtensor_params"] for r in launch.case("fsdp_interleaved")) == 2 * N_PARAMS  # every tensor sharded
 
 
 # -- stage planning, without ranks -------------------------------------------------------------------------------
 
 
 def test_even_split_and_split_points() -> None:
-    assert plan_stages(5, block_list="blocks", n_stages=2).blocks == [[0, 1, 2], [3, 4]]
-    plan = plan_stages(6, block_list="layers", split_points=["layers.1", "layers.4"])
+    assert plan_pipeline_stages(5, block_list="blocks", n_stages=2).blocks == [[0, 1, 2], [3, 4]]
+    plan = plan_pipeline_stages(6, block_list="layers", split_points=["layers.1", "layers.4"])
     assert plan.blocks == [[0], [1, 2, 3], [4, 5]] and plan.split_points() == ["layers.1", "layers.4"]
     assert stage_ranks(4, 2, "loop") == [0, 1, 0, 1]
     assert stage_ranks(4, 2, "v") == [0, 1, 1, 0]  # ZBV / DualPipeV: rank 0 holds the first and the last stage
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "message", "setting"),
     [
-        ({"split_points": ["blocks.9"]}, r"names 'blocks.9', which is not a block of the model"),
-        ({"split_points": ["blocks.2", "blocks.1"]}, r"must be distinct, in increasing order"),
-        ({"n_stages": 5}, r"`trainer.strategy.n_stages=5` is more stages than the model's 4 blocks"),
-        ({"split_points": ["blocks.2"], "n_stages": 3}, r"`trainer.strategy.n_stages=3` disagrees"),
+        ({"split_points": ["blocks.9"]}, r"`split_points` names 'blocks.9', which is not a block of the model",
+         "split_points"),
+        ({"split_points": ["blocks.2", "blocks.1"]}, r"must be distinct, in increasing order", "split_points"),
+        ({"n_stages": 5}, r"`n_stages=5` is more stages than the model's 4 blocks", "n_stages"),
+        ({"split_points": ["blocks.2"], "n_stages": 3}, r"`n_stages=3` disagrees", "n_stages"),
     ],
-)
-def test_bad_splits_name_the_setting(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        plan_stages(4, block_list="blocks", **kwargs)
+)  # fmt: skip
+def test_bad_splits_name_the_argument(kwargs: dict[str, Any], message: str, setting: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        plan_pipeline_stages(4, block_list="blocks", **kwargs)
+    assert err.value.setting == setting and "trainer.strategy" not in str(err.value)
 
 
 def test_stages_keep_plain_names_and_compose_to_the_plain_forward() -> None:
@@ -213,7 +262,7 @@ def test_stages_keep_plain_names_and_compose_to_the_plain_forward() -> None:
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     idx = torch.randint(0, 256, (3, 8))
     expected = model(idx)
-    plan = plan_stages(4, block_list="blocks", n_stages=4)
+    plan = plan_pipeline_stages(4, block_list="blocks", n_stages=4)
     views = prune_to_stages(model, plan, [0, 1, 2, 3])  # every stage on one rank: the chain is the whole model
     hidden = idx
     for view in views:
@@ -230,10 +279,13 @@ def test_stages_keep_plain_names_and_compose_to_the_plain_forward() -> None:
 def test_schedule_lookup_names_the_torch_version(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed.pipelining import schedules
 
-    assert schedule_class("1f1b")[0] is schedules.Schedule1F1B
-    assert schedule_class("interleaved_1f1b")[1:] == (2, "loop")
-    with pytest.raises(ConfigError, match=r"`trainer.strategy.schedule='pipedream'` is not a pipeline schedule"):
-        schedule_class("pipedream")
+    spec = schedule_spec("interleaved_1f1b")
+    assert schedule_spec("1f1b").schedule_class is schedules.Schedule1F1B and schedule_spec("1f1b").single_stage
+    assert (spec.stages_per_rank, spec.placement, spec.single_stage) == (2, "loop", False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.placement = "v"  # type: ignore[misc]
+    with pytest.raises(ConfigError, match=r"`schedule='pipedream'` is not a pipeline schedule"):
+        schedule_spec("pipedream")
     monkeypatch.delattr(schedules, "ScheduleZBVZeroBubble")
     with pytest.raises(ConfigError, match=re.escape(f"which torch {torch.__version__} does not have; use one of")):
         PipelineStrategy(schedule="zbv_zero_bubble")
@@ -250,7 +302,7 @@ def test_an_old_torch_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fewer_micro_batches_than_stages_warns() -> None:
-    with pytest.warns(LightningAccelWarning, match=r"`trainer.strategy.n_microbatches=2` is fewer than the 4"):
+    with pytest.warns(LightningAccelWarning, match=r"`n_microbatches=2` is fewer than the 4"):
         assert microbatches_for(2, 4) == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -258,22 +310,75 @@ def test_fewer_micro_batches_than_stages_warns() -> None:
 
 
 def test_trainer_level_errors() -> None:
-    strategy = PipelineStrategy(n_microbatches=4)
-    with pytest.raises(ConfigError, match=r"A training batch of 6 samples does not divide into .*n_microbatches=4"):
-        strategy._split_batch((torch.zeros(6, 8), torch.zeros(6, 8)), train=True)
+    with pytest.raises(ConfigError, match=r"A training batch of 6 samples does not divide into `n_microbatches=4`"):
+        split_batch((torch.zeros(6, 8), torch.zeros(6, 8)), 4, train=True)
     # the last, smaller evaluation batch runs through the stages in order, as one micro-batch
-    assert strategy._split_batch((torch.zeros(6, 8), torch.zeros(6, 8)), train=False)[2] == 1
+    assert split_batch((torch.zeros(6, 8), torch.zeros(6, 8)), 4, train=False)[2] == 1
     model = examples.GPTLanguageModel(n_layer=2)
     model.automatic_optimization = False
-    trainer = types.SimpleNamespace(precision="32-true")
     with pytest.raises(ConfigError, match=r"`automatic_optimization=False`, which `strategy=pipeline` does not"):
-        strategy._check_trainer(trainer, model)  # type: ignore[arg-type]
-    model.automatic_optimization = True
-    trainer.precision = "16-mixed"
-    with pytest.raises(ConfigError, match=r"`trainer.precision=16-mixed` is not supported by `strategy=pipeline`"):
-        strategy._check_trainer(trainer, model)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"`trainer.strategy.n_microbatches=0` must be a positive integer"):
-        PipelineStrategy(n_microbatches=0)
+        _check_module(model)
+    with pytest.raises(ConfigError, match=r"`precision=16-mixed` is not supported by `PipelineStrategy`") as err:
+        check_precision("16-mixed")
+    assert err.value.setting == "precision"
+    check_precision("bf16-mixed")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message", "setting"),
+    [
+        ({"n_stages": 0}, ConfigError, r"`n_stages=0` must be a positive integer", "n_stages"),
+        ({"n_microbatches": 0}, ConfigError, r"`n_microbatches=0` must be a positive integer", "n_microbatches"),
+        ({"n_stages": "3"}, ConfigTypeError, r"`n_stages='3'` must be a positive integer", "n_stages"),
+        ({"data_parallel": "zero"}, ConfigError, r"`data_parallel='zero'` must be 'replicate' or 'fsdp'",
+         "data_parallel"),
+        ({"split_points": [2]}, ConfigTypeError, r"`split_points=\(2,\)` must be a list of module names",
+         "split_points"),
+        ({"split_points": ["blocks.2"], "n_stages": 3}, ConfigError, r"`n_stages=3` disagrees", "n_stages"),
+        ({"schedule": "zigzag"}, ConfigError, r"`schedule='zigzag'` is not a pipeline schedule", "schedule"),
+    ],
+)  # fmt: skip
+def test_a_plain_script_sees_the_constructor_argument(kwargs: dict[str, Any], error: type, message: str,
+                                                      setting: str) -> None:  # fmt: skip
+    """No Hydra here: the error names `PipelineStrategy`'s own argument, never a config path."""
+    with pytest.raises(error, match=message) as err:
+        PipelineStrategy(**kwargs)
+    assert err.value.setting == setting and "trainer.strategy" not in str(err.value)
+
+
+def test_settings_hold_the_constructor_defaults_once() -> None:
+    """The constructor's signature reads its defaults from `PipelineSettings`, and the config mirrors it."""
+    import yaml
+
+    from lightning_accel.strategies.pipeline.settings import DEFAULTS
+
+    parameters = inspect.signature(PipelineStrategy).parameters
+    fields = [field.name for field in dataclasses.fields(PipelineSettings)]
+    assert list(parameters) == fields
+    assert all(parameters[name].default == getattr(DEFAULTS, name) for name in fields)
+    conf = yaml.safe_load((Path(examples.__file__).parents[1] / "conf/strategy/pipeline.yaml").read_text())
+    keys = set(conf["trainer"]["strategy"]) - {"_target_"}
+    assert keys <= set(fields) and conf["trainer"]["strategy"]["schedule"] == DEFAULTS.schedule
+    assert PipelineStrategy(split_points=["blocks.2"]).settings.split_points == ("blocks.2",)
+
+
+def test_the_world_size_checks_run_before_launch_and_in_setup() -> None:
+    """`validate(world=...)`: what `setup` checks against the world size, also run by the pre-launch check."""
+    with pytest.raises(ConfigError, match=r"`schedule=1f1b` runs one stage per pipeline rank, but there are 4 stages "
+                                          r"for 2 ranks; use `n_stages=2`") as err:  # fmt: skip
+        PipelineSettings(n_stages=4).validate(world=2)
+    assert err.value.setting == "schedule"
+    with pytest.raises(ConfigError, match=r"`schedule=interleaved_1f1b` needs at least 2 stages per pipeline rank"):
+        PipelineSettings(schedule="interleaved_1f1b", n_stages=2).validate(world=2)
+    with pytest.raises(ConfigError, match=r"`data_parallel_size=3` does not divide the world size 4"):
+        PipelineSettings(data_parallel_size=3).validate(world=4)
+    with pytest.raises(ConfigError, match=r"`n_microbatches=1` is fewer than the 2 pipeline stages"):
+        check_pipeline_settings({"_target_": "x.PipelineStrategy", "n_microbatches": 1}, world=2)
+    with pytest.raises(ConfigTypeError, match=r"`n_microbatch` is not an argument of PipelineStrategy"):
+        check_pipeline_settings(n_microbatch=4)
+    with pytest.warns(LightningAccelWarning, match=r"has a single pipeline rank"):
+        assert check_pipeline_settings({"schedule": "gpipe"}, world=1, precision="32-true").schedule == "gpipe"
+    PipelineSettings(schedule="interleaved_1f1b", n_microbatches=8).validate(world=4, precision="bf16-mixed")
 
 
 def test_predict_names_the_way_out() -> None:
@@ -282,16 +387,22 @@ def test_predict_names_the_way_out() -> None:
 
 
 def test_config_errors_before_launch(compose_train) -> None:
+    """accel-train's check names the config paths the user wrote (`trainer.strategy.X`, `trainer.precision`)."""
     cfg = compose_train(["preset=pipeline", "trainer.accelerator=cpu"])
     check_config(cfg)
     assert cfg.trainer.strategy._target_.endswith("PipelineStrategy") and cfg.model.n_layer == 4
-    with pytest.raises(ConfigError, match=r"`trainer.precision=16-mixed` is not supported by `strategy=pipeline`"):
+    with pytest.raises(ConfigError, match=r"`trainer.precision=16-mixed` is not supported by `PipelineStrategy`"):
         check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.precision=16-mixed"]))
     with pytest.raises(ConfigError, match=r"`trainer.strategy.data_parallel_size=3` does not divide the world size 2"):
         check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu",
                                     "trainer.strategy.data_parallel_size=3"]))  # fmt: skip
     with pytest.raises(ConfigError, match=r"`trainer.strategy.schedule='zigzag'` is not a pipeline schedule"):
         check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.schedule=zigzag"]))
+    with pytest.raises(ConfigError, match=r"`trainer.strategy.schedule=1f1b` runs one stage per pipeline rank, but "
+                                          r"there are 4 stages for 2 ranks; use `n_stages=2`"):  # fmt: skip
+        check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.n_stages=4"]))
+    with pytest.raises(ConfigTypeError, match=r"`trainer.strategy.n_stages='two'` must be a positive integer"):
+        check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.n_stages=two"]))
 
 
 def test_accel_train_preset_pipeline_on_two_cpu_processes(run_cli, tmp_path: Path) -> None:
@@ -314,7 +425,9 @@ def test_accel_train_preset_pipeline_on_two_cpu_processes(run_cli, tmp_path: Pat
 def test_consolidating_a_non_checkpoint_fails(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is not a distributed checkpoint directory"):
         consolidate_checkpoint(tmp_path)
-    assert stages_module.SCHEDULES["gpipe"][0] == "ScheduleGPipe"
+    from lightning_accel.strategies.pipeline import SCHEDULES as TABLE
+
+    assert TABLE["gpipe"][0] == "ScheduleGPipe"
 
 
 class _Payload:
@@ -339,8 +452,6 @@ def _checkpoint_with_payload(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_a_planted_payload_in_the_metadata_never_runs(tmp_path: Path) -> None:
-    from lightning_accel.strategies.pipeline_stages import load_metadata
-
     path, marker = _checkpoint_with_payload(tmp_path)
     with pytest.raises(ConfigError, match="holds more than tensors and plain types") as err:
         consolidate_checkpoint(path, out=tmp_path / "plain.ckpt")
@@ -356,8 +467,6 @@ def test_a_planted_payload_in_the_checkpoint_index_never_runs(tmp_path: Path) ->
     """torch reads a distributed checkpoint's `.metadata` with plain pickle: it is checked against an allowlist."""
     import pickle
 
-    from lightning_accel.strategies.pipeline_stages import check_dcp_metadata
-
     path, marker = _checkpoint_with_payload(tmp_path)
     torch.save({"epoch": 1}, path / "meta.pt")  # a clean metadata file: the index is what carries the payload here
     check_dcp_metadata(path)  # a real index passes
@@ -372,8 +481,6 @@ def test_a_planted_payload_in_the_checkpoint_index_never_runs(tmp_path: Path) ->
 def test_a_save_that_dies_leaves_the_previous_checkpoint_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The directory is written under a temporary name and renamed over the old one only when complete."""
     import torch.distributed.checkpoint as dcp
-
-    from lightning_accel.strategies.pipeline import replace_directory
 
     strategy = PipelineStrategy()
     monkeypatch.setattr(type(strategy), "global_rank", property(lambda self: 0))
@@ -399,3 +506,39 @@ def test_a_save_that_dies_leaves_the_previous_checkpoint_whole(tmp_path: Path, m
     replace_directory(new, last)
     assert (last / "marker").read_text() == "new" and not new.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".last.ckpt.old")]
+
+
+class _RaisesMidEpoch(pl.Callback):
+    """Records whether the clipping patch is on the precision plugin during training, then raises at batch 2."""
+
+    def __init__(self) -> None:
+        self.patched_while_training = False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        self.patched_while_training = "clip_grad_by_norm" in trainer.precision_plugin.__dict__
+        if batch_idx == 2:
+            raise RuntimeError("mid-epoch failure")
+
+
+def test_no_patch_remains_after_a_fit_that_raises_mid_epoch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process (a pipeline of one stage): the clipping patch is undone by `on_exception` itself; `teardown`,
+    which Lightning also calls after an exception, is held back here so that it cannot be what undid it."""
+    from torch.utils.data import DataLoader
+
+    strategy = PipelineStrategy(schedule="gpipe", n_microbatches=2)
+    monkeypatch.setattr(strategy, "teardown", lambda: None)
+    hook = _RaisesMidEpoch()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, gradient_clip_val=cases.CLIP,
+                         callbacks=[hook], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    try:
+        with pytest.raises(RuntimeError, match="mid-epoch failure"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(cases.make_model(), DataLoader(cases.train_set(), batch_size=4))
+        assert hook.patched_while_training and trainer.global_step == 3
+        assert "clip_grad_by_norm" not in trainer.precision_plugin.__dict__
+    finally:
+        PipelineStrategy.teardown(strategy)
+        if torch.distributed.is_initialized():  # the one-process group this fit made, not left to later tests
+            torch.distributed.destroy_process_group()
