@@ -2,8 +2,8 @@
 
 Each case fits a linear regression with SGD under an accumulation schedule and an LR schedule and records, per
 optimizer step, the LR used and the window size; per backward, whether DDP synchronised gradients. Run directly
-(`python -m torch.distributed.run --nproc-per-node 2 _accumulation_cases.py OUT_DIR`) every rank writes
-OUT_DIR/rank<k>.json with the results of all cases.
+(`python -m torch.distributed.run --nproc-per-node 2 _accumulation_cases.py OUT_DIR`, with `tests/` on PYTHONPATH as
+`_torchrun.torchrun` sets it) every rank writes OUT_DIR/rank<k>.json with the results of all cases.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _tiny import TinyRegression
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -52,18 +53,13 @@ def dataset(world_size: int) -> TensorDataset:
     return TensorDataset(x, y.unsqueeze(1))
 
 
-class Regression(pl.LightningModule):
+class Regression(TinyRegression):
+    """The same weights in every process (seed 1); SGD at LR under `lr_scheduler`, the estimate of its steps kept."""
+
     def __init__(self, lr_scheduler: Any) -> None:
-        super().__init__()
-        torch.manual_seed(1)
-        self.layer = nn.Linear(FEATURES, 1)
-        self.initial = {k: v.detach().clone() for k, v in self.layer.state_dict().items()}
+        super().__init__(FEATURES, lr=LR, seed=1)
         self.lr_scheduler = lr_scheduler
         self.estimated_steps: int | None = None
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.layer(x), y)
 
     def configure_optimizers(self) -> Any:
         self.estimated_steps = estimated_optimizer_steps(self.trainer)

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import functools
-import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import _accumulation_cases as cases
 import lightning.pytorch as pl
 import pytest
 import torch
+from _torchrun import rank_results
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 from lightning_accel import estimated_optimizer_steps
@@ -126,13 +122,7 @@ def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("accumulation_ddp")
-    script = Path(cases.__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
-    proc = subprocess.run([*command, str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return rank_results(cases.__file__, tmp_path_factory.mktemp("accumulation_ddp"))
 
 
 @pytest.mark.parametrize(("schedule", "lr_schedule"), CASES)
