@@ -1,5 +1,5 @@
-"""How many samples a batch holds: the one helper every counter uses (run summary, BenchMonitor, the tuner,
-AccumulationScheduler)."""
+"""How many samples a batch holds, and how many ranks load batches of their own: the helpers every sample counter
+uses (run summary, BenchMonitor, the tuner, AccumulationScheduler)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["samples_in"]
+__all__ = ["data_parallel_replicas", "samples_in"]
 
 
 def samples_in(batch: Any, default: int = 0) -> int:
@@ -21,3 +21,14 @@ def samples_in(batch: Any, default: int = 0) -> int:
     if isinstance(batch, (list, tuple)):
         return samples_in(batch[0], default) if batch else default
     return default
+
+
+def data_parallel_replicas(trainer: Any) -> int:
+    """Ranks that each load their own batches in a running fit: the distributed sampler's replicas (the
+    data-parallel size under ModelParallelStrategy and PipelineStrategy, whose other ranks share batches), else the
+    world size. Samples seen by one rank times this is the samples of the step."""
+    try:
+        replicas = trainer.strategy.distributed_sampler_kwargs.get("num_replicas")
+    except Exception:  # a strategy without the property, or one not set up
+        replicas = None
+    return int(replicas) if isinstance(replicas, int) and replicas > 0 else int(trainer.world_size)

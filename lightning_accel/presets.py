@@ -1,9 +1,15 @@
-"""Checks a composed run (precision x strategy x accelerator x devices) before anything is built or spawned."""
+"""The run shape (facts about a composed run, computed once) and the checks made before anything is built or spawned.
+
+`run_shape(cfg)` is the one place that parses `trainer.devices`, names the strategy family, finds the accumulation
+callback and counts the CPUs (through `system/`) and CUDA devices; the checks here, accel-bench's ladder and the run
+summary read those facts from it instead of working them out again.
+"""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -12,12 +18,17 @@ from lightning_accel.errors import ConfigError
 from lightning_accel.precision import FLOAT32_MATMUL_PRECISIONS, PRECISION_CHOICES
 
 __all__ = [
-    "check_app_config",
+    "RunShape",
+    "accumulation_callbacks",
     "apply_ddp_grad_compression",
+    "check_app_config",
     "check_combinations",
     "check_config",
+    "count_devices",
     "effective_trainer_settings",
+    "run_shape",
     "runs_on_cuda",
+    "strategy_family",
 ]
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
@@ -128,6 +139,158 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
+def count_devices(devices: Any) -> int | None:
+    """Devices per node that `trainer.devices` fixes: a count (`2`, `"2"`), or the length of a list of indices
+    (`[0, 1]`, `"0,1"`); None for `auto` and -1 (the machine decides) and for values that are not device settings."""
+    if isinstance(devices, bool):
+        return None
+    if isinstance(devices, (ListConfig, list, tuple)):
+        return len(devices)
+    if isinstance(devices, int):
+        return devices if devices > 0 else None
+    text = str(devices).strip()
+    if "," in text:
+        return len([d for d in text.split(",") if d.strip()])
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+_STRATEGY_FAMILIES = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "ModelParallelStrategy": "model_parallel",
+                      "DeepSpeedStrategy": "deepspeed", "SingleDeviceStrategy": "single_device",
+                      "PipelineStrategy": "pipeline"}  # fmt: skip
+DISTRIBUTED_FAMILIES = ("ddp", "fsdp", "model_parallel", "deepspeed", "pipeline")
+
+
+def strategy_family(strategy: Any) -> str:
+    """The strategy family ("auto", "ddp", "fsdp", "model_parallel", "pipeline", "deepspeed", "single_device", or
+    the class name of another strategy) of a registry name (`ddp_spawn`) or a `_target_` config."""
+    if isinstance(strategy, (DictConfig, Mapping)):
+        target = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
+        if target in _STRATEGY_FAMILIES:
+            return _STRATEGY_FAMILIES[target]
+        return "pipeline" if "pipeline" in target.lower() else target
+    name = str(strategy)
+    for family in ("fsdp", "deepspeed", "ddp"):
+        if name.startswith(family):
+            return family
+    return name
+
+
+def accumulation_callbacks(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    """`(name, node)` of each callback in `cfg.callbacks` that sets `accumulate_grad_batches` per window: this
+    package's `AccumulationScheduler` or Lightning's `GradientAccumulationScheduler`."""
+    callbacks = cfg.get("callbacks") or {}
+    return [
+        (str(name), node)
+        for name, node in callbacks.items()
+        if isinstance(node, DictConfig) and str(node.get("_target_", "")).rsplit(".", 1)[-1] in _ACCUMULATION_CALLBACKS
+    ]
+
+
+_ACCUMULATION_CALLBACKS = ("AccumulationScheduler", "GradientAccumulationScheduler")
+
+
+def _visible_cuda_devices() -> int:
+    """CUDA devices this process sees, counted without creating a CUDA context (NVML first, as Lightning does)."""
+    from lightning.fabric.accelerators.cuda import num_cuda_devices
+
+    return num_cuda_devices()
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by the cgroup's CPU quota (`system/` reads both)."""
+    from lightning_accel.system.cgroup import read_cpu_budget
+
+    return max(1, int(read_cpu_budget().effective))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShape:
+    """What a composed run is, computed once from its config by `run_shape`: where it runs, on how many processes,
+    with which strategy family, data-parallel size and accumulation callback."""
+
+    accelerator: str
+    """`trainer.accelerator` as configured (auto, cpu, gpu, cuda, ...)."""
+    on_cuda: bool
+    """Whether the run's accelerator is CUDA (`gpu`/`cuda`, or `auto` with a CUDA device visible)."""
+    visible_cuda: int
+    """CUDA devices this process sees."""
+    cpus: int
+    """CPUs this process may use (affinity and cgroup quota)."""
+    devices: Any
+    """`trainer.devices` as configured (plain Python)."""
+    devices_per_node: int | None
+    """What `trainer.devices` fixes (`count_devices`); None for `auto` and -1, which the machine decides."""
+    num_nodes: int
+    family: str
+    """`strategy_family` of `trainer.strategy`."""
+    strategy: Any
+    """`trainer.strategy` as configured (plain Python: a registry name or a dict with `_target_`)."""
+    precision: str
+    """`trainer.precision` as configured."""
+    accumulation_callback: str | None
+    """The name under `callbacks` of the accumulation callback, if there is (exactly) one."""
+
+    @property
+    def world_size(self) -> int | None:
+        """Devices x nodes when the config fixes both; None when the machine decides."""
+        return None if self.devices_per_node is None else self.devices_per_node * self.num_nodes
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the strategy is one that runs several processes (DDP, FSDP, model parallel, pipeline, DeepSpeed)."""
+        return self.family in DISTRIBUTED_FAMILIES
+
+    def data_parallel_size(self, world_size: int | None = None) -> int | None:
+        """Ranks that load batches of their own on `world_size` processes (default: `self.world_size`): a
+        pipeline's `data_parallel_size` (default 1), a model-parallel strategy's (`auto`: the world over
+        `tensor_parallel_size` for this package's, the number of nodes for Lightning's own), else the world size."""
+        world = self.world_size if world_size is None else world_size
+        strategy = self.strategy if isinstance(self.strategy, Mapping) else {}
+        if self.family == "pipeline":
+            dp = strategy.get("data_parallel_size", 1)
+            return dp if isinstance(dp, int) and dp > 0 else world
+        if self.family == "model_parallel":
+            dp = strategy.get("data_parallel_size", "auto")
+            if isinstance(dp, int) and dp > 0:
+                return dp
+            if not str(strategy.get("_target_", "")).startswith("lightning_accel."):
+                return self.num_nodes  # Lightning's ModelParallelStrategy: "auto" is the number of nodes
+            tp = strategy.get("tensor_parallel_size", 1)
+            return None if world is None else max(1, world // tp) if isinstance(tp, int) and tp > 0 else world
+        return world
+
+
+def run_shape(cfg: DictConfig, *, visible_cuda: int | None = None, cpus: int | None = None) -> RunShape:
+    """The `RunShape` of a composed config (one with a `trainer` section).
+
+    Args:
+        cfg: the composed config.
+        visible_cuda: CUDA devices visible; None counts them (without creating a CUDA context).
+        cpus: CPUs this process may use; None reads them through `system/` (affinity and cgroup quota).
+    """
+    trainer = cfg.trainer
+    accelerator = str(trainer.get("accelerator", "auto"))
+    visible = _visible_cuda_devices() if visible_cuda is None else visible_cuda
+    devices = trainer.get("devices", "auto")
+    nodes = trainer.get("num_nodes", 1)
+    strategy = trainer.get("strategy", "auto")
+    plain_strategy = OmegaConf.to_container(strategy) if isinstance(strategy, DictConfig) else strategy
+    schedulers = accumulation_callbacks(cfg)
+    return RunShape(
+        accelerator=accelerator,
+        on_cuda=_on_cuda(accelerator, lambda: visible),
+        visible_cuda=visible,
+        cpus=_usable_cpus() if cpus is None else cpus,
+        devices=OmegaConf.to_container(devices) if isinstance(devices, ListConfig) else devices,
+        devices_per_node=count_devices(devices),
+        num_nodes=nodes if isinstance(nodes, int) and not isinstance(nodes, bool) else 1,
+        family=strategy_family(strategy),
+        strategy=plain_strategy,
+        precision=str(trainer.get("precision", "32-true")),
+        accumulation_callback=schedulers[0][0] if len(schedulers) == 1 else None,
+    )
+
+
 def _check_devices(devices: Any) -> None:
     if isinstance(devices, bool):
         pass
@@ -214,17 +377,9 @@ def _check_int(setting: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"`{setting}={_show(value)}` must be an integer >= {minimum}.")
 
 
-_ACCUMULATION_CALLBACKS = ("AccumulationScheduler", "GradientAccumulationScheduler")
-
-
 def _check_accumulation(cfg: DictConfig) -> None:
     """An accumulation callback owns `accumulate_grad_batches`; a global batch must split evenly over the devices."""
-    callbacks = cfg.get("callbacks") or {}
-    schedulers = [
-        (name, node)
-        for name, node in callbacks.items()
-        if isinstance(node, DictConfig) and str(node.get("_target_", "")).rsplit(".", 1)[-1] in _ACCUMULATION_CALLBACKS
-    ]
+    schedulers = accumulation_callbacks(cfg)
     if not schedulers:
         return
     if len(schedulers) > 1:
@@ -242,59 +397,26 @@ def _check_accumulation(cfg: DictConfig) -> None:
     data_class = str(OmegaConf.select(cfg, "data._target_", default="")).rsplit(".", 1)[-1]
     if micro is None and data_class in {c for c, _, _ in _EXAMPLE_DATA.values()}:
         micro = OmegaConf.select(cfg, "data.batch_size", default=None)  # per device in the examples; others: at fit
-    world = _world_size(cfg.trainer)
+    per_node, nodes = count_devices(cfg.trainer.get("devices", "auto")), cfg.trainer.get("num_nodes", 1)
+    world = per_node * nodes if per_node is not None and isinstance(nodes, int) else None
     if isinstance(global_batch, int) and isinstance(micro, int) and micro > 0 and world is not None:
         from lightning_accel.callbacks.accumulation import micro_batches_for
 
         micro_batches_for(global_batch, micro, world)
 
 
-def _world_size(trainer: DictConfig) -> int | None:
-    """Devices x nodes when the config fixes them; None for "auto" and -1, which depend on the machine."""
-    devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes", 1)
-    if isinstance(devices, ListConfig | list):
-        count = len(devices)
-    elif isinstance(devices, str) and "," in devices:
-        count = len([d for d in devices.split(",") if d.strip()])
-    elif isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
-        count = devices
-    elif isinstance(devices, str) and devices.strip().isdigit() and int(devices) > 0:
-        count = int(devices)
-    else:
-        return None
-    return count * nodes if isinstance(nodes, int) else None
-
-
-def _visible_cuda_devices() -> int:
-    """CUDA devices this process sees, counted without creating a CUDA context (NVML first, as Lightning does)."""
-    from lightning.fabric.accelerators.cuda import num_cuda_devices
-
-    return num_cuda_devices()
-
-
-def _strategy_name(strategy: Any) -> str:
-    """The strategy family ("ddp", "fsdp", "model_parallel", "deepspeed", ...) of a registry name or `_target_`."""
-    if isinstance(strategy, (DictConfig, Mapping)):
-        target = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
-        names = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "ModelParallelStrategy": "model_parallel",
-                 "DeepSpeedStrategy": "deepspeed", "SingleDeviceStrategy": "single_device",
-                 "PipelineStrategy": "pipeline"}  # fmt: skip
-        return names.get(target, target)
-    name = str(strategy)
-    for family in ("fsdp", "deepspeed", "ddp"):
-        if name.startswith(family):
-            return family
-    return name
-
-
 def runs_on_cuda(cfg: DictConfig, *, visible_cuda: int | None = None) -> bool:
-    """Whether the composed run's accelerator is CUDA (`gpu`/`cuda`, or `auto` with a CUDA device visible)."""
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if accelerator in ("gpu", "cuda"):
-        return True
-    if accelerator != "auto":
-        return False
-    return (_visible_cuda_devices() if visible_cuda is None else visible_cuda) > 0
+    """Whether the composed run's accelerator is CUDA (`gpu`/`cuda`, or `auto` with a CUDA device visible); counts
+    the CUDA devices only for `auto`."""
+    return _on_cuda(
+        str(cfg.trainer.get("accelerator", "auto")),
+        lambda: _visible_cuda_devices() if visible_cuda is None else visible_cuda,
+    )
+
+
+def _on_cuda(accelerator: str, visible: Any) -> bool:
+    """`gpu`/`cuda`, or `auto` with a CUDA device visible (`visible()` counts them)."""
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and visible() > 0)
 
 
 _COMPRESSION_HOOKS = {
@@ -323,7 +445,7 @@ def apply_ddp_grad_compression(cfg: DictConfig, *, visible_cuda: int | None = No
     if choice not in _COMPRESSION_HOOKS:
         raise ConfigError(f"`ddp_grad_compression={_show(choice)}` is not supported; use `none`, `bf16` or `fp16`.")
     strategy = cfg.trainer.get("strategy", "auto")
-    if not isinstance(strategy, (DictConfig, Mapping)) or _strategy_name(strategy) != "ddp":
+    if not isinstance(strategy, (DictConfig, Mapping)) or strategy_family(strategy) != "ddp":
         raise ConfigError(
             f"`ddp_grad_compression={choice}` needs `strategy=ddp`, not `trainer.strategy={_show(strategy)}`; "
             "pick `strategy=ddp` or set `ddp_grad_compression=none`."
@@ -359,13 +481,10 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
     Raises:
         ConfigError: naming the settings, the values and the fix.
     """
-    trainer = cfg.trainer
-    accelerator = str(trainer.get("accelerator", "auto"))
+    shape = run_shape(cfg, visible_cuda=visible_cuda)
+    accelerator, visible, on_cuda, devices = shape.accelerator, shape.visible_cuda, shape.on_cuda, shape.devices
     if accelerator not in ("auto", "cpu", "gpu", "cuda"):
         return  # mps and tpu: Lightning checks those itself
-    visible = _visible_cuda_devices() if visible_cuda is None else visible_cuda
-    on_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and visible > 0)
-    devices = trainer.get("devices", "auto")
     if accelerator in ("gpu", "cuda") and visible == 0:
         raise ConfigError(
             f"`trainer.accelerator={accelerator}` but this process sees no CUDA device (check `nvidia-smi` and "
@@ -374,9 +493,8 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
     if on_cuda:
         _check_devices_visible(devices, visible)
     else:
-        _check_cpu_processes(devices)
-    strategy = trainer.get("strategy", "auto")
-    name = _strategy_name(strategy)
+        _check_cpu_processes(devices, shape.cpus)
+    strategy, name, precision = cfg.trainer.get("strategy", "auto"), shape.family, shape.precision
     if not on_cuda and name in ("fsdp", "deepspeed"):
         fix = "`strategy=model_parallel` (FSDP2, runs on CPU)" if name == "fsdp" else "`strategy=ddp`"
         shown = strategy.get("_target_") if isinstance(strategy, (DictConfig, Mapping)) else strategy
@@ -384,7 +502,6 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
             f"`trainer.strategy={shown!r}` needs CUDA GPUs, but this run is on the CPU "
             f"(`trainer.accelerator={accelerator}`); use {fix}, or run on GPUs."
         )
-    precision = str(trainer.get("precision", "32-true"))
     if name == "model_parallel" and precision in ("16-mixed", "16", "transformer-engine-float16"):
         raise ConfigError(
             f"`trainer.precision={precision}` is not supported by `strategy=model_parallel` (ModelParallelStrategy "
@@ -395,7 +512,7 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
 
         values = OmegaConf.to_container(strategy, resolve=True) if isinstance(strategy, DictConfig) else strategy
         try:
-            check_pipeline_settings(values, precision=precision, world=_world_size(trainer))  # type: ignore[arg-type]
+            check_pipeline_settings(values, precision=precision, world=shape.world_size)  # type: ignore[arg-type]
         except ConfigError as err:  # the library names its arguments; the user wrote them under these paths
             raise err.at("trainer" if err.setting == "precision" else "trainer.strategy") from None
     if not on_cuda and precision.startswith("transformer-engine"):
@@ -414,17 +531,12 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
 _CPU_OVERSUBSCRIPTION = 4  # CPU ranks per usable CPU still accepted: tests run 4 pipeline ranks on 2 cores
 
 
-def _check_cpu_processes(devices: Any, cpus: int | None = None) -> None:
+def _check_cpu_processes(devices: Any, cpus: int) -> None:
     """On the CPU, `trainer.devices` is a number of processes: Lightning starts any number, each with its own copy
     of the model; far more than the CPUs only thrashes (and 1000 exhausts memory or process limits)."""
-    from lightning_accel.system.cgroup import read_cpu_budget
-
-    if isinstance(devices, str) and devices.strip().isdigit():
-        devices = int(devices)
-    count = len(devices) if isinstance(devices, (ListConfig, list)) else devices
-    if not isinstance(count, int) or isinstance(count, bool) or count <= 1:
+    count = count_devices(devices)
+    if count is None or count <= 1:
         return
-    cpus = cpus or max(1, int(read_cpu_budget().effective))
     if count > _CPU_OVERSUBSCRIPTION * cpus:
         raise ConfigError(
             f"`trainer.devices={_show(devices)}` starts {count} CPU processes, but this process may use "
@@ -434,22 +546,21 @@ def _check_cpu_processes(devices: Any, cpus: int | None = None) -> None:
 
 
 def _check_devices_visible(devices: Any, visible: int) -> None:
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
-    if isinstance(devices, str) and "," in devices:
-        devices = [int(d) for d in devices.split(",") if d.strip()]
-    if isinstance(devices, int) and not isinstance(devices, bool) and devices > visible:
-        raise ConfigError(
-            f"`trainer.devices={devices}` but only {visible} CUDA device(s) are visible; use "
-            f"`trainer.devices={visible}` or `trainer.devices=-1` (all), or check CUDA_VISIBLE_DEVICES."
-        )
-    if isinstance(devices, (ListConfig, list)):
-        missing = [d for d in devices if isinstance(d, int) and d >= visible]
+    if isinstance(devices, (ListConfig, list)) or (isinstance(devices, str) and "," in devices):
+        indices = devices if not isinstance(devices, str) else [int(d) for d in devices.split(",") if d.strip()]
+        missing = [d for d in indices if isinstance(d, int) and d >= visible]
         if missing:
             raise ConfigError(
                 f"`trainer.devices={_show(devices)}` names device(s) {missing}, but only indices 0..{visible - 1} "
                 f"are visible; use indices below {visible}, or check CUDA_VISIBLE_DEVICES."
             )
+        return
+    count = count_devices(devices)
+    if count is not None and count > visible:
+        raise ConfigError(
+            f"`trainer.devices={count}` but only {visible} CUDA device(s) are visible; use "
+            f"`trainer.devices={visible}` or `trainer.devices=-1` (all), or check CUDA_VISIBLE_DEVICES."
+        )
 
 
 _IMPLIED_DEFAULTS: dict[str, Any] = {

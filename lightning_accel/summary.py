@@ -4,46 +4,20 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from typing_extensions import override
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
-from lightning_accel.batches import samples_in
+    from lightning_accel.callbacks.run_stats import RunStats
+    from lightning_accel.presets import RunShape
 
-__all__ = ["RunStats", "RunSummary", "collect_summary", "print_summary", "write_summary"]
+__all__ = ["RunSummary", "collect_summary", "print_summary", "write_summary"]
 
 # Reference figures a datamodule may expose, shown beside the metrics (the examples' text data has these).
 _BASELINE_ATTRS = ("unigram_bpc", "uniform_bpc")
-
-
-class RunStats(Callback):
-    """Counts the training samples this rank saw and times the fit, for samples/s in the summary."""
-
-    def __init__(self) -> None:
-        self.samples = 0
-        self.fit_seconds = 0.0
-        self._start: float | None = None
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start = time.perf_counter()
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self.samples += samples_in(batch)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._start is not None:
-            self.fit_seconds += time.perf_counter() - self._start
-            self._start = None
 
 
 @dataclass(kw_only=True)
@@ -63,6 +37,8 @@ class RunSummary:
     samples_per_s: float = 0.0
     """train_samples / fit_time_s."""
     world_size: int = 1
+    strategy: str = ""
+    """The strategy family of the run shape (ddp, model_parallel, pipeline, ...)."""
     best_checkpoint: str | None = None
     tested_weights: str = "final"
     """"best" (the best checkpoint) or "final" (the weights at the end of the fit)."""
@@ -74,6 +50,7 @@ def collect_summary(
     trainer: pl.Trainer,
     datamodule: Any,
     stats: RunStats,
+    shape: RunShape,
     metrics: dict[str, float],
     wall_time_s: float,
     run_dir: str,
@@ -84,7 +61,7 @@ def collect_summary(
         value = getattr(datamodule, name, None)
         if isinstance(value, (int, float)) and math.isfinite(value):
             baselines[name] = float(value)
-    samples = stats.samples * trainer.world_size
+    samples = stats.samples
     checkpoint = trainer.checkpoint_callback
     return RunSummary(
         metrics=dict(metrics),
@@ -94,6 +71,7 @@ def collect_summary(
         train_samples=samples,
         samples_per_s=samples / stats.fit_seconds if stats.fit_seconds > 0 else 0.0,
         world_size=trainer.world_size,
+        strategy=shape.family,
         best_checkpoint=(getattr(checkpoint, "best_model_path", "") or None),
         tested_weights=tested_weights,
         run_dir=run_dir,
@@ -117,7 +95,11 @@ def print_summary(summary: RunSummary) -> None:
     for key, value in sorted(summary.baselines.items()):
         table.add_row(f"baseline {key}", f"{value:.4f}")
     table.add_row("wall time", f"{summary.wall_time_s:.1f} s (fit {summary.fit_time_s:.1f} s)")
-    table.add_row("throughput", f"{summary.samples_per_s:,.1f} samples/s over {summary.world_size} process(es)")
+    table.add_row(
+        "throughput",
+        f"{summary.samples_per_s:,.1f} samples/s over {summary.world_size} process(es)"
+        + (f" ({summary.strategy})" if summary.strategy not in ("", "auto", "single_device") else ""),
+    )
     table.add_row("tested weights", summary.tested_weights)
     table.add_row("best checkpoint", summary.best_checkpoint or "-")
     for log_dir in summary.log_dirs:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import sys
 import time
 from contextlib import ExitStack
@@ -14,93 +13,35 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from lightning_accel.data_settings import instantiate_datamodule, split_data_config
+from lightning_accel.callbacks.run_stats import RunStats
+from lightning_accel.compose import (
+    apply_nccl,
+    apply_precision,
+    instantiate_callbacks,
+    instantiate_datamodule,
+    instantiate_named,
+    split_data_config,
+)
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.presets import (
+    RunShape,
     apply_ddp_grad_compression,
     check_combinations,
     check_config,
     effective_trainer_settings,
-    runs_on_cuda,
+    run_shape,
 )
-from lightning_accel.summary import RunStats, RunSummary, collect_summary, print_summary, write_summary
+from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
 
 if TYPE_CHECKING:
     from lightning_accel.precision import ResolvedPrecision
-    from lightning_accel.strategies.nccl import NcclPlan
 
-__all__ = ["apply_precision", "instantiate_named", "main", "run"]
+__all__ = ["main", "run"]
 
 log = logging.getLogger("lightning_accel.train")
-register_resolvers()  # before @hydra.main composes: conf/hydra/default.yaml uses ${accel_run_id:...}
-
-
-def instantiate_named(section: DictConfig | None) -> list[Any]:
-    """Instantiate a dict of `_target_` configs keyed by name (callbacks, loggers); null entries are skipped."""
-    if not section:
-        return []
-    return [instantiate(node) for _, node in sorted(section.items()) if node is not None]
-
-
-def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
-    """Resolve `trainer.precision` for this machine, write it back into `cfg` and apply `float32_matmul_precision`.
-
-    `amp` and `fp8` become a Lightning precision string (see `lightning_accel.precision.resolve_precision`), and
-    the choice is logged with its reason. A Hydra app of your own that selects `precision=amp` or `precision=fp8`
-    (or `preset=amp`) calls this before it instantiates `cfg.trainer`, and adds `resolved.callbacks` to the
-    Trainer's callbacks.
-
-    Raises:
-        ConfigError: when the precision cannot run here (fp8 without a capable GPU or package, bf16 on a GPU without
-            bf16, ...) or `float32_matmul_precision` is not `highest`, `high`, `medium` or null.
-    """
-    import torch
-
-    from lightning_accel.precision import apply_float32_matmul_precision, resolve_precision
-
-    accelerator = cfg.trainer.get("accelerator", "auto")
-    raw = OmegaConf.to_container(cfg.trainer, resolve=False).get("precision", "32-true")  # type: ignore[union-attr]
-    requested = re.match(r"\$\{accel_precision:([^,}]+)", str(raw))  # conf/precision/amp.yaml: resolved already
-    resolved = resolve_precision(
-        requested.group(1) if requested else cfg.trainer.get("precision", "32-true"),
-        accelerator if isinstance(accelerator, str) else "auto",
-    )
-    apply_float32_matmul_precision(cfg.get("float32_matmul_precision"))
-    with open_dict(cfg):
-        cfg.trainer.precision = resolved.value
-    log.info("%s; float32_matmul_precision=%s", resolved.describe(), torch.get_float32_matmul_precision())
-    return resolved
-
-
-def apply_nccl(cfg: DictConfig, undo: ExitStack | None = None) -> NcclPlan | None:
-    """Set the NCCL variables of `cfg.nccl.preset` for a CUDA run (the launched ranks inherit them) and log them;
-    with `undo`, the stack removes them again when it closes (accel-train closes it at the end of each job).
-
-    Raises:
-        ConfigError: for an unknown preset, or `nccl=ib` without an ACTIVE InfiniBand/RoCE port.
-    """
-    from lightning_accel.strategies.nccl import nccl_plan
-
-    section = cfg.get("nccl")
-    if not section or section.get("preset", "none") == "none":
-        return None
-    if not runs_on_cuda(cfg):
-        log.info("nccl=%s: not applied, this run is on the CPU (gloo)", section.preset)
-        return None
-    trace_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
-    try:
-        plan = nccl_plan(section.preset, socket_ifname=section.get("socket_ifname"),
-                         num_nodes=int(cfg.trainer.get("num_nodes", 1)), trace_dir=trace_dir)  # fmt: skip
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    removal = plan.apply()
-    if undo is not None:
-        undo.callback(removal)
-    log.info(plan.describe())
-    return plan
 
 
 def print_check(cfg: DictConfig, resolved: ResolvedPrecision) -> None:
@@ -125,26 +66,6 @@ def print_check(cfg: DictConfig, resolved: ResolvedPrecision) -> None:
 def config_digest(cfg: DictConfig) -> str:
     """sha256 of the resolved config: every rank of a run logs it, so equal configs can be checked."""
     return hashlib.sha256(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()
-
-
-def instantiate_callbacks(cfg: DictConfig) -> list[Any]:
-    """The run's callbacks, sorted by name; a callback whose constructor rejects its arguments is a ConfigError
-    naming `callbacks.<name>`.
-
-    Raises:
-        ConfigError: with the callback's own message (the value and the fix).
-    """
-    built = []
-    for name, node in sorted((cfg.get("callbacks") or {}).items()):
-        if node is None:
-            continue
-        try:
-            built.append(instantiate(node))
-        except Exception as err:
-            cause = err.__cause__ or err  # Hydra wraps the constructor's error in an InstantiationException
-            target = node.get("_target_", "?") if isinstance(node, DictConfig) else "?"
-            raise ConfigError(f"`callbacks.{name}` ({target}) cannot be built: {cause}") from None
-    return built
 
 
 def check_ckpt_path(cfg: DictConfig) -> None:
@@ -238,6 +159,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     check_config(cfg)
     resolved = apply_precision(cfg)
     check_combinations(cfg)  # again, now with the precision resolved for this machine
+    shape = run_shape(cfg)
     compression = apply_ddp_grad_compression(cfg)
     if compression:
         log.info(compression)
@@ -264,7 +186,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     log.info("resolved config sha256=%s run_dir=%s", config_digest(cfg), run_dir)
 
     try:
-        summary = _fit_and_test(cfg, trainer, model, datamodule, stats, started, run_dir)
+        summary = _fit_and_test(cfg, trainer, model, datamodule, stats, shape, started, run_dir)
     except ConfigError:
         raise
     except Exception as err:  # name the rank: under DDP the other ranks only see a closed connection
@@ -280,7 +202,14 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
 
 
 def _fit_and_test(
-    cfg: DictConfig, trainer: Any, model: Any, datamodule: Any, stats: RunStats, started: float, run_dir: str
+    cfg: DictConfig,
+    trainer: Any,
+    model: Any,
+    datamodule: Any,
+    stats: RunStats,
+    shape: RunShape,
+    started: float,
+    run_dir: str,
 ) -> RunSummary | None:
     """Fit, then test the best checkpoint; the summary on global rank zero, None elsewhere."""
     metrics: dict[str, float] = {}
@@ -298,7 +227,9 @@ def _fit_and_test(
         log.info("rank %d finished: %s", trainer.global_rank, metrics)
         if not trainer.is_global_zero:
             return None
-        return collect_summary(trainer, datamodule, stats, metrics, time.perf_counter() - started, run_dir, tested)
+        return collect_summary(
+            trainer, datamodule, stats, shape, metrics, time.perf_counter() - started, run_dir, tested
+        )
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_accel.conf", config_name="train")
@@ -317,7 +248,24 @@ def main() -> None:
     except ConfigError as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    register_resolvers()  # before @hydra.main composes: conf/hydra/default.yaml uses ${accel_run_id:...}
     _hydra_main()
+
+
+_MOVED = {"apply_precision", "instantiate_named", "instantiate_callbacks", "apply_nccl"}
+
+
+def __getattr__(name: str) -> Any:
+    """`lightning_accel.train.apply_precision` & co moved to `lightning_accel.compose` (no `@hydra.main` there)."""
+    if name in _MOVED:
+        import warnings
+
+        from lightning_accel import compose
+
+        message = f"`lightning_accel.train.{name}` moved to `lightning_accel.compose.{name}`; import it from there."
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return getattr(compose, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

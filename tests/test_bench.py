@@ -213,7 +213,7 @@ def test_plan_skips_what_cannot_run_here_and_budgets_the_rest(tmp_path: Path) ->
 def test_plan_matches_samples_across_stages_with_bigger_global_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("lightning_accel.benchmark.plan._effective_cpus", lambda: 2)  # 2 CPU ranks, on any machine
+    monkeypatch.setattr("lightning_accel.presets._usable_cpus", lambda: 2)  # 2 CPU ranks, on any machine
     plans, _ = plan_stages(["baseline", "ddp", "model_parallel"], ["trainer.accelerator=cpu"],
                            BenchSettings(steps=40), tmp_path, visible_cuda=0)  # fmt: skip
     assert [p.world_size for p in plans] == [1, 2, 2]
@@ -483,12 +483,24 @@ def test_run_directories_survive_hydra_override_parsing(path: str) -> None:
 
 
 def test_pipeline_and_tensor_parallel_ranks_count_their_shared_batches_once() -> None:
-    from lightning_accel.benchmark.plan import _data_parallel_size
+    from omegaconf import OmegaConf
 
-    assert _data_parallel_size({"_target_": "x.DDPStrategy"}, 4) == 4
-    assert _data_parallel_size({"data_parallel_size": 1, "n_microbatches": 4}, 2) == 1  # pp=2
-    assert _data_parallel_size({"data_parallel_size": "auto", "tensor_parallel_size": 2}, 4) == 2
-    assert _data_parallel_size("ddp", 2) == 2
+    from lightning_accel.presets import run_shape
+
+    def replicas(strategy: object, devices: int) -> int | None:
+        cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": devices, "strategy": strategy}})
+        return run_shape(cfg, visible_cuda=0, cpus=4).data_parallel_size()
+
+    assert replicas({"_target_": "x.DDPStrategy"}, 4) == 4
+    pipeline = "lightning_accel.strategies.pipeline.PipelineStrategy"
+    assert replicas({"_target_": pipeline, "data_parallel_size": 1, "n_microbatches": 4}, 2) == 1  # pp=2
+    assert replicas({"_target_": pipeline}, 4) == 1  # the constructor's default: one pipeline over every rank
+    ours = "lightning_accel.strategies.model_parallel.ModelParallelStrategy"
+    assert replicas({"_target_": ours, "data_parallel_size": "auto", "tensor_parallel_size": 2}, 4) == 2
+    lightnings = "lightning.pytorch.strategies.ModelParallelStrategy"
+    assert replicas({"_target_": lightnings, "tensor_parallel_size": 2}, 4) == 1  # Lightning's auto: the nodes
+    assert replicas("ddp", 2) == 2
+    assert replicas("ddp", "auto") is None  # the machine decides the world
 
 
 def test_fp32_on_a_gpu_without_tf32_is_measured_against_its_fp32_peak() -> None:

@@ -18,7 +18,7 @@ from lightning_accel.callbacks import AccumulationScheduler
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.presets import check_config
 from lightning_accel.system import read_cpu_info
-from lightning_accel.train import apply_precision, instantiate_named
+from lightning_accel.compose import apply_precision, instantiate_named
 
 CONF = resources.files("lightning_accel.conf")
 

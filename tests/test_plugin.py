@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accel.train import instantiate_named
+from lightning_accel.compose import instantiate_named
 
 
 class Line(pl.LightningModule):  # learns y = 3x + 1

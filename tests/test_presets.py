@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from lightning_accel.errors import ConfigError
-from lightning_accel.presets import check_config
+from lightning_accel.presets import check_combinations, check_config
 
 
 @pytest.mark.parametrize("devices", ["1", "2", "-1", "auto", "'2'", "'0,1'", "[0,1]"])
@@ -216,3 +217,59 @@ def test_ddp_grad_compression_bad_input(compose_train, overrides: list[str], mes
 
     with pytest.raises(ConfigError, match=message):
         apply_ddp_grad_compression(compose_train(overrides), visible_cuda=0)
+
+
+# -- the run shape: one source for devices, strategy family, data-parallel size, accumulation callback, CPUs --------
+
+
+@pytest.mark.parametrize(
+    ("devices", "count"),
+    [(2, 2), ("2", 2), ([0, 1, 3], 3), ("0,1", 2), ("0,", 1), ("auto", None), (-1, None), ("-1", None), (True, None)],
+)
+def test_count_devices_reads_every_form_of_trainer_devices(devices: object, count: int | None) -> None:
+    from lightning_accel.presets import count_devices
+
+    assert count_devices(devices) == count
+
+
+@pytest.mark.parametrize(
+    ("strategy", "family"),
+    [("auto", "auto"), ("ddp_spawn", "ddp"), ("fsdp_cpu_offload", "fsdp"),
+     ({"_target_": "lightning.pytorch.strategies.DDPStrategy"}, "ddp"),
+     ({"_target_": "lightning_accel.strategies.pipeline.PipelineStrategy"}, "pipeline"),
+     ({"_target_": "my.MyPipelineStrategy"}, "pipeline"), ({"_target_": "my.Other"}, "Other")],
+)  # fmt: skip
+def test_strategy_family_names_registry_names_and_targets(strategy: object, family: str) -> None:
+    from lightning_accel.presets import strategy_family
+
+    assert strategy_family(OmegaConf.create(strategy) if isinstance(strategy, dict) else strategy) == family
+
+
+def test_run_shape_is_computed_once_from_the_config() -> None:
+    from lightning_accel.presets import run_shape
+
+    cfg = OmegaConf.create({
+        "trainer": {"accelerator": "auto", "devices": "0,1", "num_nodes": 2, "precision": "bf16-mixed",
+                    "strategy": {"_target_": "lightning_accel.strategies.pipeline.PipelineStrategy",
+                                 "data_parallel_size": 2}},
+        "callbacks": {"acc": {"_target_": "lightning.pytorch.callbacks.GradientAccumulationScheduler"},
+                      "other": {"_target_": "x.NotAnAccumulationSchedulerAtAll"}, "off": None},
+    })  # fmt: skip
+    shape = run_shape(cfg, visible_cuda=2, cpus=3)
+    assert (shape.on_cuda, shape.visible_cuda, shape.cpus) == (True, 2, 3)
+    assert (shape.devices_per_node, shape.num_nodes, shape.world_size) == (2, 2, 4)
+    assert (shape.family, shape.distributed, shape.data_parallel_size()) == ("pipeline", True, 2)
+    assert shape.precision == "bf16-mixed" and shape.accumulation_callback == "acc"
+    assert run_shape(cfg, visible_cuda=0, cpus=3).on_cuda is False  # auto without a GPU is the CPU
+
+
+def test_run_shape_counts_cpus_through_the_cgroup_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_accel.presets import run_shape
+    from lightning_accel.system.cgroup import CpuBudget
+
+    budget = CpuBudget(affinity=64, quota=1.5)
+    monkeypatch.setattr("lightning_accel.system.cgroup.read_cpu_budget", lambda *a, **k: budget)
+    cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 9}})
+    assert run_shape(cfg, visible_cuda=0).cpus == budget.effective == 2
+    with pytest.raises(ConfigError, match=r"`trainer.devices=9` starts 9 CPU processes, but this process may use 2"):
+        check_combinations(cfg, visible_cuda=0)

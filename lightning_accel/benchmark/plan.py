@@ -10,9 +10,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_accel.benchmark.compose import (
     available_presets,
@@ -23,12 +23,14 @@ from lightning_accel.benchmark.compose import (
 )
 from lightning_accel.errors import ConfigError
 
+if TYPE_CHECKING:
+    from lightning_accel.presets import RunShape
+
 __all__ = ["BenchSettings", "PlanStatus", "StagePlan", "describe_changes", "plan_stage", "plan_stages"]
 
 PlanStatus = Literal["ok", "skipped"]
 DEFAULT_SEED = 1234
 """The seed of the first round when neither `--seed` nor the config sets one (the config's default is 1234 too)."""
-_DISTRIBUTED = ("ddp", "fsdp", "model_parallel", "deepspeed", "pipeline")
 # --quick on the default GPT example: a smaller corpus and model, short validation.
 QUICK_GPT = ["data.max_chars=300000", "model.n_embd=64", "trainer.limit_val_batches=4"]
 QUICK_TUNING_S = 10.0
@@ -103,60 +105,21 @@ class StagePlan:
                 f"hydra.run.dir={where}"]  # fmt: skip
 
 
-def _effective_cpus() -> int:
-    """CPUs this process may use: its affinity, capped by the cgroup's CPU quota."""
-    from lightning_accel.system import read_cpu_budget
-
-    return max(1, read_cpu_budget().effective)
-
-
-def _count_devices(devices: Any, visible: int) -> int:
-    if isinstance(devices, (list, ListConfig)):
-        return len(devices)
-    text = str(devices).strip()
-    if text in ("auto", "-1"):
-        return visible
-    if "," in text:
-        return len([d for d in text.split(",") if d.strip()])
-    return int(text) if text.isdigit() else 1
-
-
-def _strategy_family(strategy: Any) -> str:
-    from lightning_accel.presets import _strategy_name
-
-    name = _strategy_name(strategy)
-    return "pipeline" if "pipeline" in name.lower() else name
-
-
-def _accumulation(cfg: DictConfig, micro_global: int) -> int:
-    """Micro-batches per optimizer step: `trainer.accumulate_grad_batches`, or an accumulation callback's global
+def _accumulation(cfg: DictConfig, shape: RunShape, micro_global: int) -> int:
+    """Micro-batches per optimizer step: `trainer.accumulate_grad_batches`, or the accumulation callback's global
     batch size over the micro-batches of all ranks (a schedule counts at its first window)."""
-    for node in (cfg.get("callbacks") or {}).values():
-        if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith("AccumulationScheduler"):
-            global_batch = node.get("global_batch_size")
-            if isinstance(global_batch, int) and micro_global > 0:
-                return max(1, global_batch // micro_global)
-            schedule = node.get("scheduling")
-            if OmegaConf.is_list(schedule) and schedule:  # [[key, micro_batches], ...]
-                return int(min(schedule, key=lambda pair: int(pair[0]))[1])
-            if isinstance(schedule, DictConfig) and schedule:
-                return int(schedule[sorted(schedule.keys(), key=int)[0]])
+    if shape.accumulation_callback is not None:
+        node = cfg.callbacks[shape.accumulation_callback]
+        global_batch = node.get("global_batch_size")
+        if isinstance(global_batch, int) and micro_global > 0:
+            return max(1, global_batch // micro_global)
+        schedule = node.get("scheduling")
+        if OmegaConf.is_list(schedule) and schedule:  # [[key, micro_batches], ...]
+            return int(min(schedule, key=lambda pair: int(pair[0]))[1])
+        if isinstance(schedule, DictConfig) and schedule:
+            return int(schedule[sorted(schedule.keys(), key=int)[0]])
     accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
     return accumulate if isinstance(accumulate, int) and accumulate > 0 else 1
-
-
-def _data_parallel_size(strategy: Any, world_size: int) -> int:
-    """Ranks that load batches of their own: `data_parallel_size` of a pipeline or model-parallel strategy config
-    (`auto`: the world over `tensor_parallel_size`), else the world size."""
-    if not isinstance(strategy, Mapping) and not OmegaConf.is_dict(strategy):
-        return world_size
-    dp = strategy.get("data_parallel_size")
-    if isinstance(dp, int) and dp > 0:
-        return dp
-    if dp is None and "tensor_parallel_size" not in strategy:
-        return world_size
-    tp = strategy.get("tensor_parallel_size", 1)
-    return max(1, world_size // tp) if isinstance(tp, int) and tp > 0 else world_size
 
 
 def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: int | None = None) -> StagePlan:
@@ -167,39 +130,36 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
     means 2 CPU processes when the machine has 2+ CPUs (Lightning's own `auto` gives 1); one device is skipped.
     """
     from lightning_accel.precision import resolve_precision
-    from lightning_accel.presets import _visible_cuda_devices, check_combinations, check_config, runs_on_cuda
+    from lightning_accel.presets import check_combinations, check_config, run_shape
 
     overrides = tuple(overrides)
     try:
         cfg = compose_config(overrides, run_dir)
     except Exception as err:
         return StagePlan(name=name, overrides=overrides, status="skipped", reason=f"the config does not compose: {err}")
-    visible = _visible_cuda_devices() if visible_cuda is None else visible_cuda
-    trainer = cfg.trainer
-    on_cuda = runs_on_cuda(cfg, visible_cuda=visible)
-    family = _strategy_family(trainer.get("strategy", "auto"))
-    devices = trainer.get("devices", "auto")
-    distributed = family in _DISTRIBUTED
+    shape = run_shape(cfg, visible_cuda=visible_cuda)  # asked once; every fact below comes from it
+    trainer, visible, on_cuda, family = cfg.trainer, shape.visible_cuda, shape.on_cuda, shape.family
     extra: tuple[str, ...] = ()
-    if on_cuda:
-        per_node = _count_devices(devices, visible)
-    elif str(devices).strip() in ("auto", "-1") and distributed:
-        per_node = 2 if _effective_cpus() >= 2 else 1
+    if shape.devices_per_node is not None:
+        per_node = shape.devices_per_node
+    elif on_cuda:
+        per_node = visible  # auto and -1: every visible GPU
+    elif shape.distributed:  # Lightning's `auto` is 1 CPU process; a distributed stage gets 2 where 2 CPUs serve
+        per_node = 2 if shape.cpus >= 2 else 1
         extra = (f"trainer.devices={per_node}",)
     else:
-        per_node = _count_devices(devices, 1)
-    nodes = trainer.get("num_nodes", 1)
-    world_size = per_node * (nodes if isinstance(nodes, int) else 1)
-    shape = {"name": name, "overrides": overrides, "world_size": world_size, "extra": extra, "on_cuda": on_cuda,
+        per_node = 1
+    world_size = per_node * shape.num_nodes
+    stage = {"name": name, "overrides": overrides, "world_size": world_size, "extra": extra, "on_cuda": on_cuda,
              "family": family}  # fmt: skip
     requested = str(trainer.get("precision", "32-true"))
     if not on_cuda and requested in ("16-mixed", "16", "16-true", "transformer-engine-float16"):
         reason = f"fp16 (`{requested}`) needs a CUDA GPU; this stage would run bf16 here"
-        return StagePlan(**shape, status="skipped", reason=reason)
-    if distributed and world_size < 2:
-        where = f"{visible} visible CUDA device(s)" if on_cuda else f"{_effective_cpus()} CPU(s)"
-        reason = f"`{family}` with one device (`trainer.devices={devices}`, {where}); it needs 2 or more"
-        return StagePlan(**shape, status="skipped", reason=reason)
+        return StagePlan(**stage, status="skipped", reason=reason)
+    if shape.distributed and world_size < 2:
+        where = f"{visible} visible CUDA device(s)" if on_cuda else f"{shape.cpus} CPU(s)"
+        reason = f"`{family}` with one device (`trainer.devices={shape.devices}`, {where}); it needs 2 or more"
+        return StagePlan(**stage, status="skipped", reason=reason)
     try:
         with open_dict(cfg):
             if extra:
@@ -210,13 +170,13 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
             trainer.precision = resolved.value
         check_combinations(cfg, visible_cuda=visible)
     except (ConfigError, ValueError) as err:
-        return StagePlan(**shape, status="skipped", reason=str(err))
+        return StagePlan(**stage, status="skipped", reason=str(err))
     workers = OmegaConf.select(cfg, "data.num_workers", default=None)
     num_workers = workers if isinstance(workers, int) else None
     batch = OmegaConf.select(cfg, "data.batch_size", default=None)
-    replicas = _data_parallel_size(trainer.get("strategy"), world_size)  # pipeline/TP ranks share batches
+    replicas = shape.data_parallel_size(world_size) or world_size  # pipeline/TP ranks share batches
     micro_global = batch * replicas if isinstance(batch, int) else 0
-    accumulate = _accumulation(cfg, micro_global)
+    accumulate = _accumulation(cfg, shape, micro_global)
     scheduler = str(OmegaConf.select(cfg, "scheduler._target_", default="") or "none").rsplit(".", 1)[-1]
     callbacks = tuple(sorted(name for name, node in (cfg.get("callbacks") or {}).items() if node is not None))
     workers_text = f"num_workers={num_workers}" if num_workers is not None else ""
@@ -231,7 +191,7 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
         "accumulation": f"accumulate {accumulate}",
         "scheduler": scheduler.replace("_schedule", ""),
     }
-    return StagePlan(**shape, precision=resolved.value, num_workers=num_workers, accumulate=accumulate,
+    return StagePlan(**stage, precision=resolved.value, num_workers=num_workers, accumulate=accumulate,
                      global_batch=micro_global * accumulate if micro_global else None, settings=settings,
                      callbacks=callbacks)  # fmt: skip
 

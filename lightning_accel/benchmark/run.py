@@ -40,14 +40,14 @@ def _machine() -> dict[str, Any]:
     import lightning
     import torch
 
-    from lightning_accel.benchmark.plan import _effective_cpus
+    from lightning_accel.system import read_cpu_budget
 
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # Windows
         load = None
     return {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "lightning": lightning.__version__, "cpus": _effective_cpus(),
+            "torch": torch.__version__, "lightning": lightning.__version__, "cpus": max(1, read_cpu_budget().effective),
             "load_average_1m": load}  # fmt: skip
 
 

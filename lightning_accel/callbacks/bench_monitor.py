@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_accel.batches import samples_in
+from lightning_accel.batches import data_parallel_replicas, samples_in
 
 __all__ = ["BenchMonitor", "StageMeasurement"]
 
@@ -201,7 +201,7 @@ class BenchMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
         self._last_end = None
-        self.measurement.data_parallel_size = _data_parallel_replicas(trainer)
+        self.measurement.data_parallel_size = data_parallel_replicas(trainer)
         if trainer.is_global_zero:
             self._open_energy(trainer)
 
@@ -281,7 +281,7 @@ class BenchMonitor(Callback):
                 m.flops_source = "torch.utils.flop_counter (first batch)"
             except Exception as err:
                 m.flops_source = f"not counted: {type(err).__name__}: {err}"
-        replicas = _data_parallel_replicas(trainer)  # pipeline and tensor-parallel ranks share their batches
+        replicas = data_parallel_replicas(trainer)  # pipeline and tensor-parallel ranks share their batches
         samples = samples_in(batch) * replicas
         tokens = _batch_tokens(batch) * replicas
         m.batches += 1
@@ -394,13 +394,3 @@ def _gpu_utilization(trainer: pl.Trainer) -> float | None:
             values = [v for v in values if not math.isnan(v)]
             return sum(values) / len(values) if values else None
     return None
-
-
-def _data_parallel_replicas(trainer: pl.Trainer) -> int:
-    """Ranks that each load their own batches: the distributed sampler's replicas (the data-parallel size under
-    ModelParallelStrategy and PipelineStrategy), else the world size."""
-    try:
-        replicas = trainer.strategy.distributed_sampler_kwargs.get("num_replicas")
-    except Exception:  # a strategy without the property, or one not set up
-        replicas = None
-    return int(replicas) if isinstance(replicas, int) and replicas > 0 else trainer.world_size

@@ -30,7 +30,7 @@ from hydra.utils import instantiate
 from lightning_accel.errors import ConfigError
 from lightning_accel.presets import check_config
 from lightning_accel.system import read_cpu_info
-from lightning_accel.train import apply_precision
+from lightning_accel.compose import apply_precision
 
 
 @dataclass

@@ -88,14 +88,14 @@ def test_variables_you_set_win(tmp_path: Path) -> None:
 
 
 def test_apply_nccl_only_on_cuda_runs(compose_train, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from lightning_accel import train
+    from lightning_accel import compose
 
     for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_NVLS_ENABLE"):
         monkeypatch.delenv(key, raising=False)
     cfg = compose_train(["nccl=nvls_off", "trainer.accelerator=cpu"])
-    assert train.apply_nccl(cfg) is None
-    monkeypatch.setattr(train, "runs_on_cuda", lambda cfg: True)
-    plan = train.apply_nccl(cfg)
+    assert compose.apply_nccl(cfg) is None
+    monkeypatch.setattr(compose, "runs_on_cuda", lambda cfg: True)
+    plan = compose.apply_nccl(cfg)
     assert plan is not None and plan.set == {"NCCL_NVLS_ENABLE": "0"}
     import os
 
@@ -150,18 +150,18 @@ def test_two_same_process_jobs_see_only_their_own_nccl_variables(compose_train, 
     import os
     from contextlib import ExitStack
 
-    from lightning_accel import train
+    from lightning_accel import compose
 
     for key in [k for k in os.environ if k.startswith(("NCCL_", "TORCH_NCCL_"))]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("NCCL_DEBUG", "WARN")  # the user's own
-    monkeypatch.setattr(train, "runs_on_cuda", lambda cfg: True)
+    monkeypatch.setattr(compose, "runs_on_cuda", lambda cfg: True)
     with ExitStack() as job:
-        first = train.apply_nccl(compose_train(["nccl=nvls_off"]), job)
+        first = compose.apply_nccl(compose_train(["nccl=nvls_off"]), job)
         assert first is not None and os.environ["NCCL_NVLS_ENABLE"] == "0"
     assert "NCCL_NVLS_ENABLE" not in os.environ and os.environ["NCCL_DEBUG"] == "WARN"
     with ExitStack() as job:
-        second = train.apply_nccl(compose_train(["nccl=socket"]), job)
+        second = compose.apply_nccl(compose_train(["nccl=socket"]), job)
         assert second is not None and "NCCL_NVLS_ENABLE" not in os.environ
         assert second.kept == {k: v for k, v in second.kept.items() if k == "NCCL_DEBUG"}  # only the user's
     assert not [k for k in os.environ if k.startswith(("NCCL_", "TORCH_NCCL_")) and k != "NCCL_DEBUG"]

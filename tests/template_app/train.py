@@ -8,9 +8,7 @@ import lightning.pytorch as pl
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lightning_accel.data_settings import instantiate_datamodule  # lightning_accel: a preset's loader settings
-from lightning_accel.launch import hydra_safe_launch  # lightning_accel: DDP child ranks inside the Hydra job
-from lightning_accel.presets import check_app_config  # lightning_accel: config checks, dropped-callback warnings
+from lightning_accel.compose import check_app_config, hydra_safe_launch, instantiate_datamodule  # lightning_accel
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train.yaml")

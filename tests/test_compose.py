@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accel.data_settings import instantiate_datamodule, split_data_config
+from lightning_accel.compose import instantiate_datamodule, split_data_config
 from lightning_accel.errors import ConfigError
 
 

@@ -1,0 +1,226 @@
+"""Helpers for Hydra apps that build a Lightning run from this package's config groups: accel-train uses them, and
+so can your own app (lightning-hydra-template's `train.py`). No `@hydra.main` here, and importing this module has no
+side effects.
+
+- `check_app_config(cfg)`: this package's checks on a composed config, and a warning for each group option whose
+  callback the config dropped;
+- `apply_precision(cfg)`: resolve `amp`/`fp8` for this machine and apply `float32_matmul_precision`;
+- `instantiate_callbacks(cfg)`, `instantiate_named(section)`: callbacks and loggers keyed by name;
+- `instantiate_datamodule(cfg.data)`: a preset's DataLoader settings the datamodule does not take go to its loaders;
+- `apply_nccl(cfg, undo)`: a preset's NCCL variables for a CUDA run, removed again when `undo` closes;
+- `hydra_safe_launch(trainer)`: DDP's child ranks start inside the Hydra job (Lightning issue #11300).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from collections.abc import Mapping
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from lightning_accel.errors import ConfigError
+from lightning_accel.launch import hydra_safe_launch
+from lightning_accel.presets import check_app_config, runs_on_cuda
+
+if TYPE_CHECKING:
+    from lightning_accel.precision import ResolvedPrecision
+    from lightning_accel.strategies.nccl import NcclPlan
+
+__all__ = [
+    "LOADER_KEYS",
+    "apply_loader_settings",
+    "apply_nccl",
+    "apply_precision",
+    "check_app_config",
+    "hydra_safe_launch",
+    "instantiate_callbacks",
+    "instantiate_datamodule",
+    "instantiate_named",
+    "split_data_config",
+]
+
+log = logging.getLogger(__name__)
+
+LOADER_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+"""DataLoader arguments the presets set under `data.` (and that can be applied to a built DataLoader)."""
+
+_LOADER_METHODS = ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader")
+
+
+def split_data_config(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`data`'s settings the `_target_` takes, and the DataLoader settings it does not (applied to its loaders).
+
+    Raises:
+        ConfigError: for any other setting the `_target_` does not take (named, with its arguments), before anything
+            is built.
+    """
+    from hydra.utils import get_method
+
+    target = str(data.get("_target_", ""))
+    try:
+        signature = inspect.signature(get_method(target))
+    except (ValueError, TypeError):  # a callable without a readable signature: pass everything through
+        return dict(data), {}
+    params = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(data), {}
+    taken, loader = {}, {}
+    for key, value in data.items():
+        if key.startswith("_") or key in params:
+            taken[key] = value
+        elif key in LOADER_KEYS:
+            loader[key] = value
+        else:
+            accepted = ", ".join(n for n in params if n != "self")
+            raise ConfigError(
+                f"`data.{key}={value!r}` is not an argument of {target} (it takes: {accepted}); remove it "
+                f"(`~data.{key}`) or add `{key}` to the datamodule's `__init__`."
+            )
+    return taken, loader
+
+
+def instantiate_datamodule(data: Any) -> Any:
+    """`hydra.utils.instantiate(data)`, where DataLoader settings the datamodule does not take (a preset's
+    `data.num_workers`, `data.persistent_workers`, ... on lightning-hydra-template's MNISTDataModule, say) are left
+    out of its constructor and applied to every DataLoader its `*_dataloader()` methods return instead.
+
+    Raises:
+        ConfigError: for another setting the datamodule does not take.
+    """
+    plain = OmegaConf.to_container(data, resolve=True) if isinstance(data, DictConfig) else dict(data)
+    assert isinstance(plain, dict)
+    taken, loader = split_data_config(plain)
+    datamodule = instantiate(taken)
+    if loader:
+        log.info("%s takes no %s: applied to the DataLoaders it returns", taken.get("_target_"), ", ".join(loader))
+        apply_loader_settings(datamodule, loader)
+    return datamodule
+
+
+def apply_loader_settings(datamodule: Any, settings: Mapping[str, Any]) -> None:
+    """Wrap the datamodule's `*_dataloader()` methods so each DataLoader they return is rebuilt with `settings`
+    (same dataset, sampler, batching and collation); a loader that cannot be rebuilt (a subclass, an
+    IterableDataset) is returned as it is, with a warning."""
+    from lightning.pytorch.utilities import rank_zero_warn
+    from torch.utils.data import DataLoader
+
+    from lightning_accel.errors import LightningAccelWarning
+    from lightning_accel.tuning.dataloader.timing import LoaderSettings, loader_settings, rebuild_loader
+
+    def rebuilt(loader: Any) -> Any:
+        if isinstance(loader, (list, tuple)):
+            return type(loader)(rebuilt(one) for one in loader)
+        if isinstance(loader, dict):
+            return {name: rebuilt(one) for name, one in loader.items()}
+        if not isinstance(loader, DataLoader):
+            return loader
+        current = loader_settings(loader).as_dict()
+        wanted = LoaderSettings(**{**current, **settings})
+        if wanted.num_workers == 0:
+            wanted = LoaderSettings(num_workers=0, pin_memory=wanted.pin_memory)
+        try:
+            return rebuild_loader(loader, wanted)
+        except TypeError as err:
+            rank_zero_warn(f"`data.{next(iter(settings))}` & co not applied to a {type(loader).__name__}: {err}",
+                           category=LightningAccelWarning)  # fmt: skip
+            return loader
+
+    for name in _LOADER_METHODS:
+        method = getattr(datamodule, name, None)
+        if callable(method):
+
+            def wrapped(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+                return rebuilt(_method(*args, **kwargs))
+
+            setattr(datamodule, name, wrapped)
+
+
+def instantiate_named(section: DictConfig | None) -> list[Any]:
+    """Instantiate a dict of `_target_` configs keyed by name (callbacks, loggers); null entries are skipped."""
+    if not section:
+        return []
+    return [instantiate(node) for _, node in sorted(section.items()) if node is not None]
+
+
+def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
+    """Resolve `trainer.precision` for this machine, write it back into `cfg` and apply `float32_matmul_precision`.
+
+    `amp` and `fp8` become a Lightning precision string (see `lightning_accel.precision.resolve_precision`), and
+    the choice is logged with its reason. A Hydra app of your own that selects `precision=amp` or `precision=fp8`
+    (or `preset=amp`) calls this before it instantiates `cfg.trainer`, and adds `resolved.callbacks` to the
+    Trainer's callbacks.
+
+    Raises:
+        ConfigError: when the precision cannot run here (fp8 without a capable GPU or package, bf16 on a GPU without
+            bf16, ...) or `float32_matmul_precision` is not `highest`, `high`, `medium` or null.
+    """
+    import torch
+
+    from lightning_accel.precision import apply_float32_matmul_precision, resolve_precision
+
+    accelerator = cfg.trainer.get("accelerator", "auto")
+    raw = OmegaConf.to_container(cfg.trainer, resolve=False).get("precision", "32-true")  # type: ignore[union-attr]
+    requested = re.match(r"\$\{accel_precision:([^,}]+)", str(raw))  # conf/precision/amp.yaml: resolved already
+    resolved = resolve_precision(
+        requested.group(1) if requested else cfg.trainer.get("precision", "32-true"),
+        accelerator if isinstance(accelerator, str) else "auto",
+    )
+    apply_float32_matmul_precision(cfg.get("float32_matmul_precision"))
+    with open_dict(cfg):
+        cfg.trainer.precision = resolved.value
+    log.info("%s; float32_matmul_precision=%s", resolved.describe(), torch.get_float32_matmul_precision())
+    return resolved
+
+
+def apply_nccl(cfg: DictConfig, undo: ExitStack | None = None) -> NcclPlan | None:
+    """Set the NCCL variables of `cfg.nccl.preset` for a CUDA run (the launched ranks inherit them) and log them;
+    with `undo`, the stack removes them again when it closes (accel-train closes it at the end of each job).
+
+    Raises:
+        ConfigError: for an unknown preset, or `nccl=ib` without an ACTIVE InfiniBand/RoCE port.
+    """
+    from lightning_accel.strategies.nccl import nccl_plan
+
+    section = cfg.get("nccl")
+    if not section or section.get("preset", "none") == "none":
+        return None
+    if not runs_on_cuda(cfg):
+        log.info("nccl=%s: not applied, this run is on the CPU (gloo)", section.preset)
+        return None
+    trace_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
+    try:
+        plan = nccl_plan(section.preset, socket_ifname=section.get("socket_ifname"),
+                         num_nodes=int(cfg.trainer.get("num_nodes", 1)), trace_dir=trace_dir)  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    removal = plan.apply()
+    if undo is not None:
+        undo.callback(removal)
+    log.info(plan.describe())
+    return plan
+
+
+def instantiate_callbacks(cfg: DictConfig) -> list[Any]:
+    """The run's callbacks, sorted by name; a callback whose constructor rejects its arguments is a ConfigError
+    naming `callbacks.<name>`.
+
+    Raises:
+        ConfigError: with the callback's own message (the value and the fix).
+    """
+    built = []
+    for name, node in sorted((cfg.get("callbacks") or {}).items()):
+        if node is None:
+            continue
+        try:
+            built.append(instantiate(node))
+        except Exception as err:
+            cause = err.__cause__ or err  # Hydra wraps the constructor's error in an InstantiationException
+            target = node.get("_target_", "?") if isinstance(node, DictConfig) else "?"
+            raise ConfigError(f"`callbacks.{name}` ({target}) cannot be built: {cause}") from None
+    return built
