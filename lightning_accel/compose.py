@@ -8,7 +8,9 @@ side effects.
 - `instantiate_callbacks(cfg)`, `instantiate_named(section)`: callbacks and loggers keyed by name;
 - `instantiate_datamodule(cfg.data)`: a preset's DataLoader settings the datamodule does not take go to its loaders;
 - `apply_nccl(cfg, undo)`: a preset's NCCL variables for a CUDA run, removed again when `undo` closes;
-- `hydra_safe_launch(trainer)`: DDP's child ranks start inside the Hydra job (Lightning issue #11300).
+- `hydra_safe_launch(trainer)`: DDP's child ranks start inside the Hydra job (Lightning issue #11300);
+- `config_paths(cfg)`: a library error naming a constructor argument (`tensor_parallel_size=0`) is re-raised naming
+  the config path the value came from (`trainer.strategy.tensor_parallel_size=0`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from collections.abc import Mapping
-from contextlib import ExitStack
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -38,6 +41,7 @@ __all__ = [
     "apply_nccl",
     "apply_precision",
     "check_app_config",
+    "config_paths",
     "hydra_safe_launch",
     "instantiate_callbacks",
     "instantiate_datamodule",
@@ -224,3 +228,27 @@ def instantiate_callbacks(cfg: DictConfig) -> list[Any]:
             target = node.get("_target_", "?") if isinstance(node, DictConfig) else "?"
             raise ConfigError(f"`callbacks.{name}` ({target}) cannot be built: {cause}") from None
     return built
+
+
+# Config sections whose values reach a constructor as keyword arguments, most specific first.
+_ARGUMENT_SECTIONS = ("trainer.strategy", "trainer")
+
+
+@contextmanager
+def config_paths(cfg: DictConfig) -> Iterator[None]:
+    """Re-raise a `ConfigError` that names a constructor argument (`err.setting`, e.g. `n_stages`) with the config
+    path the value came from (`trainer.strategy.n_stages`), when that section of `cfg` sets it; Hydra's
+    `InstantiationException` around such an error is unwrapped. Other errors pass through unchanged."""
+    try:
+        yield
+    except Exception as err:
+        cause = err.__cause__ if isinstance(err, InstantiationException) else err
+        if not isinstance(cause, ConfigError) or not cause.setting:
+            raise
+        for path in _ARGUMENT_SECTIONS:
+            section = OmegaConf.select(cfg, path, default=None)
+            if isinstance(section, DictConfig) and cause.setting in section:
+                raise cause.at(path) from None
+        if cause is err:
+            raise
+        raise cause from None

@@ -18,13 +18,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
 from lightning_accel.errors import ConfigError
+from lightning_accel.patching import patch_attribute
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -135,16 +136,14 @@ def hydra_safe_launch(trainer: pl.Trainer | None = None, child_timeout_s: float 
                 trainer.fit(model)
     """
     saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
-    patched: list[tuple[Any, Any]] = []
+    undo = ExitStack()
     try:
         for name in _LAUNCHER_MODULES:
-            module = import_module(name)
-            patched.append((module, module._hydra_subprocess_cmd))
-            module._hydra_subprocess_cmd = child_rank_command
+            why = "launching DDP child ranks from a Hydra app"
+            undo.callback(patch_attribute(import_module(name), "_hydra_subprocess_cmd", child_rank_command, why=why))
         yield
     finally:
-        for module, original in patched:
-            module._hydra_subprocess_cmd = original
+        undo.close()
         _wait_for_children(trainer, child_timeout_s)
         for key, value in saved.items():
             if value is None:

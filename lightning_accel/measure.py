@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from lightning_accel.errors import ConfigError
+
 __all__ = [
     "BOOTSTRAP_MIN", "INTERFERENCE_THRESHOLD", "STEAL_THRESHOLD", "Interference", "InterferenceProbe", "Interval",
     "Verdict", "interleaved", "nvml_compute_pids", "ratio", "read_cpu_jiffies", "summarize", "verdict",
@@ -94,7 +96,7 @@ def summarize(values: Iterable[float], *, confidence: float = 0.95, resamples: i
     if not finite:
         raise ValueError("`values` holds no finite number to summarize.")
     if not 0.0 < confidence < 1.0:
-        raise ValueError(f"`confidence={confidence!r}` must be within (0, 1), e.g. 0.95.")
+        raise ConfigError(f"`confidence={confidence!r}` must be within (0, 1), e.g. 0.95.")
     median = _median(finite)
     if len(finite) == 1:
         return Interval(median, median, median, 1, "single")
@@ -149,7 +151,7 @@ def interleaved(items: Sequence[T], repeats: int) -> Iterator[tuple[int, T]]:
         ValueError: for `repeats < 1`.
     """
     if repeats < 1:
-        raise ValueError(f"`repeats={repeats!r}` must be >= 1.")
+        raise ConfigError(f"`repeats={repeats!r}` must be >= 1.")
     for round_index in range(repeats):
         for item in items:
             yield round_index, item

@@ -83,7 +83,7 @@ def count_optimizer_steps(plan: AccumulationPlan, num_batches: float, max_epochs
     unlimited_epochs = max_epochs is None or max_epochs < 0
     step_cap = math.inf if max_steps is None or max_steps < 0 else max_steps
     if (unlimited_epochs or not math.isfinite(num_batches)) and not math.isfinite(step_cap):
-        raise ValueError(
+        raise ConfigError(
             f"The fit has no end (`max_epochs={max_epochs}`, `max_steps={max_steps}`, {num_batches} batches per "
             "epoch), so an LR schedule cannot be sized; set `trainer.max_steps` or `trainer.max_epochs`."
         )
@@ -171,17 +171,20 @@ def _need_total_steps(function: str, group: str, total_steps: int | None) -> int
 def _check_warmup(total_steps: int, warmup_steps: int | float, min_lr_ratio: float) -> int:
     """Validate a warm-up + decay schedule's settings; returns the warm-up in optimizer steps."""
     if total_steps <= 0:
-        raise ValueError(f"`total_steps={total_steps}` must be positive.")
+        raise ConfigError(f"`total_steps={total_steps}` must be positive.")
     if isinstance(warmup_steps, float):
         if not 0.0 <= warmup_steps < 1.0:
-            raise ValueError(f"`scheduler.warmup_steps={warmup_steps}` as a fraction of the fit must be within [0, 1).")
+            raise ConfigError(
+                f"`warmup_steps={warmup_steps}` as a fraction of the fit must be within [0, 1).", setting="warmup_steps"
+            )
         warmup_steps = int(warmup_steps * total_steps)
     if not 0 <= warmup_steps < total_steps:
-        raise ValueError(
-            f"`scheduler.warmup_steps={warmup_steps}` must be >= 0 and below the fit's {total_steps} optimizer steps."
+        raise ConfigError(
+            f"`warmup_steps={warmup_steps}` must be >= 0 and below the fit's {total_steps} optimizer steps.",
+            setting="warmup_steps",
         )
     if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"`scheduler.min_lr_ratio={min_lr_ratio}` must be within [0, 1].")
+        raise ConfigError(f"`min_lr_ratio={min_lr_ratio}` must be within [0, 1].", setting="min_lr_ratio")
     return warmup_steps
 
 

@@ -19,6 +19,7 @@ from lightning_accel.callbacks.run_stats import RunStats
 from lightning_accel.compose import (
     apply_nccl,
     apply_precision,
+    config_paths,
     instantiate_callbacks,
     instantiate_datamodule,
     instantiate_named,
@@ -181,12 +182,14 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
         callbacks = _drop_logger_callbacks(callbacks)
     callbacks += [cb for cb in resolved.callbacks if not any(type(have) is type(cb) for have in callbacks)]
     stats = RunStats()
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=[*callbacks, stats], logger=loggers or False)
+    with config_paths(cfg):  # a strategy's argument error names `trainer.strategy.<argument>`
+        trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=[*callbacks, stats], logger=loggers or False)
     run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else str(trainer.default_root_dir)
     log.info("resolved config sha256=%s run_dir=%s", config_digest(cfg), run_dir)
 
     try:
-        summary = _fit_and_test(cfg, trainer, model, datamodule, stats, shape, started, run_dir)
+        with config_paths(cfg):
+            summary = _fit_and_test(cfg, trainer, model, datamodule, stats, shape, started, run_dir)
     except ConfigError:
         raise
     except Exception as err:  # name the rank: under DDP the other ranks only see a closed connection

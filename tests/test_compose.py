@@ -52,3 +52,28 @@ def test_a_datamodule_that_takes_them_gets_them_unchanged() -> None:
     taken, loader = split_data_config({"_target_": "lightning_accel.examples.StdlibTextDataModule", "num_workers": 2,
                                        "persistent_workers": True})  # fmt: skip
     assert loader == {} and taken["persistent_workers"] is True
+
+
+def test_config_paths_names_the_config_path_of_a_constructor_argument() -> None:
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from lightning_accel.compose import config_paths
+    from lightning_accel.errors import ConfigError, ConfigTypeError
+
+    strategy = {"_target_": "lightning_accel.strategies.ModelParallelStrategy", "tensor_parallel_size": 0}
+    cfg = OmegaConf.create({"trainer": {"_target_": "lightning.pytorch.Trainer", "accelerator": "cpu",
+                                        "num_nodes": 1, "strategy": strategy}})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^`trainer.strategy.tensor_parallel_size=0` must be a positive") as caught:
+        with config_paths(cfg):
+            instantiate(cfg.trainer)  # Hydra wraps the constructor's error; config_paths unwraps it
+    assert caught.value.setting == "trainer.strategy.tensor_parallel_size"
+    with pytest.raises(ConfigTypeError, match=r"^`trainer.num_nodes='x'` is wrong"):  # the class is kept
+        with config_paths(cfg):
+            raise ConfigTypeError("`num_nodes='x'` is wrong", setting="num_nodes")
+    with pytest.raises(ConfigError, match=r"^`other=1` is not in the config$"):  # not set there: left as it is
+        with config_paths(cfg):
+            raise ConfigError("`other=1` is not in the config", setting="other")
+    with pytest.raises(KeyError):  # not a user's mistake: untouched
+        with config_paths(cfg):
+            raise KeyError("x")

@@ -15,10 +15,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 
 from lightning_accel.callbacks import AccumulationScheduler
+from lightning_accel.compose import apply_precision, instantiate_named
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.presets import check_config
 from lightning_accel.system import read_cpu_info
-from lightning_accel.compose import apply_precision, instantiate_named
 
 CONF = resources.files("lightning_accel.conf")
 
@@ -113,7 +113,7 @@ def test_option_composes_and_builds_a_cpu_trainer(compose_train, group: str, opt
         assert isinstance(trainer.strategy, DDPStrategy)
     if group == "strategy" and option == "model_parallel":
         from lightning_accel.callbacks import Parallelize
-        from lightning_accel.parallel import ModelParallelStrategy
+        from lightning_accel.strategies import ModelParallelStrategy
 
         assert isinstance(trainer.strategy, ModelParallelStrategy)
         assert any(isinstance(cb, Parallelize) for cb in trainer.callbacks)

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_accel.callbacks import AccumulationScheduler
+from lightning_accel.callbacks import AccumulationScheduler, NonFiniteGuard, Parallelize
 from lightning_accel.patching import patch_attribute
 
 
@@ -53,3 +53,37 @@ def test_no_loop_patch_remains_after_a_fit_that_raises_mid_epoch(tmp_path) -> No
     assert "_accumulated_batches_reached" not in epoch_loop.__dict__
     assert "_make_zero_grad_fn" not in epoch_loop.automatic_optimization.__dict__
     assert trainer.accumulate_grad_batches == 1
+
+
+def test_no_patch_of_any_callback_remains_after_a_fit_that_raises_mid_epoch(tmp_path) -> None:
+    """Every patching callback together (the loop, `configure_model`, `lr_scheduler_step`): none survives the error."""
+    from _tiny import TinyRegression, tiny_loader
+
+    class Fails(TinyRegression):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if batch_idx == 5:
+                raise RuntimeError("mid-epoch failure")
+            return super().training_step(batch, batch_idx)
+
+    model = Fails(lr_decay=True)
+    callbacks = [AccumulationScheduler({0: 2}), NonFiniteGuard(action="skip"), Parallelize()]
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_epochs=1, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+    with pytest.raises(RuntimeError, match="mid-epoch failure"):
+        trainer.fit(model, tiny_loader(64))
+    assert model.training_steps == 5  # it did train, with the patches in place, before the error
+    assert not {"configure_model", "lr_scheduler_step", "log", "log_dict"} & set(model.__dict__)
+    assert "_accumulated_batches_reached" not in trainer.fit_loop.epoch_loop.__dict__
+
+
+def test_hydra_safe_launch_puts_the_launchers_command_back_even_when_the_fit_raises() -> None:
+    from importlib import import_module
+
+    from lightning_accel.launch import _LAUNCHER_MODULES, child_rank_command, hydra_safe_launch
+
+    modules = [import_module(name) for name in _LAUNCHER_MODULES]
+    before = [module._hydra_subprocess_cmd for module in modules]
+    with pytest.raises(RuntimeError, match="in the fit"), hydra_safe_launch():
+        assert all(module._hydra_subprocess_cmd is child_rank_command for module in modules)
+        raise RuntimeError("in the fit")
+    assert [module._hydra_subprocess_cmd for module in modules] == before

@@ -8,6 +8,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_accel.patching import patch_attribute
+
 __all__ = ["active_hold", "grad_scaler", "hold_lr_schedulers", "release_lr_schedulers"]
 
 HoldPredicate = Callable[[], bool]
@@ -35,6 +37,7 @@ class _LRHold:
         self.owners: dict[int, HoldPredicate] = {}
         self.shadowed = pl_module.__dict__.get("lr_scheduler_step")  # an instance attribute we cover, if any
         self.held_steps = 0  # scheduler steps suppressed, for tests and debugging
+        self.undo: Callable[[], None] = lambda: None  # set by `hold_lr_schedulers`: removes the hold
 
     def __call__(self, scheduler: Any, *args: Any) -> None:  # args: (metric,) in Lightning 2.x
         if self.owners and self._is_step_interval(scheduler) and any(held() for held in self.owners.values()):
@@ -50,7 +53,13 @@ class _LRHold:
         return any(cfg.scheduler is scheduler and cfg.interval == "step" for cfg in configs)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "owners": {}}  # the owners' predicates belong to the running fit
+        state = {**self.__dict__, "owners": {}}  # the owners' predicates belong to the running fit
+        state.pop("undo", None)  # a closure over the running module
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.undo = lambda: None
 
 
 def hold_lr_schedulers(pl_module: pl.LightningModule, owner: object, held: HoldPredicate) -> None:
@@ -62,7 +71,8 @@ def hold_lr_schedulers(pl_module: pl.LightningModule, owner: object, held: HoldP
     hold = active_hold(pl_module)
     if hold is None:
         hold = _LRHold(pl_module)
-        pl_module.__dict__["lr_scheduler_step"] = hold  # an instance attribute, looked up before the method
+        # an instance attribute, looked up before the method; the undo puts back whatever was there
+        hold.undo = patch_attribute(pl_module, "lr_scheduler_step", hold, why="holding LR schedulers on skipped steps")
     hold.owners[id(owner)] = held
 
 
@@ -72,12 +82,8 @@ def release_lr_schedulers(pl_module: pl.LightningModule, owner: object) -> None:
     if hold is None:
         return
     hold.owners.pop(id(owner), None)
-    if hold.owners:
-        return
-    if hold.shadowed is None:
-        del pl_module.__dict__["lr_scheduler_step"]
-    else:
-        pl_module.__dict__["lr_scheduler_step"] = hold.shadowed
+    if not hold.owners:
+        hold.undo()
 
 
 def active_hold(pl_module: pl.LightningModule) -> _LRHold | None:

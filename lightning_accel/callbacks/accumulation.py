@@ -91,15 +91,15 @@ class AccumulationScheduler(Callback):
         micro_batch_size: int | None = None,
     ) -> None:
         if (scheduling is None) == (global_batch_size is None):
-            raise ValueError(
+            raise ConfigError(
                 f"Give exactly one of `scheduling` and `global_batch_size`; got scheduling={scheduling!r}, "
                 f"global_batch_size={global_batch_size!r}."
             )
         if unit not in ("epoch", "step"):
-            raise ValueError(f"`unit={unit!r}` is not supported; use 'epoch' or 'step'.")
+            raise ConfigError(f"`unit={unit!r}` is not supported; use 'epoch' or 'step'.")
         for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"`{name}={value!r}` must be a positive integer.")
+                raise ConfigError(f"`{name}={value!r}` must be a positive integer.")
         self.unit = unit
         self.scheduling = None if scheduling is None else _check_scheduling(scheduling, unit)
         """`{key: micro_batches}` with the implicit `{0: 1}` when the first key is later (as Lightning's)."""

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_accel.batches import data_parallel_replicas, samples_in
+from lightning_accel.errors import ConfigError
 
 __all__ = ["BenchMonitor", "StageMeasurement"]
 
@@ -137,11 +138,11 @@ class BenchMonitor(Callback):
         validate_at_end: bool = True,
     ) -> None:
         if mode not in MODES:
-            raise ValueError(f"`mode={mode!r}` must be 'min' (lower is better) or 'max' (higher is better).")
+            raise ConfigError(f"`mode={mode!r}` must be 'min' (lower is better) or 'max' (higher is better).")
         if isinstance(warmup_batches, bool) or not isinstance(warmup_batches, int) or warmup_batches < 0:
-            raise ValueError(f"`warmup_batches={warmup_batches!r}` must be an integer >= 0.")
+            raise ConfigError(f"`warmup_batches={warmup_batches!r}` must be an integer >= 0.")
         if stop_at_target and target is None:
-            raise ValueError("`stop_at_target=True` needs a `target` value of the metric.")
+            raise ConfigError("`stop_at_target=True` needs a `target` value of the metric.")
         self.output_path = None if output_path is None else str(output_path)
         self.metric = metric
         self.mode = mode

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.errors import LightningAccelWarning
+from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system import read_cpu_budget, read_shm
 from lightning_accel.tuning.dataloader import cache, policy, report, verification
 from lightning_accel.tuning.dataloader import loop as loop_internals
@@ -127,17 +127,17 @@ class DataLoaderTuner(Callback):
         verify_steps: int = 20,
     ) -> None:
         if not max_tuning_time_s > 0:
-            raise ValueError(f"`max_tuning_time_s={max_tuning_time_s!r}` must be > 0 seconds.")
+            raise ConfigError(f"`max_tuning_time_s={max_tuning_time_s!r}` must be > 0 seconds.")
         for name, value, low in (("steps_per_trial", steps_per_trial, 1), ("warmup_steps", warmup_steps, 0),
                                  ("max_workers", 1 if max_workers is None else max_workers, 1),
                                  ("verify_steps", verify_steps, 0)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}={value!r}` must be an integer >= {low}.")
+                raise ConfigError(f"`{name}={value!r}` must be an integer >= {low}.")
         if not 0.0 <= tolerance < 1.0:
-            raise ValueError(f"`tolerance={tolerance!r}` must be within [0, 1), e.g. 0.05 for 5%.")
+            raise ConfigError(f"`tolerance={tolerance!r}` must be within [0, 1), e.g. 0.05 for 5%.")
         factors = list(prefetch_factors)
         if not factors or any(isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in factors):
-            raise ValueError(f"`prefetch_factors={prefetch_factors!r}` must be a non-empty list of integers >= 1.")
+            raise ConfigError(f"`prefetch_factors={prefetch_factors!r}` must be a non-empty list of integers >= 1.")
         self.max_tuning_time_s = float(max_tuning_time_s)
         self.steps_per_trial, self.warmup_steps, self.tolerance = steps_per_trial, warmup_steps, float(tolerance)
         self.max_workers, self.prefetch_factors, self.tune_pin_memory = max_workers, factors, tune_pin_memory

@@ -12,6 +12,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_accel.errors import ConfigTypeError
+
 __all__ = ["Float8Training", "float8_linear_filter"]
 
 _CONVERTED = "_lightning_accel_float8"  # marks a module already converted, so a second fit does not convert again
@@ -60,7 +62,7 @@ class Float8Training(Callback):
 
     def __init__(self, skip_modules: Sequence[str] = (), recipe: str | None = None) -> None:
         if isinstance(skip_modules, str):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"`skip_modules={skip_modules!r}` must be a list of name substrings, not one string; "
                 f"use `skip_modules=[{skip_modules!r}]`."
             )

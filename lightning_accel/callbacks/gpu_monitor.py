@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.errors import LightningAccelWarning
+from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.telemetry import nvml
 from lightning_accel.telemetry.alerts import AlertThresholds, check_alerts
 from lightning_accel.telemetry.ranks import allocated_by_device, pack_row, rank_stats, unpack_rows, window_metrics
@@ -112,22 +112,22 @@ class GPUMonitor(Callback):
         print_report: bool = True,
     ) -> None:
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
-            raise ValueError(f"`interval_s={interval_s!r}` must be a positive number of seconds.")
+            raise ConfigError(f"`interval_s={interval_s!r}` must be a positive number of seconds.")
         if device_indices is not None and (isinstance(device_indices, (int, str)) or any(
                 isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in device_indices)):  # fmt: skip
-            raise ValueError(f"`device_indices={device_indices!r}` must be a list of CUDA ordinals >= 0, e.g. [0, 1].")
+            raise ConfigError(f"`device_indices={device_indices!r}` must be a list of CUDA ordinals >= 0, e.g. [0, 1].")
         unknown = sorted(set(readings or ()) - set(READINGS))
         if isinstance(readings, str) or unknown:
-            raise ValueError(f"`readings={readings!r}` has unknown {unknown}; use any of {list(READINGS)}.")
+            raise ConfigError(f"`readings={readings!r}` has unknown {unknown}; use any of {list(READINGS)}.")
         thresholds = {"low_utilization_pct": low_utilization_pct, "min_memory_headroom_pct": min_memory_headroom_pct,
                       "max_throttle_pct": max_throttle_pct, "max_rank_skew_pct": max_rank_skew_pct}  # fmt: skip
         for name, value in thresholds.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-                raise ValueError(f"`{name}={value!r}` must be a percentage >= 0, or None to turn the alert off.")
+                raise ConfigError(f"`{name}={value!r}` must be a percentage >= 0, or None to turn the alert off.")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"`warmup_steps={warmup_steps!r}` must be an integer >= 0.")
+            raise ConfigError(f"`warmup_steps={warmup_steps!r}` must be an integer >= 0.")
         if not report_name or "/" in report_name:
-            raise ValueError(f"`report_name={report_name!r}` must be a file name without suffix, e.g. 'gpu_report'.")
+            raise ConfigError(f"`report_name={report_name!r}` must be a file name without suffix, e.g. 'gpu_report'.")
         self.interval_s = float(interval_s)
         self.device_indices = None if device_indices is None else list(device_indices)
         self.readings = None if readings is None else list(readings)

@@ -10,6 +10,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_accel.errors import ConfigError
+
 __all__ = ["LRScaling", "lr_scale_factor"]
 
 Rule = Literal["none", "linear", "sqrt"]
@@ -24,10 +26,10 @@ def lr_scale_factor(rule: Rule, global_batch: int, reference_global_batch: int) 
         ValueError: for an unknown rule or a batch < 1.
     """
     if rule not in ("none", "linear", "sqrt"):
-        raise ValueError(f"`rule={rule!r}` must be 'none', 'linear' or 'sqrt'.")
+        raise ConfigError(f"`rule={rule!r}` must be 'none', 'linear' or 'sqrt'.")
     for name, value in (("global_batch", global_batch), ("reference_global_batch", reference_global_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}={value!r}` must be an integer >= 1.")
+            raise ConfigError(f"`{name}={value!r}` must be an integer >= 1.")
     ratio = global_batch / reference_global_batch
     return 1.0 if rule == "none" else ratio if rule == "linear" else math.sqrt(ratio)
 
@@ -86,8 +88,10 @@ class LRScaling(Callback):
                 trainer.fit_loop.setup_data()
         self.global_batch = self._global_batch(trainer)
         if self.global_batch is None:
-            raise ValueError("`LRScaling` could not read the train DataLoader's batch size; set `batch_size` on it, or "
-                             "remove the callback.")  # fmt: skip
+            raise ConfigError(
+                "`LRScaling` could not read the train DataLoader's batch size; set `batch_size` on it, or remove "
+                "the callback."
+            )
         factor = lr_scale_factor(self.rule, self.global_batch, self.reference_global_batch)
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:

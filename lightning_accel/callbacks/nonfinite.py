@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel.callbacks._lr_hold import grad_scaler, hold_lr_schedulers, release_lr_schedulers
-from lightning_accel.errors import LightningAccelWarning, NonFiniteLossError
+from lightning_accel.errors import ConfigError, LightningAccelWarning, NonFiniteLossError
 
 __all__ = ["NonFiniteGuard", "drop_gradients", "nonfinite_report"]
 
@@ -78,11 +78,11 @@ class NonFiniteGuard(Callback):
         self, action: Action = "warn", dirpath: str | Path | None = None, filename: str = "nonfinite-step{step}"
     ) -> None:
         if action not in ACTIONS:
-            raise ValueError(f"`NonFiniteGuard(action={action!r})` is not supported; use one of {list(ACTIONS)}.")
+            raise ConfigError(f"`NonFiniteGuard(action={action!r})` is not supported; use one of {list(ACTIONS)}.")
         try:
             filename.format(step=0, epoch=0)
         except (KeyError, IndexError, ValueError, AttributeError) as err:
-            raise ValueError(
+            raise ConfigError(
                 f"`NonFiniteGuard(filename={filename!r})` cannot be filled in ({err!r}); use only the fields "
                 "`{step}` and `{epoch}`, e.g. 'nonfinite-step{step}'."
             ) from err

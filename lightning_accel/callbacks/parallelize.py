@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -13,6 +14,7 @@ from typing_extensions import override
 from lightning_accel.callbacks.accumulation import AccumulationScheduler
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.parallel import BlockClass, fsdp_modules, is_parallelized, mixed_precision_policy, parallelize
+from lightning_accel.patching import patch_attribute
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -104,7 +106,7 @@ class Parallelize(Callback):
         self.sync_grads_every_micro_batch = sync_grads_every_micro_batch
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
-        self._installed: Callable[[], None] | None = None
+        self._undo = ExitStack()  # the configure_model it installs; closed in teardown and on_exception
         self._fsdp_units: list[Any] = []  # FSDP2 units whose gradient sync this callback switches
 
     @override
@@ -117,8 +119,8 @@ class Parallelize(Callback):
                 own_configure(pl_module)
             self._apply(trainer, pl_module)
 
-        pl_module.configure_model = configure_model  # type: ignore[method-assign]
-        self._installed = configure_model
+        self._undo.close()  # a second stage (test after fit) replaces the first one's hook
+        self._undo.callback(patch_attribute(pl_module, "configure_model", configure_model, why="Parallelize"))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -129,9 +131,7 @@ class Parallelize(Callback):
         self._restore(pl_module)  # Lightning skips teardown hooks after an exception
 
     def _restore(self, pl_module: pl.LightningModule) -> None:
-        if self._installed is not None and pl_module.__dict__.get("configure_model") is self._installed:
-            del pl_module.__dict__["configure_model"]
-        self._installed = None
+        self._undo.close()
         for unit in self._fsdp_units:
             unit.set_requires_gradient_sync(True, recurse=False)
         self._fsdp_units = []

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.errors import LightningAccelWarning, PreflightError
+from lightning_accel.errors import ConfigError, LightningAccelWarning, PreflightError
 from lightning_accel.system.checks import CHECKS, STATUSES, CheckRequest, run_checks
 from lightning_accel.system.facts import collect_facts
 from lightning_accel.system.host import hostname
@@ -57,15 +57,15 @@ class Preflight(Callback):
         root: str | os.PathLike[str] = "/",
     ) -> None:
         if fail_on not in ("FAIL", "WARN"):
-            raise ValueError(f"`fail_on={fail_on!r}` is not supported; use 'FAIL' or 'WARN'.")
+            raise ConfigError(f"`fail_on={fail_on!r}` is not supported; use 'FAIL' or 'WARN'.")
         if isinstance(checks, str):
             checks = [checks]
         unknown = [name for name in checks or () if name not in CHECKS]
         if unknown:
-            raise ValueError(f"`checks` names unknown check(s) {unknown}; choose from {list(CHECKS)}.")
+            raise ConfigError(f"`checks` names unknown check(s) {unknown}; choose from {list(CHECKS)}.")
         if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
                                         or num_workers < 0):  # fmt: skip
-            raise ValueError(f"`num_workers={num_workers!r}` must be an integer >= 0 or None.")
+            raise ConfigError(f"`num_workers={num_workers!r}` must be an integer >= 0 or None.")
         self.fail_on = fail_on
         self.checks = None if checks is None else list(checks)
         self.num_workers = num_workers

@@ -6,6 +6,8 @@ Pure functions with typed keyword arguments, for a `configure_model` of your own
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_accel.parallel.blocks import (
     BlockClass,
     BlockWrapPolicy,
@@ -18,7 +20,6 @@ from lightning_accel.parallel.blocks import (
     mixed_precision_policy,
 )
 from lightning_accel.parallel.plan import AppliedPlan, is_parallelized, parallelize
-from lightning_accel.parallel.strategy import ModelParallelStrategy
 from lightning_accel.parallel.tensor_parallel import TP_STYLES, apply_tensor_parallel, resolve_tp_plan
 
 __all__ = [
@@ -26,7 +27,6 @@ __all__ = [
     "AppliedPlan",
     "BlockClass",
     "BlockWrapPolicy",
-    "ModelParallelStrategy",
     "apply_tensor_parallel",
     "block_wrap_policy",
     "checkpoint_blocks",
@@ -39,3 +39,18 @@ __all__ = [
     "parallelize",
     "resolve_tp_plan",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`lightning_accel.parallel.ModelParallelStrategy` moved to `lightning_accel.strategies` with every strategy; the
+    old name (a `_target_` in configs written before 0.3) still resolves, with a DeprecationWarning."""
+    if name == "ModelParallelStrategy":
+        import warnings
+
+        from lightning_accel.strategies.model_parallel import ModelParallelStrategy
+
+        warnings.warn("`lightning_accel.parallel.ModelParallelStrategy` moved to "
+                      "`lightning_accel.strategies.ModelParallelStrategy`; import it (or name it in `_target_`) from "
+                      "there.", DeprecationWarning, stacklevel=2)  # fmt: skip
+        return ModelParallelStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,7 @@ def _seconds(name: str, value: float | timedelta) -> timedelta:
     if isinstance(value, timedelta):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"`{name}={value!r}` must be a positive number of seconds.")
+        raise ConfigError(f"`{name}={value!r}` must be a positive number of seconds.", setting=name)
     return timedelta(seconds=value)
 
 
@@ -41,7 +41,8 @@ class DDPStrategy(_LightningDDPStrategy):
         **kwargs: Lightning's DDPStrategy arguments (and DistributedDataParallel's).
 
     Raises:
-        ValueError: for a timeout that is not a positive number of seconds, or both `timeout` and `timeout_s`.
+        ConfigError: (a ValueError) for a timeout that is not a positive number of seconds, or both `timeout` and
+            `timeout_s`.
     """
 
     def __init__(
@@ -53,8 +54,9 @@ class DDPStrategy(_LightningDDPStrategy):
         **kwargs: Any,
     ) -> None:
         if timeout is not None and timeout_s is not None:
-            raise ValueError(
-                f"`timeout={timeout!r}` and `timeout_s={timeout_s!r}` both set the collective timeout; give one."
+            raise ConfigError(
+                f"`timeout={timeout!r}` and `timeout_s={timeout_s!r}` both set the collective timeout; give one.",
+                setting="timeout_s",
             )
         self.init_timeout = _seconds("init_timeout_s", init_timeout_s)
         if timeout is not None:
@@ -71,7 +73,7 @@ class DDPStrategy(_LightningDDPStrategy):
         waited = self.init_timeout.total_seconds()
         where = f"{self.cluster_environment.main_address}:{self.cluster_environment.main_port}"  # type: ignore[union-attr]
         if self.num_nodes > 1 and self.local_rank == 0:
-            log.info(f"node {self.node_rank}: waiting up to {waited:g} s (`trainer.strategy.init_timeout_s`) for "
+            log.info(f"node {self.node_rank}: waiting up to {waited:g} s (`init_timeout_s`) for "
                      f"{self.num_nodes} nodes x {self.num_processes} processes to join at {where}")  # fmt: skip
         try:
             super().setup_distributed()
@@ -85,11 +87,12 @@ class DDPStrategy(_LightningDDPStrategy):
             ):
                 raise
             raise ConfigError(
-                f"the job has {self.num_nodes} node(s) x {self.num_processes} process(es) "
-                f"(`trainer.num_nodes={self.num_nodes}`), but not all of them joined at {where} within {waited:g} s "
-                f"(`trainer.strategy.init_timeout_s={waited:g}`): {str(err).rstrip('.')}. Start the same command on "
-                "every node with its NODE_RANK and the same MASTER_ADDR/MASTER_PORT (or launch with torchrun/srun), "
-                "check that the nodes reach that address, or set `trainer.num_nodes` to the nodes you have."
+                f"the job has {self.num_nodes} node(s) x {self.num_processes} process(es) (the Trainer's "
+                f"num_nodes={self.num_nodes}), but not all of them joined at {where} within {waited:g} s "
+                f"(`init_timeout_s={waited:g}`): {str(err).rstrip('.')}. Start the same command on every node with "
+                "its NODE_RANK and the same MASTER_ADDR/MASTER_PORT (or launch with torchrun/srun), check that the "
+                "nodes reach that address, or set the Trainer's num_nodes to the nodes you have.",
+                setting="init_timeout_s",
             ) from None
         finally:
             self._timeout = self.collective_timeout

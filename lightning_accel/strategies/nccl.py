@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_accel.errors import ConfigError
 from lightning_accel.system.host import IbPort, read_infiniband
 
 __all__ = ["NCCL_PRESETS", "NcclPlan", "default_route_interface", "nccl_plan"]
@@ -92,7 +93,7 @@ def nccl_plan(
         ValueError: for an unknown preset, or `ib` on a machine without an ACTIVE RDMA port.
     """
     if preset not in NCCL_PRESETS:
-        raise ValueError(f"`nccl={preset!r}` is not a preset; use one of {', '.join(NCCL_PRESETS)}.")
+        raise ConfigError(f"`nccl={preset!r}` is not a preset; use one of {', '.join(NCCL_PRESETS)}.")
     env = os.environ if env is None else env
     wanted: dict[str, str] = {}
     notes: list[str] = []
@@ -108,7 +109,7 @@ def nccl_plan(
             notes.append(f"ACTIVE RDMA ports on {', '.join(hcas)} ({'/'.join(layers)})")
         elif preset == "ib":
             states = ", ".join(f"{p.device}:{p.port} {p.state}" for p in ports) or "no device"
-            raise ValueError(
+            raise ConfigError(
                 f"`nccl=ib` needs an ACTIVE InfiniBand/RoCE port under /sys/class/infiniband, found: {states}; "
                 "use `nccl=socket` or `nccl=auto`."
             )

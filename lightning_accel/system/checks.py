@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_accel.errors import ConfigError
 from lightning_accel.system.facts import SystemFacts
 
 __all__ = [
@@ -295,6 +296,6 @@ def run_checks(
     """
     unknown = [name for name in names or () if name not in CHECKS]
     if unknown:
-        raise ValueError(f"Unknown check(s) {unknown}; choose from {list(CHECKS)}.")
+        raise ConfigError(f"Unknown check(s) {unknown}; choose from {list(CHECKS)}.")
     request = request or CheckRequest()
     return [CHECKS[name](facts, request) for name in (CHECKS if names is None else names)]

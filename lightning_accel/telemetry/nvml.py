@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_accel.errors import ConfigError
+
 try:
     import pynvml  # nvidia-ml-py; called as `nvml.pynvml.nvmlX(...)` so tests can put a scripted fake in its place
 except ImportError:  # pragma: no cover - a dependency; a broken install must not break training
@@ -183,7 +185,7 @@ def resolve_devices(
         if device is None:
             if not 0 <= index < len(seen):
                 shown = "unset" if visible is None else repr(visible)
-                raise ValueError(
+                raise ConfigError(
                     f"`device_indices` entry {index} names no GPU: CUDA_VISIBLE_DEVICES is {shown}, which leaves "
                     f"{len(seen)} of the {len(inventory)} NVML device(s) visible; use indices below {len(seen)}."
                 )

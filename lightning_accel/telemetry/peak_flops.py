@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from lightning_accel.errors import ConfigError
+
 __all__ = ["DTYPES", "PEAK_TFLOPS", "PeakFlops", "compute_dtype", "lookup_peak_flops"]
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp64")  # fp64 has no peak in the table: MFU n/a unless given
@@ -110,7 +112,7 @@ def lookup_peak_flops(
     if override_tflops is not None:
         return PeakFlops(flops=override_tflops * 1e12, dtype=dtype, source="--peak-tflops")
     if dtype not in DTYPES:
-        raise ValueError(f"`dtype={dtype!r}` is not one of {DTYPES}.")
+        raise ConfigError(f"`dtype={dtype!r}` is not one of {DTYPES}.")
     name = " ".join(device_name.lower().split())
     if not name or name == "cpu" or name.startswith("cpu"):
         return PeakFlops(None, dtype, "", "no peak FLOP/s for CPUs; give one with `--peak-tflops`")

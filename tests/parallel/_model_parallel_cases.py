@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_accel import examples, schedules
 from lightning_accel.callbacks.parallelize import Parallelize
-from lightning_accel.parallel import ModelParallelStrategy
+from lightning_accel.strategies import ModelParallelStrategy
 
 GPTLanguageModel = examples.GPTLanguageModel
 

@@ -15,7 +15,6 @@ from lightning_accel import examples
 from lightning_accel.errors import ConfigError
 from lightning_accel.parallel import (
     BlockWrapPolicy,
-    ModelParallelStrategy,
     apply_tensor_parallel,
     block_wrap_policy,
     checkpoint_blocks,
@@ -26,6 +25,7 @@ from lightning_accel.parallel import (
     parallelize,
     resolve_tp_plan,
 )
+from lightning_accel.strategies import ModelParallelStrategy
 
 Block = examples.Block
 GPTLanguageModel = examples.GPTLanguageModel
@@ -164,9 +164,9 @@ def test_strategy_data_parallel_size_fills_the_world() -> None:
     assert resolved(4, tensor_parallel_size=2) == 2
     assert resolved(4, data_parallel_size=1, tensor_parallel_size=4) == 1
     assert resolved(4, tensor_parallel_size="auto") == "auto"  # Lightning's meaning: nodes x devices per node
-    with pytest.raises(ConfigError, match="`trainer.strategy.tensor_parallel_size=3` does not divide the world size 4"):
+    with pytest.raises(ConfigError, match="`tensor_parallel_size=3` does not divide the world size 4"):
         resolved(4, tensor_parallel_size=3)
-    with pytest.raises(ConfigError, match="`trainer.strategy.data_parallel_size=0` must be a positive integer"):
+    with pytest.raises(ConfigError, match="`data_parallel_size=0` must be a positive integer"):
         ModelParallelStrategy(data_parallel_size=0)
 
 
@@ -226,3 +226,17 @@ def test_fsdp1_wraps_the_blocks_the_policy_names(one_rank_mesh) -> None:
     )
     units = [name for name, sub in wrapped.named_modules() if isinstance(sub, FullyShardedDataParallel)]
     assert units == ["", "_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"]
+
+
+def test_the_old_model_parallel_target_still_resolves_with_a_deprecation_warning() -> None:
+    from hydra.utils import get_class
+
+    with pytest.warns(DeprecationWarning, match="moved to `lightning_accel.strategies.ModelParallelStrategy`"):
+        assert get_class("lightning_accel.parallel.ModelParallelStrategy") is ModelParallelStrategy
+
+
+def test_model_parallel_errors_name_the_constructor_argument() -> None:
+    with pytest.raises(ConfigError, match=r"^`tensor_parallel_size=0` must be") as caught:
+        ModelParallelStrategy(tensor_parallel_size=0)
+    assert "trainer.strategy" not in str(caught.value)
+    assert str(caught.value.at("trainer.strategy")).startswith("`trainer.strategy.tensor_parallel_size=0`")

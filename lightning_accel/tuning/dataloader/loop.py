@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
 from lightning_accel.batches import samples_in
+from lightning_accel.patching import patch_attribute
 from lightning_accel.system import read_cpu_info, read_memory_limit
 from lightning_accel.tuning.dataloader import policy
 from lightning_accel.tuning.dataloader.timing import (
@@ -92,23 +93,26 @@ def untouched(pl_module: pl.LightningModule) -> Iterator[None]:
     metrics = [(m, copy.deepcopy({k: getattr(m, k) for k in m._defaults}), m._update_count, m._computed)
                for m in pl_module.modules() if isinstance(m, Metric)]  # fmt: skip
     modes = [(m, m.training) for m in pl_module.modules()]  # per module: a frozen part may stay in eval mode
-    pl_module.__dict__["log"] = pl_module.__dict__["log_dict"] = _ignore
-    try:
+    with contextlib.ExitStack() as undo:
+        for name in ("log", "log_dict"):
+            undo.callback(patch_attribute(pl_module, name, _ignore, why="the DataLoaderTuner's trial steps"))
+        undo.callback(_restore, modes, buffers, grads, metrics)
         yield
-    finally:
-        pl_module.__dict__.pop("log", None)
-        pl_module.__dict__.pop("log_dict", None)
-        for module, training in modes:
-            module.training = training
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-        for param, grad in grads:
-            param.grad = grad
-        for metric, states, count, computed in metrics:
-            for name, value in states.items():
-                setattr(metric, name, value)
-            metric._update_count, metric._computed = count, computed
+
+
+def _restore(modes: list[Any], buffers: list[Any], grads: list[Any], metrics: list[Any]) -> None:
+    """Put back what `untouched` saved."""
+    for module, training in modes:
+        module.training = training
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+    for param, grad in grads:
+        param.grad = grad
+    for metric, states, count, computed in metrics:
+        for name, value in states.items():
+            setattr(metric, name, value)
+        metric._update_count, metric._computed = count, computed
 
 
 def rank_sync(device: torch.device) -> Callable[[Sequence[float]], list[float]]:

@@ -52,7 +52,7 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
     ) -> None:
         for name, value in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
             if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"`trainer.strategy.{name}={value!r}` must be a positive integer or 'auto'.")
+                raise ConfigError(f"`{name}={value!r}` must be a positive integer or 'auto'.", setting=name)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -73,7 +73,8 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         world = self.num_nodes * self.num_processes
         if world % tensor:
             raise ConfigError(
-                f"`trainer.strategy.tensor_parallel_size={tensor}` does not divide the world size {world} "
-                f"({self.num_nodes} node(s) x {self.num_processes} device(s)); use a divisor of {world}."
+                f"`tensor_parallel_size={tensor}` does not divide the world size {world} "
+                f"({self.num_nodes} node(s) x {self.num_processes} device(s)); use a divisor of {world}.",
+                setting="tensor_parallel_size",
             )
         return world // tensor
