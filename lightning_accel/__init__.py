@@ -5,15 +5,19 @@ Importing the package has no side effects: no Hydra, no NVML, no CUDA initialisa
 
 from __future__ import annotations
 
-from lightning_accel.precision import Hardware, ResolvedPrecision, apply_float32_matmul_precision, resolve_precision
-from lightning_accel.schedules import (
-    AccumulationPlan,
-    configure_optimizers,
-    cosine_schedule,
-    estimated_optimizer_steps,
-    linear_warmup_schedule,
-    onecycle_schedule,
-)
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_accel.precision import Hardware, ResolvedPrecision, apply_float32_matmul_precision, resolve_precision
+    from lightning_accel.schedules import (
+        AccumulationPlan,
+        configure_optimizers,
+        cosine_schedule,
+        estimated_optimizer_steps,
+        linear_warmup_schedule,
+        onecycle_schedule,
+    )
 
 __version__ = "0.1.0"
 
@@ -30,3 +34,22 @@ __all__ = [
     "onecycle_schedule",
     "resolve_precision",
 ]
+
+# The public names, each imported from its room when first used: `import lightning_accel` loads no submodule, so
+# `import lightning_accel.system` brings in only what the facts layer needs (tests/test_layers.py checks it).
+_HOMES = {name: "lightning_accel.precision" for name in
+          ("Hardware", "ResolvedPrecision", "apply_float32_matmul_precision", "resolve_precision")} | {
+          name: "lightning_accel.schedules" for name in ("AccumulationPlan", "configure_optimizers", "cosine_schedule",
+          "estimated_optimizer_steps", "linear_warmup_schedule", "onecycle_schedule")}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        value = getattr(import_module(_HOMES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,96 @@
+"""The layering of ARCHITECTURE.md, enforced: each module is imported in a fresh interpreter, and what it brought
+into `sys.modules` may hold nothing of a higher layer (this package's modules, Lightning, Hydra/OmegaConf).
+
+    facts        system/, telemetry/, measure, errors, patching, batches   ->  plain Python, torch, pynvml, psutil
+    behaviour    callbacks/, strategies/, parallel/, tuning/, schedules, precision, summary, gpu_check  -> + lightning
+    composition  presets, compose, launch, benchmark/, train, doctor, bench             ->  + hydra, omegaconf
+"""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import lightning_accel
+
+FACTS = ("system", "telemetry", "measure", "errors", "patching", "batches")
+BEHAVIOUR = ("callbacks", "strategies", "parallel", "tuning", "schedules", "precision", "summary", "gpu_check")
+COMPOSITION = ("presets", "compose", "launch", "benchmark", "train", "doctor", "bench", "conf", "examples")
+LAYERS = {name: 0 for name in FACTS} | {name: 1 for name in BEHAVIOUR} | {name: 2 for name in COMPOSITION}
+# Third-party packages a layer may not bring in, by layer.
+FORBIDDEN = {0: ("lightning", "hydra", "omegaconf"), 1: ("hydra", "omegaconf"), 2: ()}
+
+
+def _room(module: str) -> str:
+    """`lightning_accel.strategies.pipeline.runner` -> `strategies`; the package itself -> ``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _loaded_after_import(modules: list[str]) -> dict[str, list[str]]:
+    """For each module, in order, in one fresh interpreter (after `import lightning_accel`): what importing it added
+    to `sys.modules`. Modules of one layer share the interpreter, so what one of them brings in is charged to the
+    first that brought it; anything of a higher layer shows up under some module of the layer."""
+    script = (
+        "import importlib, json, sys\n"
+        "import lightning_accel\n"
+        "out = {}\n"
+        "for name in json.loads(sys.argv[1]):\n"
+        "    before = set(sys.modules)\n"
+        "    importlib.import_module(name)\n"
+        "    out[name] = sorted(set(sys.modules) - before)\n"
+        "print(json.dumps(out))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(modules)], capture_output=True, text=True,
+                          timeout=300, check=True)  # fmt: skip
+    return json.loads(done.stdout)
+
+
+def violations(module: str, loaded: list[str], layer: int) -> list[str]:
+    """What `module` (of `layer`) brought in that belongs to a higher layer."""
+    found = sorted({name.split(".")[0] for name in loaded} & set(FORBIDDEN[layer]))
+    for name in loaded:
+        room = _room(name)
+        if name.startswith("lightning_accel.") and LAYERS.get(room, 0) > layer:
+            found.append(name)
+    return found
+
+
+def _modules_of(layer: int) -> list[str]:
+    return sorted(
+        info.name
+        for info in pkgutil.walk_packages(lightning_accel.__path__, "lightning_accel.")
+        if LAYERS.get(_room(info.name)) == layer and not info.name.endswith("__main__")
+    )
+
+
+def test_every_module_has_a_layer() -> None:
+    rooms = {_room(info.name) for info in pkgutil.walk_packages(lightning_accel.__path__, "lightning_accel.")}
+    assert rooms - set(LAYERS) == set(), "a new room: give it its layer in LAYERS (and in ARCHITECTURE.md)"
+
+
+def test_importing_the_package_brings_in_no_lightning_and_no_hydra() -> None:
+    script = "import sys, lightning_accel; print(sorted({n.split('.')[0] for n in sys.modules}))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert not {"lightning", "hydra", "omegaconf", "pynvml_utils"} & set(eval(done.stdout))  # noqa: S307
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_no_module_imports_a_higher_layer(layer: int) -> None:
+    modules = _modules_of(layer)
+    assert modules, f"no module in layer {layer}"
+    loaded = _loaded_after_import(modules)
+    broken = {name: found for name in modules if (found := violations(name, loaded[name], layer))}
+    assert broken == {}
+
+
+def test_the_check_catches_a_lower_layer_that_imports_a_higher_one() -> None:
+    """The composition helpers, checked as if they were a callback (layer 1), break the rules: Hydra and presets."""
+    loaded = _loaded_after_import(["lightning_accel.compose"])["lightning_accel.compose"]
+    found = violations("lightning_accel.compose", loaded, 1)
+    assert "hydra" in found and "lightning_accel.presets" in found
+    assert violations("lightning_accel.compose", loaded, 2) == []
