@@ -94,3 +94,46 @@ def test_the_check_catches_a_lower_layer_that_imports_a_higher_one() -> None:
     found = violations("lightning_accel.compose", loaded, 1)
     assert "hydra" in found and "lightning_accel.presets" in found
     assert violations("lightning_accel.compose", loaded, 2) == []
+
+
+def _imported_names() -> dict[str, set[tuple[str, str]]]:
+    """`{module: {(name, importing file)}}` for every `from lightning_accel... import name` in the package, the
+    tests and the examples."""
+    import ast
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[1]
+    found: dict[str, set[tuple[str, str]]] = {}
+    for root in ("lightning_accel", "tests", "examples"):
+        for path in (here / root).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (
+                    isinstance(node, ast.ImportFrom)
+                    and node.level == 0
+                    and (node.module or "").startswith("lightning_accel")
+                ):
+                    found.setdefault(node.module or "", set()).update((a.name, path.name) for a in node.names)
+    return found
+
+
+def test_every_all_is_complete_and_true() -> None:
+    """Each module has an `__all__`; it names only what exists, and every public name that another module (or a
+    test, or an example) imports from it."""
+    import importlib
+    import importlib.util
+
+    imported = _imported_names()
+    problems = []
+    for info in pkgutil.walk_packages(lightning_accel.__path__, "lightning_accel."):
+        module = importlib.import_module(info.name)
+        public = getattr(module, "__all__", None)
+        if public is None:
+            problems.append(f"{info.name}: no __all__")
+            continue
+        problems += [f"{info.name}.__all__ names {name}, which does not exist" for name in public
+                     if not hasattr(module, name)]  # fmt: skip
+        for name, where in sorted(imported.get(info.name, ())):
+            submodule = info.ispkg and importlib.util.find_spec(f"{info.name}.{name}") is not None
+            if not name.startswith("_") and name != "*" and name not in public and not submodule:
+                problems.append(f"{where} imports {info.name}.{name}, which its __all__ leaves out")
+    assert problems == []

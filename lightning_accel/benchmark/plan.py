@@ -26,7 +26,16 @@ from lightning_accel.errors import ConfigError
 if TYPE_CHECKING:
     from lightning_accel.presets import RunShape
 
-__all__ = ["BenchSettings", "PlanStatus", "StagePlan", "describe_changes", "plan_stage", "plan_stages"]
+__all__ = [
+    "DEFAULT_SEED",
+    "BenchSettings",
+    "PlanStatus",
+    "StagePlan",
+    "budget_overrides",
+    "describe_changes",
+    "plan_stage",
+    "plan_stages",
+]
 
 PlanStatus = Literal["ok", "skipped"]
 DEFAULT_SEED = 1234

@@ -22,6 +22,7 @@ __all__ = [
     "finalize",
     "higher_is_better",
     "model_flops_utilization",
+    "next_step",
     "quality_verdict",
     "speedups",
 ]

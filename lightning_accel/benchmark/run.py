@@ -19,7 +19,7 @@ from lightning_accel.benchmark.report import markdown_table, write_outputs
 from lightning_accel.benchmark.results import StageResult, StageRun, finalize
 from lightning_accel.measure import InterferenceProbe, nvml_compute_pids
 
-__all__ = ["BenchRun", "run_bench"]
+__all__ = ["BenchRun", "busy_note", "run_bench"]
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,13 @@ from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.patching import patch_attribute
 from lightning_accel.schedules import AccumulationPlan
 
-__all__ = ["AccumulationScheduler", "ScheduleError", "ScheduleTypeError", "UnsupportedAccumulationError"]
+__all__ = [
+    "AccumulationScheduler",
+    "ScheduleError",
+    "ScheduleTypeError",
+    "UnsupportedAccumulationError",
+    "micro_batches_for",
+]
 
 
 # Lightning's GradientAccumulationScheduler raises these types; ours are both those and lightning_accel's ConfigError,

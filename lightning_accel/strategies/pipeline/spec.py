@@ -10,7 +10,7 @@ import torch
 
 from lightning_accel.errors import ConfigError
 
-__all__ = ["SCHEDULES", "ScheduleSpec", "check_torch_pipelining", "schedule_spec"]
+__all__ = ["SCHEDULES", "Placement", "ScheduleSpec", "check_torch_pipelining", "schedule_spec"]
 
 Placement = Literal["loop", "v"]
 

@@ -12,3 +12,5 @@
 
 `lightning_accel.callbacks.DataLoaderTuner` is the hook that runs them in a Trainer.
 """
+
+__all__: list[str] = []  # import from the module that owns each part

@@ -14,7 +14,7 @@ import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch.utils.data import DataLoader, IterableDataset
 
-__all__ = ["LoaderSettings", "Sync", "Trial", "TrialError", "batch_nbytes", "frozen_rng", "loader_settings",
+__all__ = ["LoaderSettings", "Status", "Sync", "Trial", "TrialError", "batch_nbytes", "frozen_rng", "loader_settings",
            "rebuild_loader", "run_trial", "trial_window"]  # fmt: skip
 
 Status = Literal["done", "cut", "skipped", "time"]
