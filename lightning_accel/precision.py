@@ -27,7 +27,8 @@ def rank_zero_warn(message: str, **kwargs: Any) -> None:
 
 
 __all__ = [
-    "FLOAT32_MATMUL_PRECISIONS", "LIGHTNING_PRECISIONS", "PIPELINE_PRECISIONS", "PRECISION_CHOICES",
+    "FLOAT32_MATMUL_PRECISIONS", "FP16_PRECISIONS", "LIGHTNING_PRECISIONS", "MODEL_PARALLEL_REFUSED",
+    "PIPELINE_PRECISIONS", "PRECISION_CHOICES",
     "PRECISION_SENTINELS", "Hardware", "ResolvedPrecision", "apply_float32_matmul_precision", "resolve_precision",
 ]  # fmt: skip
 
@@ -44,6 +45,10 @@ PRECISION_CHOICES = PRECISION_SENTINELS + LIGHTNING_PRECISIONS + LIGHTNING_SHORT
 PIPELINE_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "bf16", "16-true")
 """What `strategy=pipeline` runs: fp16 mixed precision needs a GradScaler around a backward the schedule runs
 itself; Transformer Engine and fp8 are not wired through pipeline stages."""
+FP16_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine-float16")
+"""float16 precisions: a CPU run of one is not what it says (`amp` resolves to bf16 there)."""
+MODEL_PARALLEL_REFUSED = ("16-mixed", "16", "transformer-engine-float16")
+"""What Lightning's ModelParallelStrategy refuses (it takes 32-true, bf16-mixed, bf16-true or 16-true)."""
 FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")
 """Values of `torch.set_float32_matmul_precision`: `high` allows TF32 (or bf16x3), `medium` bf16 matmuls."""
 

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_accel.errors import ConfigError
-from lightning_accel.precision import FLOAT32_MATMUL_PRECISIONS, PRECISION_CHOICES
+from lightning_accel.precision import FLOAT32_MATMUL_PRECISIONS, MODEL_PARALLEL_REFUSED, PRECISION_CHOICES
 
 __all__ = [
     "RunShape",
@@ -502,7 +502,7 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
             f"`trainer.strategy={shown!r}` needs CUDA GPUs, but this run is on the CPU "
             f"(`trainer.accelerator={accelerator}`); use {fix}, or run on GPUs."
         )
-    if name == "model_parallel" and precision in ("16-mixed", "16", "transformer-engine-float16"):
+    if name == "model_parallel" and precision in MODEL_PARALLEL_REFUSED:
         raise ConfigError(
             f"`trainer.precision={precision}` is not supported by `strategy=model_parallel` (ModelParallelStrategy "
             "takes 32-true, bf16-mixed, bf16-true or 16-true); use `precision=bf16_mixed`."

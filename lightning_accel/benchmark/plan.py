@@ -138,7 +138,7 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
     a DDP/FSDP/model-parallel stage needs 2+ processes: on CUDA the visible GPUs, on a CPU `trainer.devices=auto`
     means 2 CPU processes when the machine has 2+ CPUs (Lightning's own `auto` gives 1); one device is skipped.
     """
-    from lightning_accel.precision import resolve_precision
+    from lightning_accel.precision import FP16_PRECISIONS, resolve_precision
     from lightning_accel.presets import check_combinations, check_config, run_shape
 
     overrides = tuple(overrides)
@@ -161,8 +161,8 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
     world_size = per_node * shape.num_nodes
     stage = {"name": name, "overrides": overrides, "world_size": world_size, "extra": extra, "on_cuda": on_cuda,
              "family": family}  # fmt: skip
-    requested = str(trainer.get("precision", "32-true"))
-    if not on_cuda and requested in ("16-mixed", "16", "16-true", "transformer-engine-float16"):
+    requested = shape.precision
+    if not on_cuda and requested in FP16_PRECISIONS:
         reason = f"fp16 (`{requested}`) needs a CUDA GPU; this stage would run bf16 here"
         return StagePlan(**stage, status="skipped", reason=reason)
     if shape.distributed and world_size < 2:
@@ -174,7 +174,7 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
             if extra:
                 trainer.devices = per_node
         check_config(cfg)
-        resolved = resolve_precision(requested, str(trainer.get("accelerator", "auto")))
+        resolved = resolve_precision(requested, shape.accelerator)
         with open_dict(cfg):
             trainer.precision = resolved.value
         check_combinations(cfg, visible_cuda=visible)
