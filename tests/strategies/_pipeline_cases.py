@@ -13,7 +13,8 @@ the plain GPT's state dict and measures its validation loss); `accumulate` (1f1b
 (1f1b under those precisions); `split_points` (gpipe, stages of 1 and 3 blocks); any other schedule name (the
 zero-bubble ones). With 4 ranks every case runs as pp=2 x dp=2 (`data_parallel_size=2`, gradients all-reduced);
 `fsdp_resume`, `fsdp_interleaved` and `fsdp_accumulation_scheduler` (2 micro-batches of the replica's 2 samples)
-shard each stage with FSDP2 instead.
+shard each stage with FSDP2 instead. `raises_mid_epoch`: a 1f1b fit that raises at batch 2 on every rank, for what
+the strategy's patch leaves behind.
 """
 
 from __future__ import annotations
@@ -178,10 +179,50 @@ def run_resume(root: str, dp: int, data_parallel: str = "replicate") -> dict[str
     return results
 
 
+class RaisesMidEpoch(pl.Callback):
+    """Notes whether the strategy's clipping patch is on the precision plugin while training, then raises (on every
+    rank, after batch 2's collectives)."""
+
+    def __init__(self) -> None:
+        self.patched_while_training = False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        self.patched_while_training = "clip_grad_by_norm" in trainer.precision_plugin.__dict__
+        if batch_idx == 2:
+            raise RuntimeError("mid-epoch failure")
+
+
+def run_raises_mid_epoch(root: str, dp: int) -> dict[str, Any]:
+    """A fit that raises at batch 2, with the strategy's `teardown` held back (Lightning calls it after an exception
+    too): what the patch left on the precision plugin once `on_exception` alone has run."""
+    strategy = PipelineStrategy(schedule="1f1b", n_microbatches=MICRO, data_parallel_size=dp)
+    held_back = strategy.teardown
+    strategy.teardown = lambda: None  # type: ignore[method-assign]
+    hook = RaisesMidEpoch()
+    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=1,
+                         gradient_clip_val=CLIP, callbacks=[hook], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                         use_distributed_sampler=False)  # fmt: skip
+    raised = ""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(make_model(), DataLoader(train_set(), batch_size=BATCH // dp))
+    except RuntimeError as err:
+        raised = str(err)
+    left = "clip_grad_by_norm" in trainer.precision_plugin.__dict__
+    held_back()
+    return {"raised": raised, "global_step": trainer.global_step, "patched_while_training": hook.patched_while_training,
+            "patch_left_after_on_exception": left}  # fmt: skip
+
+
 def run_named(name: str, root: str, dp: int) -> dict[str, Any]:
     """The case called `name` (see the module docstring)."""
     if name == "resume":
         return run_resume(f"{root}/resume", dp)
+    if name == "raises_mid_epoch":
+        return run_raises_mid_epoch(f"{root}/raises", dp)
     if name == "short_val":  # the last validation batch of 3 samples: fewer micro-batches than 1F1B's stages
         return run_case(f"{root}/short_val", schedule="1f1b", dp=dp, val_extra=3)
     if name == "accumulate":
