@@ -43,6 +43,11 @@ if TYPE_CHECKING:
 __all__ = ["main", "run"]
 
 log = logging.getLogger("lightning_accel.train")
+# The entry point's resolvers (conf/hydra/default.yaml uses ${accel_run_id:...}), registered when this module is
+# imported: a launcher that runs the job in another process (hydra-submitit-launcher's SLURM tasks) unpickles
+# `_hydra_main` by reference, which imports this module, and resolves the job's directories before calling it. Your
+# own app needs none of this (the search-path plugin registers them); the helpers it uses are in `compose.py`.
+register_resolvers()
 
 
 def print_check(cfg: DictConfig, resolved: ResolvedPrecision) -> None:
@@ -251,7 +256,6 @@ def main() -> None:
     except ConfigError as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    register_resolvers()  # before @hydra.main composes: conf/hydra/default.yaml uses ${accel_run_id:...}
     _hydra_main()
 
 
