@@ -11,6 +11,7 @@ from lightning_accel.callbacks.lr_scaling import LRScaling
 from lightning_accel.callbacks.nonfinite import NonFiniteGuard
 from lightning_accel.callbacks.parallelize import Parallelize
 from lightning_accel.callbacks.preflight import Preflight
+from lightning_accel.callbacks.run_stats import RunStats
 from lightning_accel.callbacks.skipped_steps import SkippedStepGuard
 from lightning_accel.callbacks.stop_on_signal import StopOnSignal
 
@@ -24,6 +25,7 @@ __all__ = [
     "NonFiniteGuard",
     "Parallelize",
     "Preflight",
+    "RunStats",
     "SkippedStepGuard",
     "StopOnSignal",
 ]
