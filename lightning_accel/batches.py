@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["data_parallel_replicas", "samples_in"]
+__all__ = ["data_parallel_replicas", "loader_batch_size", "samples_in"]
 
 
 def samples_in(batch: Any, default: int = 0) -> int:
@@ -32,3 +32,12 @@ def data_parallel_replicas(trainer: Any) -> int:
     except Exception:  # a strategy without the property, or one not set up
         replicas = None
     return int(replicas) if isinstance(replicas, int) and replicas > 0 else int(trainer.world_size)
+
+
+def loader_batch_size(loader: Any) -> int | None:
+    """The samples per batch a DataLoader was built for: its `batch_size`, else its batch sampler's; None when
+    neither says (a sampler that yields batches of varying size, an iterable that batches itself)."""
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None

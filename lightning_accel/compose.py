@@ -231,7 +231,7 @@ def instantiate_callbacks(cfg: DictConfig) -> list[Any]:
 
 
 # Config sections whose values reach a constructor as keyword arguments, most specific first.
-_ARGUMENT_SECTIONS = ("trainer.strategy", "trainer")
+_ARGUMENT_SECTIONS = ("trainer.strategy", "scheduler", "trainer")
 
 
 @contextmanager

@@ -41,7 +41,7 @@ class ConfigError(LightningAccelError, ValueError):
         """The same error, of the same class, with the setting named by its config path under `prefix`
         (e.g. `"trainer.strategy"`); an error without a `setting`, or one already under `prefix`, comes back as is."""
         message = str(self)
-        if not self.setting or not prefix:
+        if not self.setting or not prefix or self.setting.startswith(f"{prefix}."):
             return self
         pattern = re.compile(r"`" + re.escape(self.setting) + r"(?=[`=\[.])")
         moved = pattern.sub(f"`{prefix}.{self.setting}", message)

@@ -71,9 +71,10 @@ def check_config(cfg: DictConfig) -> None:
     seed = cfg.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"`seed={seed!r}` must be an integer or null.")
-    _check_accumulation(cfg)
+    shape = run_shape(cfg)
+    _check_accumulation(cfg, shape)
     _check_example_data(cfg.model, cfg.data)
-    check_combinations(cfg)
+    check_combinations(cfg, shape=shape)
 
 
 # The example models and the data they train on (conf/model/*.yaml pick it); a user's own model is not checked.
@@ -256,7 +257,9 @@ class RunShape:
             if not str(strategy.get("_target_", "")).startswith("lightning_accel."):
                 return self.num_nodes  # Lightning's ModelParallelStrategy: "auto" is the number of nodes
             tp = strategy.get("tensor_parallel_size", 1)
-            return None if world is None else max(1, world // tp) if isinstance(tp, int) and tp > 0 else world
+            if not (isinstance(tp, int) and tp > 0):
+                return self.num_nodes  # both "auto": Lightning's own rule, the number of nodes
+            return None if world is None else max(1, world // tp)
         return world
 
 
@@ -377,8 +380,9 @@ def _check_int(setting: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"`{setting}={_show(value)}` must be an integer >= {minimum}.")
 
 
-def _check_accumulation(cfg: DictConfig) -> None:
-    """An accumulation callback owns `accumulate_grad_batches`; a global batch must split evenly over the devices."""
+def _check_accumulation(cfg: DictConfig, shape: RunShape) -> None:
+    """An accumulation callback owns `accumulate_grad_batches`; a global batch must split evenly over the
+    data-parallel ranks (pipeline stages and tensor-parallel ranks share a batch)."""
     schedulers = accumulation_callbacks(cfg)
     if not schedulers:
         return
@@ -397,12 +401,11 @@ def _check_accumulation(cfg: DictConfig) -> None:
     data_class = str(OmegaConf.select(cfg, "data._target_", default="")).rsplit(".", 1)[-1]
     if micro is None and data_class in {c for c, _, _ in _EXAMPLE_DATA.values()}:
         micro = OmegaConf.select(cfg, "data.batch_size", default=None)  # per device in the examples; others: at fit
-    per_node, nodes = count_devices(cfg.trainer.get("devices", "auto")), cfg.trainer.get("num_nodes", 1)
-    world = per_node * nodes if per_node is not None and isinstance(nodes, int) else None
-    if isinstance(global_batch, int) and isinstance(micro, int) and micro > 0 and world is not None:
+    ranks = shape.data_parallel_size()
+    if isinstance(global_batch, int) and isinstance(micro, int) and micro > 0 and ranks is not None:
         from lightning_accel.callbacks.accumulation import micro_batches_for
 
-        micro_batches_for(global_batch, micro, world)
+        micro_batches_for(global_batch, micro, ranks)
 
 
 def runs_on_cuda(cfg: DictConfig, *, visible_cuda: int | None = None) -> bool:
@@ -466,7 +469,7 @@ def apply_ddp_grad_compression(cfg: DictConfig, *, visible_cuda: int | None = No
     return f"ddp_grad_compression={choice}: DDP all-reduces gradients in {choice} ({_COMPRESSION_HOOKS[choice]})"
 
 
-def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> None:
+def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shape: RunShape | None = None) -> None:
     """Settings that are each valid but fail together, or that Lightning would silently ignore.
 
     Checked: the accelerator against the CUDA devices visible, `trainer.devices` against them, the strategy against
@@ -477,11 +480,12 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
     Args:
         cfg: the composed config.
         visible_cuda: CUDA devices visible; None counts them (without creating a CUDA context).
+        shape: the config's run shape, when the caller has it already.
 
     Raises:
         ConfigError: naming the settings, the values and the fix.
     """
-    shape = run_shape(cfg, visible_cuda=visible_cuda)
+    shape = shape or run_shape(cfg, visible_cuda=visible_cuda)
     accelerator, visible, on_cuda, devices = shape.accelerator, shape.visible_cuda, shape.on_cuda, shape.devices
     if accelerator not in ("auto", "cpu", "gpu", "cuda"):
         return  # mps and tpu: Lightning checks those itself
@@ -507,7 +511,8 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None) -> N
             f"`trainer.precision={precision}` is not supported by `strategy=model_parallel` (ModelParallelStrategy "
             "takes 32-true, bf16-mixed, bf16-true or 16-true); use `precision=bf16_mixed`."
         )
-    if name == "pipeline" and isinstance(strategy, (DictConfig, Mapping)):
+    target = str(strategy.get("_target_", "")) if isinstance(strategy, (DictConfig, Mapping)) else ""
+    if target.rsplit(".", 1)[-1] == "PipelineStrategy" and target.startswith("lightning_accel."):  # ours, not yours
         from lightning_accel.strategies.pipeline import check_pipeline_settings
 
         values = OmegaConf.to_container(strategy, resolve=True) if isinstance(strategy, DictConfig) else strategy

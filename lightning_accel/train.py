@@ -15,16 +15,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_accel import compose
 from lightning_accel.callbacks.run_stats import RunStats
-from lightning_accel.compose import (
-    apply_nccl,
-    apply_precision,
-    config_paths,
-    instantiate_callbacks,
-    instantiate_datamodule,
-    instantiate_named,
-    split_data_config,
-)
+from lightning_accel.compose import config_paths, instantiate_datamodule, split_data_config
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.presets import (
@@ -163,15 +156,15 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     """
     started = time.perf_counter()
     check_config(cfg)
-    resolved = apply_precision(cfg)
+    resolved = compose.apply_precision(cfg)
     check_combinations(cfg)  # again, now with the precision resolved for this machine
     shape = run_shape(cfg)
     compression = apply_ddp_grad_compression(cfg)
     if compression:
         log.info(compression)
-    apply_nccl(cfg, job_env)
+    compose.apply_nccl(cfg, job_env)
     check_ckpt_path(cfg)
-    callbacks = instantiate_callbacks(cfg)  # their own argument checks, before anything is built or spawned
+    callbacks = compose.instantiate_callbacks(cfg)  # their own argument checks, before anything is built or spawned
     split_data_config(OmegaConf.to_container(cfg.data, resolve=True))  # a data setting its target does not take
     if cfg.get("check", False):
         print_check(cfg, resolved)
@@ -182,7 +175,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate_datamodule(cfg.data)  # loader settings it does not take go to its DataLoaders
     model = instantiate(cfg.model)
-    loggers = instantiate_named(cfg.get("logger"))
+    loggers = compose.instantiate_named(cfg.get("logger"))
     if not loggers:
         callbacks = _drop_logger_callbacks(callbacks)
     callbacks += [cb for cb in resolved.callbacks if not any(type(have) is type(cb) for have in callbacks)]

@@ -497,6 +497,7 @@ def test_pipeline_and_tensor_parallel_ranks_count_their_shared_batches_once() ->
     assert replicas({"_target_": pipeline}, 4) == 1  # the constructor's default: one pipeline over every rank
     ours = "lightning_accel.strategies.model_parallel.ModelParallelStrategy"
     assert replicas({"_target_": ours, "data_parallel_size": "auto", "tensor_parallel_size": 2}, 4) == 2
+    assert replicas({"_target_": ours, "data_parallel_size": "auto", "tensor_parallel_size": "auto"}, 4) == 1  # nodes
     lightnings = "lightning.pytorch.strategies.ModelParallelStrategy"
     assert replicas({"_target_": lightnings, "tensor_parallel_size": 2}, 4) == 1  # Lightning's auto: the nodes
     assert replicas("ddp", 2) == 2

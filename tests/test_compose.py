@@ -77,3 +77,27 @@ def test_config_paths_names_the_config_path_of_a_constructor_argument() -> None:
     with pytest.raises(KeyError):  # not a user's mistake: untouched
         with config_paths(cfg):
             raise KeyError("x")
+
+
+def test_a_schedule_error_names_its_config_path_and_at_is_idempotent() -> None:
+    from omegaconf import OmegaConf
+
+    from lightning_accel.compose import config_paths
+    from lightning_accel.errors import ConfigError
+    from lightning_accel.schedules import cosine_schedule
+
+    cfg = OmegaConf.create({"trainer": {}, "scheduler": {"_target_": "x", "warmup_steps": 1.5}})
+    with pytest.raises(ConfigError, match=r"^`scheduler.warmup_steps=1.5` as a fraction") as caught:
+        with config_paths(cfg):
+            cosine_schedule(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), total_steps=10,
+                            warmup_steps=1.5)  # fmt: skip
+    assert str(caught.value.at("scheduler")) == str(caught.value)  # already there: not prefixed twice
+
+
+def test_the_helpers_moved_from_train_still_resolve_with_a_deprecation_warning() -> None:
+    import lightning_accel.train as train
+    from lightning_accel import compose
+
+    for name in ("apply_precision", "instantiate_named", "instantiate_callbacks", "apply_nccl"):
+        with pytest.warns(DeprecationWarning, match=f"moved to `lightning_accel.compose.{name}`"):
+            assert getattr(train, name) is getattr(compose, name)

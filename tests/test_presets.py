@@ -273,3 +273,33 @@ def test_run_shape_counts_cpus_through_the_cgroup_quota(monkeypatch: pytest.Monk
     assert run_shape(cfg, visible_cuda=0).cpus == budget.effective == 2
     with pytest.raises(ConfigError, match=r"`trainer.devices=9` starts 9 CPU processes, but this process may use 2"):
         check_combinations(cfg, visible_cuda=0)
+
+
+def test_a_pipeline_global_batch_splits_over_its_data_parallel_replicas_not_its_stages() -> None:
+    """2 pipeline ranks share each batch: global batch 48 from 16 per batch is 3 micro-batches (over the world
+    size it would be 48 / (16 x 2), refused)."""
+    from lightning_accel.presets import _check_accumulation, run_shape
+
+    def cfg(strategy: object, global_batch: int) -> object:
+        scheduler = {"_target_": "lightning_accel.callbacks.AccumulationScheduler",
+                     "global_batch_size": global_batch, "micro_batch_size": 16}  # fmt: skip
+        return OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": strategy},
+                                 "callbacks": {"accumulation": scheduler}})  # fmt: skip
+
+    pipeline = {"_target_": "lightning_accel.strategies.pipeline.PipelineStrategy", "data_parallel_size": 1}
+    piped = cfg(pipeline, 48)
+    _check_accumulation(piped, run_shape(piped, visible_cuda=0, cpus=2))
+    ddp = cfg("ddp", 48)
+    with pytest.raises(ConfigError, match=r"`global_batch_size=48` is not a multiple of micro-batch size 16 x"):
+        _check_accumulation(ddp, run_shape(ddp, visible_cuda=0, cpus=2))
+
+
+def test_your_own_pipeline_strategy_is_not_checked_as_ours() -> None:
+    """A `_target_` of your own whose name says pipeline keeps its own arguments (ours refuses unknown ones)."""
+    strategy = {"_target_": "my_pkg.MyPipelineStrategy", "extra_knob": 3}
+    check_combinations(OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": strategy}}),
+                       visible_cuda=0)  # fmt: skip
+    ours = {"_target_": "lightning_accel.strategies.pipeline.PipelineStrategy", "extra_knob": 3}
+    with pytest.raises(ConfigError, match="extra_knob"):
+        check_combinations(OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": ours}}),
+                           visible_cuda=0)  # fmt: skip

@@ -59,7 +59,16 @@ class _LRHold:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.undo = lambda: None
+        self.undo = self._remove_copy
+
+    def _remove_copy(self) -> None:
+        """The undo of a copied hold: take it off the copied module (or put back what it covered there)."""
+        module = self.pl_module.__dict__
+        if module.get("lr_scheduler_step") is self:
+            if self.shadowed is None:
+                del module["lr_scheduler_step"]
+            else:
+                module["lr_scheduler_step"] = self.shadowed
 
 
 def hold_lr_schedulers(pl_module: pl.LightningModule, owner: object, held: HoldPredicate) -> None:

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_accel.batches import samples_in
+from lightning_accel.batches import data_parallel_replicas, loader_batch_size, samples_in
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.patching import patch_attribute
 from lightning_accel.schedules import AccumulationPlan
@@ -145,10 +145,11 @@ class AccumulationScheduler(Callback):
                 )
             micro = loader_size or self.micro_batch_size
             assert micro is not None
-            self._plan = AccumulationPlan.constant(micro_batches_for(self.global_batch_size, micro, trainer.world_size))
+            ranks = data_parallel_replicas(trainer)  # pipeline stages and tensor-parallel ranks share their batches
+            self._plan = AccumulationPlan.constant(micro_batches_for(self.global_batch_size, micro, ranks))
             rank_zero_info(
                 f"AccumulationScheduler: global batch {self.global_batch_size} = {micro} per device x "
-                f"{trainer.world_size} device(s) x {self._plan.points[0][1]} micro-batches per optimizer step."
+                f"{_ranks_text(trainer, ranks)} x {self._plan.points[0][1]} micro-batches per optimizer step."
             )
         return self._plan
 
@@ -269,9 +270,10 @@ class AccumulationScheduler(Callback):
         never a run that trains on another batch than it logs."""
         self._verified = True
         real = samples_in(batch, default=1)
-        micro = self.global_batch_size // (micro_batches * trainer.world_size)  # type: ignore[operator]
+        ranks = data_parallel_replicas(trainer)
+        micro = self.global_batch_size // (micro_batches * ranks)  # type: ignore[operator]
         if real not in (1, micro) and real < micro * 2:  # 1: no tensor to count; a first batch is a full one
-            actual = real * trainer.world_size * micro_batches
+            actual = real * ranks * micro_batches
             raise ConfigError(
                 f"AccumulationScheduler: global batch {self.global_batch_size} was computed from {micro} samples per "
                 f"device, but the first batch holds {real}: the real global batch is {actual}. Drop "
@@ -363,14 +365,19 @@ def micro_batches_for(global_batch_size: int, micro_batch_size: int, world_size:
     return global_batch_size // per_window
 
 
+def _ranks_text(trainer: pl.Trainer, ranks: int) -> str:
+    """`2 device(s)`, or `2 data-parallel replica(s) of 4 device(s)` where pipeline/TP ranks share batches."""
+    if ranks == trainer.world_size:
+        return f"{ranks} device(s)"
+    return f"{ranks} data-parallel replica(s) of {trainer.world_size} device(s)"
+
+
 def _loader_batch_size(trainer: pl.Trainer, required: bool = True) -> int | None:
     if trainer.train_dataloader is None:
         trainer.fit_loop.setup_data()
     loader = trainer.train_dataloader
-    size = getattr(loader, "batch_size", None)
+    size = loader_batch_size(loader)
     if size is None:
-        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-    if not isinstance(size, int):
         if not required:
             return None
         raise ConfigError(

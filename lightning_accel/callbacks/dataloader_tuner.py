@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel.batches import loader_batch_size
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system import read_cpu_budget, read_shm
 from lightning_accel.tuning.dataloader import cache, policy, report, verification
@@ -346,7 +347,7 @@ class DataLoaderTuner(Callback):
         """Rank zero's decision, from the checkpoint, the cache or trials, on every rank, in `result` and `_state`."""
         strategy = trainer.strategy
         sync = loop_internals.rank_sync(strategy.root_device)
-        batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        batch_size = loader_batch_size(loader)
         local_error: Exception | None = None
         try:  # what each rank does by itself; a failure on one rank must stop all of them before a collective
             loop_internals.stop_workers(loop)  # the original loader's workers stop during the trials

@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_accel.batches import data_parallel_replicas, loader_batch_size
 from lightning_accel.errors import ConfigError
 
 __all__ = ["LRScaling", "lr_scale_factor"]
@@ -66,15 +67,10 @@ class LRScaling(Callback):
         self._applied: float | None = None
 
     def _global_batch(self, trainer: pl.Trainer) -> int | None:
-        loader = trainer.train_dataloader
-        batch = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", 0)
-        if not batch:
+        batch = loader_batch_size(trainer.train_dataloader)
+        if batch is None:
             return None
-        try:
-            replicas = trainer.strategy.distributed_sampler_kwargs.get("num_replicas") or trainer.world_size
-        except Exception:
-            replicas = trainer.world_size
-        return int(batch) * int(replicas) * max(1, int(trainer.accumulate_grad_batches))
+        return batch * data_parallel_replicas(trainer) * max(1, int(trainer.accumulate_grad_batches))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

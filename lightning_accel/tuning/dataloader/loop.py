@@ -35,7 +35,7 @@ from lightning_accel.tuning.dataloader.timing import (
 )
 from lightning_accel.tuning.dataloader.trial_runner import TrialRunner
 
-__all__ = ["StepMode", "batch_size_of", "facts", "is_tuned", "make_step", "memory_free", "rank_sync", "rebuilt",
+__all__ = ["StepMode", "facts", "is_tuned", "make_step", "memory_free", "rank_sync", "rebuilt",
            "same_host_pids", "search_in_lockstep", "stop_workers", "swap_loaders", "untouched",
            "untunable"]  # fmt: skip
 
@@ -224,11 +224,6 @@ def memory_free(processes: int) -> int:
     return max(0, free) // max(1, processes)
 
 
-def batch_size_of(batch: Any) -> int:
-    """Samples in a batch, read from its first tensor; 1 when it holds none (then throughput counts batches)."""
-    return samples_in(batch, default=1)
-
-
 def search_in_lockstep(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
@@ -264,7 +259,8 @@ def search_in_lockstep(
     if sync([float(error is not None)])[0]:
         raise TrialError(f"the first batch failed: {error!r}" if error else "the first batch failed on another "
                          "rank") from error  # fmt: skip
-    batch_size, batch_bytes = batch_size or batch_size_of(probe), batch_nbytes(probe)
+    # samples_in's default 1: a batch with no tensor counts as one sample, so throughput counts batches
+    batch_size, batch_bytes = batch_size or samples_in(probe, default=1), batch_nbytes(probe)
     original = loader_settings(loader)  # as a trial runs it: persistence only matters between epochs
     original = replace(original, persistent_workers=original.num_workers > 0)
     shared = (budget, original, shm_free, memory_free)
