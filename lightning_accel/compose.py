@@ -171,10 +171,14 @@ def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
     accelerator = cfg.trainer.get("accelerator", "auto")
     raw = OmegaConf.to_container(cfg.trainer, resolve=False).get("precision", "32-true")  # type: ignore[union-attr]
     requested = re.match(r"\$\{accel_precision:([^,}]+)", str(raw))  # conf/precision/amp.yaml: resolved already
-    resolved = resolve_precision(
-        requested.group(1) if requested else cfg.trainer.get("precision", "32-true"),
-        accelerator if isinstance(accelerator, str) else "auto",
-    )
+    try:
+        resolved = resolve_precision(
+            requested.group(1) if requested else cfg.trainer.get("precision", "32-true"),
+            accelerator if isinstance(accelerator, str) else "auto",
+            setting="trainer.precision",
+        )
+    except ConfigError as err:  # `accelerator=...` is the Trainer's
+        raise err.at("trainer") from None
     apply_float32_matmul_precision(cfg.get("float32_matmul_precision"))
     with open_dict(cfg):
         cfg.trainer.precision = resolved.value
@@ -201,8 +205,8 @@ def apply_nccl(cfg: DictConfig, undo: ExitStack | None = None) -> NcclPlan | Non
     try:
         plan = nccl_plan(section.preset, socket_ifname=section.get("socket_ifname"),
                          num_nodes=int(cfg.trainer.get("num_nodes", 1)), trace_dir=trace_dir)  # fmt: skip
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    except ConfigError as err:  # `preset=...` is `nccl.preset` in the config
+        raise err.at("nccl") from None
     removal = plan.apply()
     if undo is not None:
         undo.callback(removal)

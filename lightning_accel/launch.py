@@ -264,7 +264,8 @@ def precision_resolver(requested: Any, accelerator: Any = "auto") -> str:
     this machine, so a Trainer built from the config needs no `apply_precision` call (conf/precision/amp.yaml)."""
     from lightning_accel.precision import resolve_precision
 
-    return resolve_precision(str(requested), str(accelerator) if accelerator is not None else "auto").value
+    accelerator = str(accelerator) if accelerator is not None else "auto"
+    return resolve_precision(str(requested), accelerator, setting="trainer.precision").value
 
 
 def register_resolvers() -> None:

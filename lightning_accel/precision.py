@@ -115,7 +115,7 @@ def resolve_precision(
     *,
     hardware: Hardware | None = None,
     package_available: Callable[[str], bool] | None = None,
-    setting: str = "trainer.precision",
+    setting: str = "precision",
 ) -> ResolvedPrecision:
     """Turn `amp`, `fp8` or a Lightning precision string into the precision this hardware runs.
 
@@ -154,8 +154,9 @@ def resolve_precision(
     device = _device_type(accelerator, hardware)
     if device == "cuda" and hardware.cuda_capability is None:
         raise ConfigError(
-            f"`trainer.accelerator={accelerator!r}` asks for a CUDA GPU but none is visible; use "
-            "`trainer.accelerator=cpu` or `trainer.accelerator=auto`."
+            f"`accelerator={accelerator!r}` asks for a CUDA GPU but none is visible; use `accelerator='cpu'` or "
+            "`accelerator='auto'`.",
+            setting="accelerator",
         )
 
     def done(value: str, reason: str, callbacks: tuple[Callback, ...] = ()) -> ResolvedPrecision:
@@ -169,7 +170,7 @@ def resolve_precision(
         slow = "" if hardware.cpu.has_native_bf16 else f"; note that {hardware.cpu.describe_bf16()}, so bf16 is slow"
         rank_zero_warn(
             f"`{setting}={text!r}` (fp16 autocast with loss scaling) does not run on CPU; using 'bf16-mixed' "
-            f"instead{slow}. Set `precision=bf16_mixed` or `precision=amp` to silence this.",
+            f"instead{slow}. Set `precision='bf16-mixed'` or `precision='amp'` to silence this.",
             category=LightningAccelWarning,
             stacklevel=5,  # the caller of resolve_precision
         )
@@ -178,8 +179,8 @@ def resolve_precision(
     if capability is not None and value.startswith("bf16") and capability < _BF16_CAPABILITY:
         raise ConfigError(
             f"`{setting}={text!r}` needs a CUDA GPU with bf16 (compute capability 8.0 or newer); found "
-            f"{hardware.describe_cuda()}. Use `precision=fp16_mixed` (fp16 autocast with loss scaling) or "
-            "`precision=amp` (picks per hardware)."
+            f"{hardware.describe_cuda()}. Use `precision='16-mixed'` (fp16 autocast with loss scaling) or "
+            "`precision='amp'` (picks per hardware)."
         )
     return done(value, "set explicitly")
 
@@ -225,13 +226,13 @@ def _resolve_amp(setting: str, device: str, hardware: Hardware, done: _Done) -> 
         why = f"{hardware.cpu.describe_bf16()}, so bf16 autocast would be emulated and slower than fp32"
         rank_zero_warn(
             f"`{setting}='amp'` resolved to '32-true' on this CPU: {why}. "
-            "Set `precision=bf16_mixed` to use bf16 anyway, or `precision=fp32` to silence this.",
+            "Set `precision='bf16-mixed'` to use bf16 anyway, or `precision='32-true'` to silence this.",
             category=LightningAccelWarning,
             stacklevel=6,  # the caller of resolve_precision
         )
         return done("32-true", why)
     raise ConfigError(
-        f"`{setting}='amp'` picks a precision for CUDA, MPS and CPU only, not `{device}`; use `precision=bf16_true` "
+        f"`{setting}='amp'` picks a precision for CUDA, MPS and CPU only, not `{device}`; use `precision='bf16-true'` "
         "or another concrete precision."
     )
 
@@ -245,7 +246,7 @@ def _resolve_fp8(
         packages = "" if installed else " (it also needs `transformer-engine` or `torchao`, neither is installed)"
         raise ConfigError(
             f"`{setting}='fp8'` needs a CUDA GPU with compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
-            f"found {found}{packages}. Use `precision=amp` or `precision=bf16_mixed`."
+            f"found {found}{packages}. Use `precision='amp'` or `precision='bf16-mixed'`."
         )
     cuda = hardware.describe_cuda()
     if "transformer_engine" in installed:
@@ -258,7 +259,7 @@ def _resolve_fp8(
     commands = " or ".join(f"`{command}`" for command in _FP8_PACKAGES.values())
     raise ConfigError(
         f"`{setting}='fp8'` needs `transformer-engine` or `torchao`, and neither is installed; install one with "
-        f"{commands}, or use `precision=amp`."
+        f"{commands}, or use `precision='amp'`."
     )
 
 

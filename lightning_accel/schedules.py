@@ -85,7 +85,7 @@ def count_optimizer_steps(plan: AccumulationPlan, num_batches: float, max_epochs
     if (unlimited_epochs or not math.isfinite(num_batches)) and not math.isfinite(step_cap):
         raise ConfigError(
             f"The fit has no end (`max_epochs={max_epochs}`, `max_steps={max_steps}`, {num_batches} batches per "
-            "epoch), so an LR schedule cannot be sized; set `trainer.max_steps` or `trainer.max_epochs`."
+            "epoch), so an LR schedule cannot be sized; set the Trainer's `max_steps` or `max_epochs`."
         )
     if not math.isfinite(num_batches):
         return int(step_cap)

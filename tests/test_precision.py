@@ -69,9 +69,9 @@ def test_amp_on_a_cpu_without_bf16_is_fp32_with_one_warning_saying_why(recorded)
     assert "no native bf16" in resolved.reason
     [message] = _ours(recorded)
     assert recorded[0].filename == __file__  # points at the caller of resolve_precision
-    assert "`trainer.precision='amp'` resolved to '32-true'" in message
+    assert "`precision='amp'` resolved to '32-true'" in message
     assert "no `amx_bf16` or `avx512_bf16` in /proc/cpuinfo" in message and "emulated" in message
-    assert "`precision=bf16_mixed`" in message
+    assert "`precision='bf16-mixed'`" in message
 
 
 def test_amp_on_a_cpu_whose_cpuinfo_is_missing_reads_the_fake_root(recorded, tmp_path: Path) -> None:
@@ -94,7 +94,7 @@ def test_fp16_on_cpu_becomes_bf16_with_a_warning_naming_old_and_new(recorded, re
     assert resolved.value == "bf16-mixed"
     [message] = _ours(recorded)
     assert recorded[0].filename == __file__
-    assert f"`trainer.precision='{requested}'`" in message and "using 'bf16-mixed' instead" in message
+    assert f"`precision='{requested}'`" in message and "using 'bf16-mixed' instead" in message
     assert "slow" not in message
 
 
@@ -109,9 +109,9 @@ def test_bf16_on_a_gpu_without_bf16_names_setting_value_and_fix(requested: str) 
     with pytest.raises(ConfigError) as err:
         resolve_precision(requested, "auto", hardware=T4)
     message = str(err.value)
-    assert f"`trainer.precision='{requested}'`" in message
+    assert f"`precision='{requested}'`" in message
     assert "Tesla T4 with compute capability 7.5" in message
-    assert "`precision=fp16_mixed`" in message and "`precision=amp`" in message
+    assert "`precision='16-mixed'`" in message and "`precision='amp'`" in message
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_fp8_without_either_package_names_both_and_how_to_install() -> None:
     with pytest.raises(ConfigError) as err:
         resolve_precision("fp8", hardware=H100, package_available=installed())
     message = str(err.value)
-    assert "`trainer.precision='fp8'`" in message
+    assert "`precision='fp8'`" in message
     assert "`pip install transformer-engine[pytorch]`" in message and "`pip install torchao`" in message
 
 
@@ -168,8 +168,8 @@ def test_fp8_needs_compute_capability_8_9(hardware: Hardware, accelerator: str, 
     with pytest.raises(ConfigError) as err:
         resolve_precision("fp8", accelerator, hardware=hardware, package_available=installed("torchao"))
     message = str(err.value)
-    assert "`trainer.precision='fp8'` needs a CUDA GPU with compute capability 8.9 or newer" in message
-    assert f"found {found}." in message and "`precision=amp`" in message
+    assert "`precision='fp8'` needs a CUDA GPU with compute capability 8.9 or newer" in message
+    assert f"found {found}." in message and "`precision='amp'`" in message
 
 
 def test_fp8_on_cpu_also_says_that_no_fp8_package_is_installed() -> None:
@@ -178,12 +178,12 @@ def test_fp8_on_cpu_also_says_that_no_fp8_package_is_installed() -> None:
 
 
 def test_amp_on_tpu_asks_for_a_concrete_precision() -> None:
-    with pytest.raises(ConfigError, match=r"not `tpu`; use `precision=bf16_true`"):
+    with pytest.raises(ConfigError, match=r"not `tpu`; use `precision='bf16-true'`"):
         resolve_precision("amp", "tpu", hardware=CPU_BF16)
 
 
 def test_cuda_accelerator_without_a_cuda_device() -> None:
-    with pytest.raises(ConfigError, match=r"`trainer.accelerator='cuda'` asks for a CUDA GPU but none is visible"):
+    with pytest.raises(ConfigError, match=r"`accelerator='cuda'` asks for a CUDA GPU but none is visible"):
         resolve_precision("32-true", "cuda", hardware=CPU_BF16)
 
 
@@ -261,7 +261,7 @@ def test_cli_fp8_without_a_capable_gpu_exits_2_before_anything_is_built(run_cli,
     result = run_cli(["precision=fp8", "trainer.accelerator=cpu", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "accel-train: error: `trainer.precision='fp8'` needs a CUDA GPU with compute capability 8.9" in result.stderr
-    assert "`precision=amp`" in result.stderr and "Traceback" not in result.stderr
+    assert "`precision='amp'`" in result.stderr and "Traceback" not in result.stderr
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "csv").exists()
 
 

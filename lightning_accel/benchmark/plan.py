@@ -174,7 +174,7 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
             if extra:
                 trainer.devices = per_node
         check_config(cfg)
-        resolved = resolve_precision(requested, shape.accelerator)
+        resolved = resolve_precision(requested, shape.accelerator, setting="trainer.precision")
         with open_dict(cfg):
             trainer.precision = resolved.value
         check_combinations(cfg, visible_cuda=visible)

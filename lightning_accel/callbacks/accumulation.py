@@ -189,8 +189,8 @@ class AccumulationScheduler(Callback):
         if trainer.accumulate_grad_batches != 1:
             raise ConfigError(
                 "You have set `accumulate_grad_batches` and are using the `GradientAccumulationScheduler` "
-                f"(AccumulationScheduler, which sets it per window): `trainer.accumulate_grad_batches="
-                f"{trainer.accumulate_grad_batches}`; leave it at 1 (`accumulation=none`) or remove the callback."
+                f"(AccumulationScheduler, which sets it per window): the Trainer's `accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}`; leave it at 1 or remove the callback."
             )
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):  # type: ignore[attr-defined]
             raise ConfigError("Use one accumulation callback: drop Lightning's GradientAccumulationScheduler.")

@@ -197,7 +197,7 @@ class DataLoaderTuner(Callback):
                     raise RuntimeError(
                         f"DataLoaderTuner failed on rank {trainer.global_rank} ({type(err).__name__}: "
                         f"{err}); the ranks cannot agree on DataLoader settings any more. Remove the "
-                        "callback (`~callbacks.dataloader_tuner`) to train without it."
+                        "DataLoaderTuner callback to train without it."
                     ) from err
                 self.decision = None
                 rank_zero_warn(f"DataLoaderTuner failed ({type(err).__name__}: {err}); training goes on with the "

@@ -156,8 +156,8 @@ class Parallelize(Callback):
             if self.block_classes or self.tp_plan:
                 raise ConfigError(
                     f"{name}.configure_model already shards the model (it holds FSDP2 units or DTensor parameters) "
-                    "and Parallelize was given a plan too; keep one: drop the callback (`~callbacks.parallelize`) "
-                    "or remove the sharding from configure_model."
+                    "and Parallelize was given a plan too; keep one: drop the Parallelize callback or remove the "
+                    "sharding from configure_model."
                 )
             rank_zero_info(f"Parallelize: {name} shards itself in configure_model; left as it is.")
         else:
@@ -167,9 +167,9 @@ class Parallelize(Callback):
             tp_mesh = mesh["tensor_parallel"] if names and "tensor_parallel" in names else None
             if mesh is None and self.tp_plan:
                 rank_zero_warn(
-                    f"Parallelize: `strategy={type(trainer.strategy).__name__}` has no device mesh, so the "
-                    "tensor-parallel plan and FSDP2 are not applied (only checkpointing and compile are); use "
-                    "`strategy=model_parallel`.",
+                    f"Parallelize: {type(trainer.strategy).__name__} has no device mesh, so the tensor-parallel "
+                    "plan and FSDP2 are not applied (only checkpointing and compile are); use "
+                    "lightning_accel.strategies.ModelParallelStrategy.",
                     category=LightningAccelWarning,
                 )
             applied = parallelize(

@@ -93,7 +93,8 @@ def nccl_plan(
         ValueError: for an unknown preset, or `ib` on a machine without an ACTIVE RDMA port.
     """
     if preset not in NCCL_PRESETS:
-        raise ConfigError(f"`nccl={preset!r}` is not a preset; use one of {', '.join(NCCL_PRESETS)}.")
+        raise ConfigError(f"`preset={preset!r}` is not an NCCL preset; use one of {', '.join(NCCL_PRESETS)}.",
+                          setting="preset")  # fmt: skip
     env = os.environ if env is None else env
     wanted: dict[str, str] = {}
     notes: list[str] = []
@@ -110,8 +111,9 @@ def nccl_plan(
         elif preset == "ib":
             states = ", ".join(f"{p.device}:{p.port} {p.state}" for p in ports) or "no device"
             raise ConfigError(
-                f"`nccl=ib` needs an ACTIVE InfiniBand/RoCE port under /sys/class/infiniband, found: {states}; "
-                "use `nccl=socket` or `nccl=auto`."
+                f"`preset='ib'` needs an ACTIVE InfiniBand/RoCE port under /sys/class/infiniband, found: {states}; "
+                "use `preset='socket'` or `preset='auto'`.",
+                setting="preset",
             )
         elif num_nodes > 1:
             preset_socket = True

@@ -71,9 +71,9 @@ def test_socket_interface_given_or_fallback(tmp_path: Path) -> None:
 
 
 def test_ib_without_an_active_port_is_an_error_with_the_fix(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"`nccl=ib` needs an ACTIVE .* found: mlx5_1:1 DOWN; use `nccl=socket`"):
+    with pytest.raises(ValueError, match=r"`preset='ib'` needs an ACTIVE .* mlx5_1:1 DOWN; use `preset='socket'`"):
         nccl_plan("ib", root=_tree(tmp_path, {"mlx5_1": ("1: DOWN", "InfiniBand")}), env={})
-    with pytest.raises(ValueError, match="is not a preset"):
+    with pytest.raises(ValueError, match="is not an NCCL preset"):
         nccl_plan("fast", root=tmp_path, env={})
 
 
@@ -165,3 +165,14 @@ def test_two_same_process_jobs_see_only_their_own_nccl_variables(compose_train, 
         assert second is not None and "NCCL_NVLS_ENABLE" not in os.environ
         assert second.kept == {k: v for k, v in second.kept.items() if k == "NCCL_DEBUG"}  # only the user's
     assert not [k for k in os.environ if k.startswith(("NCCL_", "TORCH_NCCL_")) and k != "NCCL_DEBUG"]
+
+
+def test_accel_train_names_the_nccl_preset_by_its_config_path(compose_train, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nccl_plan(preset="ib")` says `preset='ib'`; from a config the same error says `nccl.preset='ib'`."""
+    from lightning_accel import compose
+    from lightning_accel.errors import ConfigError
+
+    monkeypatch.setattr(compose, "runs_on_cuda", lambda cfg: True)
+    monkeypatch.setattr("lightning_accel.strategies.nccl.read_infiniband", lambda root: [])  # no RDMA port here
+    with pytest.raises(ConfigError, match=r"^`nccl.preset='ib'` needs an ACTIVE InfiniBand/RoCE port"):
+        compose.apply_nccl(compose_train(["nccl=ib"]))

@@ -323,7 +323,7 @@ def test_trainer_level_errors() -> None:
     assert split_batch((torch.zeros(6, 8), torch.zeros(6, 8)), 4, train=False)[2] == 1
     model = examples.GPTLanguageModel(n_layer=2)
     model.automatic_optimization = False
-    with pytest.raises(ConfigError, match=r"`automatic_optimization=False`, which `strategy=pipeline` does not"):
+    with pytest.raises(ConfigError, match=r"`automatic_optimization=False`, which PipelineStrategy does not"):
         _check_module(model)
     with pytest.raises(ConfigError, match=r"`precision=16-mixed` is not supported by `PipelineStrategy`") as err:
         check_precision("16-mixed")

@@ -187,8 +187,8 @@ def check_pipeline_settings(
 
         dp = settings.data_parallel_size
         rank_zero_warn(
-            f"`strategy=pipeline` on {world} process(es) with `data_parallel_size={dp}` has a single pipeline rank: "
-            "every stage runs on one process; set `trainer.devices` to a multiple of 2 x data_parallel_size.",
+            f"PipelineStrategy on {world} process(es) with `data_parallel_size={dp}` has a single pipeline rank: "
+            "every stage runs on one process; set the Trainer's `devices` to a multiple of 2 x data_parallel_size.",
             category=LightningAccelWarning,
         )
     return settings

@@ -86,6 +86,6 @@ def check_torch_pipelining() -> None:
         missing.append("schedules that leave gradient scaling to the loss (scale_grads=False)")
     if missing:
         raise ConfigError(
-            f"`strategy=pipeline` needs {' and '.join(missing)}, which torch {torch.__version__} lacks; upgrade "
-            "torch (2.7 or newer has both), or use `strategy=model_parallel` or `strategy=ddp`."
+            f"PipelineStrategy needs {' and '.join(missing)}, which torch {torch.__version__} lacks; upgrade torch "
+            "(2.7 or newer has both), or use ModelParallelStrategy or DDPStrategy."
         )

@@ -261,7 +261,7 @@ class PipelineStrategy(_LightningModelParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
-            "`strategy=pipeline` does not run `trainer.predict`; consolidate the checkpoint "
+            "PipelineStrategy does not run `trainer.predict`; consolidate the checkpoint "
             "(lightning_accel.strategies.consolidate_checkpoint) and predict with the plain model."
         )
 
@@ -338,11 +338,11 @@ def _check_module(module: pl.LightningModule) -> None:
     """What the strategy needs of the LightningModule."""
     if not module.automatic_optimization:
         raise ConfigError(
-            f"{type(module).__name__} sets `automatic_optimization=False`, which `strategy=pipeline` does not "
+            f"{type(module).__name__} sets `automatic_optimization=False`, which PipelineStrategy does not "
             "support: the pipeline schedule runs forward and backward itself; use automatic optimization."
         )
     if not callable(getattr(module, "pipeline_loss", None)):
         raise ConfigError(
-            f"{type(module).__name__} has no `pipeline_loss(output, target)` method, which `strategy=pipeline` "
+            f"{type(module).__name__} has no `pipeline_loss(output, target)` method, which PipelineStrategy "
             "calls on the last stage for each micro-batch; add one returning the micro-batch's mean loss."
         )
