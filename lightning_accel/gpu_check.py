@@ -36,7 +36,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Part", "main", "run_checks"]
+__all__ = [
+    "Part",
+    "main",
+    "render",
+    "run_checks",
+]
 
 
 @dataclass(kw_only=True, slots=True)

@@ -31,13 +31,15 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = [
+    "check_output_root",
     "child_rank_command",
     "external_rank_job_name",
     "external_run_id",
     "hydra_safe_launch",
+    "precision_resolver",
     "register_resolvers",
+    "resolve_run_id",
     "unique_stamp",
-    "check_output_root",
 ]
 
 _PROCESS_TOKEN = secrets.token_hex(3)  # one per process: two runs started in the same second get two directories

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from lightning.pytorch import Callback
 
 
-def rank_zero_warn(message: str, **kwargs: Any) -> None:
+def _rank_zero_warn(message: str, **kwargs: Any) -> None:
     """Lightning's rank-zero warning, imported when needed: `import lightning_accel` stays free of Lightning."""
     from lightning.pytorch.utilities import rank_zero_warn as warn
 
@@ -168,7 +168,7 @@ def resolve_precision(
         return _resolve_fp8(setting, device, hardware, available, done)
     if device == "cpu" and value == "16-mixed":
         slow = "" if hardware.cpu.has_native_bf16 else f"; note that {hardware.cpu.describe_bf16()}, so bf16 is slow"
-        rank_zero_warn(
+        _rank_zero_warn(
             f"`{setting}={text!r}` (fp16 autocast with loss scaling) does not run on CPU; using 'bf16-mixed' "
             f"instead{slow}. Set `precision='bf16-mixed'` or `precision='amp'` to silence this.",
             category=LightningAccelWarning,
@@ -224,7 +224,7 @@ def _resolve_amp(setting: str, device: str, hardware: Hardware, done: _Done) -> 
         if hardware.cpu.has_native_bf16:
             return done("bf16-mixed", hardware.cpu.describe_bf16())
         why = f"{hardware.cpu.describe_bf16()}, so bf16 autocast would be emulated and slower than fp32"
-        rank_zero_warn(
+        _rank_zero_warn(
             f"`{setting}='amp'` resolved to '32-true' on this CPU: {why}. "
             "Set `precision='bf16-mixed'` to use bf16 anyway, or `precision='32-true'` to silence this.",
             category=LightningAccelWarning,

@@ -18,6 +18,7 @@ from lightning_accel.errors import ConfigError
 from lightning_accel.precision import FLOAT32_MATMUL_PRECISIONS, MODEL_PARALLEL_REFUSED, PRECISION_CHOICES
 
 __all__ = [
+    "DISTRIBUTED_FAMILIES",
     "RunShape",
     "accumulation_callbacks",
     "apply_ddp_grad_compression",

@@ -33,7 +33,13 @@ from lightning_accel.summary import RunSummary, collect_summary, print_summary, 
 if TYPE_CHECKING:
     from lightning_accel.precision import ResolvedPrecision
 
-__all__ = ["main", "run"]
+__all__ = [
+    "check_ckpt_path",
+    "config_digest",
+    "main",
+    "print_check",
+    "run",
+]
 
 log = logging.getLogger("lightning_accel.train")
 # The entry point's resolvers (conf/hydra/default.yaml uses ${accel_run_id:...}), registered when this module is

@@ -117,10 +117,11 @@ def _imported_names() -> dict[str, set[tuple[str, str]]]:
 
 
 def test_every_all_is_complete_and_true() -> None:
-    """Each module has an `__all__`; it names only what exists, and every public name that another module (or a
-    test, or an example) imports from it."""
+    """Each module has an `__all__`; it names only what exists, every public function and class the module defines,
+    and every public name that another module (or a test, or an example) imports from it."""
     import importlib
     import importlib.util
+    import inspect
 
     imported = _imported_names()
     problems = []
@@ -132,6 +133,11 @@ def test_every_all_is_complete_and_true() -> None:
             continue
         problems += [f"{info.name}.__all__ names {name}, which does not exist" for name in public
                      if not hasattr(module, name)]  # fmt: skip
+        defined = [name for name, value in vars(module).items()
+                   if not name.startswith("_") and (inspect.isfunction(value) or inspect.isclass(value))
+                   and value.__module__ == info.name]  # fmt: skip
+        problems += [f"{info.name} defines {name}, which its __all__ leaves out (or name it _{name})"
+                     for name in defined if name not in public]  # fmt: skip
         for name, where in sorted(imported.get(info.name, ())):
             submodule = info.ispkg and importlib.util.find_spec(f"{info.name}.{name}") is not None
             if not name.startswith("_") and name != "*" and name not in public and not submodule:

@@ -33,6 +33,7 @@ __all__ = [
     "StagePlan",
     "budget_overrides",
     "describe_changes",
+    "monitor_overrides",
     "plan_stage",
     "plan_stages",
 ]

@@ -12,7 +12,15 @@ from typing import Any
 
 from lightning_accel.benchmark.results import StageResult, counted_runs
 
-__all__ = ["CSV_COLUMNS", "JSON_SCHEMA_VERSION", "markdown_table", "plot", "to_json", "write_outputs"]
+__all__ = [
+    "CSV_COLUMNS",
+    "JSON_SCHEMA_VERSION",
+    "markdown_table",
+    "plot",
+    "speedup_cell",
+    "to_json",
+    "write_outputs",
+]
 
 JSON_SCHEMA_VERSION = 2
 """`schema_version` of bench.json; raised when a key changes meaning or goes away. 2: every stage has `runs` (one

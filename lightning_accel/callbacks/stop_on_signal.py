@@ -20,7 +20,12 @@ from typing_extensions import override
 
 from lightning_accel.errors import ConfigError
 
-__all__ = ["SignalExit", "StopOnSignal", "parse_signals"]
+__all__ = [
+    "SignalExit",
+    "StopOnSignal",
+    "agree",
+    "parse_signals",
+]
 
 _DUPLICATE_S = 1.0  # a second signal this soon after the first is the same event (a terminal's Ctrl-C reaches every
 # rank, and rank 0 forwards it too), not a user insisting

@@ -10,9 +10,25 @@ from lightning_accel.errors import ConfigError
 from lightning_accel.system.facts import SystemFacts
 
 __all__ = [
-    "CHECKS", "MEMORY_PER_PROCESS", "SHM_PER_WORKER", "STATUSES", "Check", "CheckRequest", "Status", "run_checks",
+    "CHECKS",
+    "MEMORY_PER_PROCESS",
+    "SHM_PER_WORKER",
+    "STATUSES",
+    "Check",
+    "CheckRequest",
+    "Status",
+    "check_bf16",
+    "check_cpus",
+    "check_driver_cuda",
+    "check_gpus",
+    "check_infiniband",
+    "check_memory",
+    "check_nccl",
+    "check_packages",
+    "check_shm",
+    "run_checks",
     "suggested_num_workers",
-]  # fmt: skip
+]
 
 Status = Literal["PASS", "WARN", "FAIL", "SKIP"]
 STATUSES: tuple[Status, ...] = ("PASS", "WARN", "FAIL", "SKIP")

@@ -12,7 +12,13 @@ from typing import Protocol
 from lightning_accel.telemetry import nvml
 from lightning_accel.telemetry.readings import DeviceReader
 
-__all__ = ["NVMLSampler", "Stat", "Window", "open_sampler"]
+__all__ = [
+    "NVMLSampler",
+    "Reader",
+    "Stat",
+    "Window",
+    "open_sampler",
+]
 
 
 class Reader(Protocol):
