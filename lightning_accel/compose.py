@@ -27,7 +27,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, ConfigTypeError
 from lightning_accel.launch import hydra_safe_launch
 from lightning_accel.presets import check_app_config, runs_on_cuda
 
@@ -230,7 +230,8 @@ def instantiate_callbacks(cfg: DictConfig) -> list[Any]:
         except Exception as err:
             cause = err.__cause__ or err  # Hydra wraps the constructor's error in an InstantiationException
             target = node.get("_target_", "?") if isinstance(node, DictConfig) else "?"
-            raise ConfigError(f"`callbacks.{name}` ({target}) cannot be built: {cause}") from None
+            kind = ConfigTypeError if isinstance(cause, TypeError) else ConfigError  # keep the builtin it deserves
+            raise kind(f"`callbacks.{name}` ({target}) cannot be built: {cause}") from None
     return built
 
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from lightning_accel.precision import PIPELINE_PRECISIONS  # owned by precision.py, exported here as before
 from lightning_accel.strategies.pipeline.checkpoint import check_dcp_metadata, consolidate_checkpoint, load_metadata
 from lightning_accel.strategies.pipeline.runner import PipelineRunner, PipelineStepResult, split_batch
 from lightning_accel.strategies.pipeline.settings import (
@@ -29,6 +30,7 @@ from lightning_accel.strategies.pipeline.stages import (
 from lightning_accel.strategies.pipeline.strategy import PipelineStrategy
 
 __all__ = [
+    "PIPELINE_PRECISIONS",
     "SCHEDULES",
     "PipelineRunner",
     "PipelineSettings",

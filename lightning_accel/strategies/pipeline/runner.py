@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, ConfigTypeError
 from lightning_accel.strategies.pipeline.spec import ScheduleSpec
 from lightning_accel.strategies.pipeline.stages import PipelineStagePlan
 
@@ -250,7 +250,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def _send_tensor(tensor: torch.Tensor, dst: int, group: Any) -> None:
     """Send a tensor of up to 6 dimensions with a header (rank, shape, dtype) so the receiver can allocate it."""
     if not isinstance(tensor, torch.Tensor) or tensor.dim() > 6 or tensor.dtype not in _DTYPES:
-        raise TypeError(f"A pipeline stage's output must be one floating tensor of <= 6 dimensions; got {tensor!r}.")
+        raise ConfigTypeError(
+            f"A pipeline stage's output must be one floating tensor of <= 6 dimensions; got {tensor!r}: return a "
+            "single tensor from each block (the model's `pipeline_blocks`)."
+        )
     shape = list(tensor.shape) + [0] * (6 - tensor.dim())
     header = torch.tensor([tensor.dim(), *shape, _DTYPES.index(tensor.dtype)], dtype=torch.int64, device=tensor.device)
     dist.send(header, dst=dst, group=group)
