@@ -386,7 +386,9 @@ class DataLoaderTuner(Callback):
                            category=LightningAccelWarning)  # fmt: skip
             return None
         if not decision.confident:
-            log.warning("DataLoaderTuner: %s, so the decision is applied to this fit but not cached.", decision.note)
+            if trainer.is_global_zero:  # warnings on rank zero only: every rank holds the same decision
+                log.warning("DataLoaderTuner: %s, so the decision is applied to this fit but not cached.",
+                            decision.note)  # fmt: skip
         elif self.use_cache and trainer.is_global_zero:
             try:
                 cache.DecisionCache(self.cache_path).put(decision)
