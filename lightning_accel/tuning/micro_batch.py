@@ -1,0 +1,192 @@
+"""Micro-batch sizing by experiment: the largest micro-batch that fits, and splitting a batch that did not.
+
+The search and the splitting the micro-batch finder (issue 19) is built on, with no Trainer in them:
+
+- `candidate_sizes(batch_size)`: the micro-batches a batch divides into evenly, largest first;
+- `find_micro_batch(try_size, batch_size)`: the largest candidate whose trial fits (no out-of-memory error, and a
+  peak within the budget when the trial measures one), by bisection over the candidates;
+- `split_sizes(n, piece)` and `split_batch(batch, sizes)`: a batch cut into micro-batches along its first dimension
+  (30 in pieces of 8: 8, 8, 8, 6), with `sample_weights(sizes)`, the share of each piece in the batch's mean loss
+  (a piece's mean loss times its share sums to the whole batch's mean, which equal weights would not);
+- `is_out_of_memory(err)` and `release_memory()`: what counts as running out of device memory (torch's
+  `OutOfMemoryError` on CUDA, and the same class raised by a memory-budget seam on a CPU), and freeing what a
+  failed attempt held.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_accel.errors import ConfigError, ConfigTypeError
+
+__all__ = [
+    "MicroBatchSearch",
+    "Trial",
+    "candidate_sizes",
+    "find_micro_batch",
+    "is_out_of_memory",
+    "release_memory",
+    "sample_weights",
+    "split_batch",
+    "split_sizes",
+]
+
+
+def candidate_sizes(batch_size: int) -> list[int]:
+    """The micro-batch sizes that divide `batch_size` evenly, largest first (`12` -> 12, 6, 4, 3, 2, 1): each keeps
+    the batch whole with a constant number of micro-batches per step.
+
+    Raises:
+        ConfigTypeError: for a batch size that is not an integer.
+        ConfigError: for a batch size below 1.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise ConfigTypeError(f"`batch_size={batch_size!r}` must be an integer >= 1.", setting="batch_size")
+    if batch_size < 1:
+        raise ConfigError(f"`batch_size={batch_size}` must be an integer >= 1.", setting="batch_size")
+    small = [d for d in range(1, int(batch_size**0.5) + 1) if batch_size % d == 0]
+    return sorted({*small, *(batch_size // d for d in small)}, reverse=True)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is the device running out of memory: torch's `OutOfMemoryError` (CUDA's, and what a CPU test's
+    memory budget raises), or a RuntimeError with CUDA's or the CUDA allocator's out-of-memory message."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("CUDA out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
+def release_memory() -> None:
+    """Free what a failed attempt held: collect its garbage (the exception's frames hold its activations) and return
+    the CUDA caching allocator's free blocks, so the next, smaller attempt starts from the memory the model needs."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One attempt of the search: a micro-batch size, whether it fitted, and its peak memory when measured."""
+
+    size: int
+    fits: bool
+    peak_bytes: int | None = None
+    """The trial's peak device memory (CUDA); None where it is not measured (a CPU)."""
+    reason: str = ""
+    """Why it did not fit: "out of memory", or the peak against the budget."""
+
+
+@dataclass(frozen=True)
+class MicroBatchSearch:
+    """The search's result: the micro-batch it chose and every trial, in the order run."""
+
+    batch_size: int
+    micro_batch: int | None
+    """The largest candidate that fitted; None when not even one sample did."""
+    trials: tuple[Trial, ...] = field(default_factory=tuple)
+
+    @property
+    def micro_batches(self) -> int | None:
+        """Micro-batches per batch at the chosen size (the accumulation factor the batch gains)."""
+        return None if self.micro_batch is None else self.batch_size // self.micro_batch
+
+
+def find_micro_batch(
+    try_size: Callable[[int], int | None],
+    batch_size: int,
+    *,
+    budget_bytes: int | None = None,
+) -> MicroBatchSearch:
+    """The largest micro-batch among `candidate_sizes(batch_size)` whose trial fits, by bisection (memory grows with
+    the micro-batch, so a size that fits means every smaller one does).
+
+    Args:
+        try_size: runs one forward and backward at the given micro-batch size and returns its peak device memory in
+            bytes (None where not measured); raises torch's `OutOfMemoryError` when it does not fit. It is called
+            with each size at most once, and memory is released after each failed trial.
+        batch_size: the loader's batch size, the largest candidate.
+        budget_bytes: a trial whose peak exceeds this does not fit either (the margin below the device's memory);
+            None: only an out-of-memory error rules a size out.
+
+    Returns:
+        The search, with `micro_batch=None` when even 1 sample does not fit.
+    """
+    sizes = candidate_sizes(batch_size)  # largest first
+    trials: list[Trial] = []
+    lo, hi = 0, len(sizes) - 1  # the answer's index lies in [lo, hi]; sizes[hi] (1) is the last resort
+    best: int | None = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        trial = _run_trial(try_size, sizes[mid], budget_bytes)
+        trials.append(trial)
+        if trial.fits:
+            best, hi = sizes[mid], mid - 1  # fits: try larger sizes (smaller indices)
+        else:
+            lo = mid + 1
+    return MicroBatchSearch(batch_size=batch_size, micro_batch=best, trials=tuple(trials))
+
+
+def _run_trial(try_size: Callable[[int], int | None], size: int, budget_bytes: int | None) -> Trial:
+    try:
+        peak = try_size(size)
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise
+        del err
+        release_memory()
+        return Trial(size, fits=False, reason="out of memory")
+    if budget_bytes is not None and peak is not None and peak > budget_bytes:
+        return Trial(size, fits=False, peak_bytes=peak, reason=f"peak {peak} B over the budget of {budget_bytes} B")
+    return Trial(size, fits=True, peak_bytes=peak)
+
+
+def split_sizes(n: int, piece: int) -> list[int]:
+    """`n` samples in pieces of at most `piece`, in order: the full pieces, then the rest (30 by 8: 8, 8, 8, 6).
+
+    Raises:
+        ConfigError: for `n < 1` or `piece < 1`.
+    """
+    if n < 1 or piece < 1:
+        raise ConfigError(f"cannot split {n} sample(s) into pieces of {piece}; both must be >= 1.")
+    return [piece] * (n // piece) + ([n % piece] if n % piece else [])
+
+
+def sample_weights(sizes: Sequence[int]) -> list[float]:
+    """Each piece's share of the batch (`size / total`): the weight of its mean loss in the batch's mean loss."""
+    total = sum(sizes)
+    return [size / total for size in sizes]
+
+
+def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
+    """`batch` cut along its first dimension into consecutive pieces of `sizes`, keeping its structure: every tensor
+    in it (inside tuples, lists and dicts) is cut the same way; anything else is repeated in each piece.
+
+    Raises:
+        ConfigError: when a tensor's first dimension is not `sum(sizes)` (the pieces would not cover the batch).
+    """
+    total = sum(sizes)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def cut(value: Any, index: int) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or value.shape[0] != total:
+                raise ConfigError(
+                    f"A batch tensor of shape {tuple(value.shape)} cannot be split into micro-batches of {list(sizes)}"
+                    f" ({total} samples): every tensor of a batch must hold the samples along its first dimension."
+                )
+            return value.narrow(0, offsets[index], sizes[index])
+        if isinstance(value, dict):
+            return {key: cut(item, index) for key, item in value.items()}
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*(cut(item, index) for item in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(cut(item, index) for item in value)
+        return value
+
+    return [cut(batch, i) for i in range(len(sizes))]

@@ -1,0 +1,131 @@
+"""Micro-batch sizing (issue 19, first part): the search over divisors, the split, and sample-weighted losses."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+from _memory_budget import BudgetedMLP, MemoryBudget
+
+from lightning_accel.errors import ConfigError, ConfigTypeError
+from lightning_accel.tuning.micro_batch import (
+    candidate_sizes,
+    find_micro_batch,
+    is_out_of_memory,
+    sample_weights,
+    split_batch,
+    split_sizes,
+)
+
+
+def test_candidates_are_the_divisors_largest_first() -> None:
+    assert candidate_sizes(32) == [32, 16, 8, 4, 2, 1]
+    assert candidate_sizes(12) == [12, 6, 4, 3, 2, 1]
+    assert candidate_sizes(1) == [1]
+    with pytest.raises(ConfigError, match=r"`batch_size=0` must be an integer >= 1"):
+        candidate_sizes(0)
+    with pytest.raises(ConfigTypeError):
+        candidate_sizes(8.0)  # type: ignore[arg-type]
+
+
+def _step(model: BudgetedMLP, x: torch.Tensor) -> None:
+    model(x).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(32 * 8, 32), (31 * 8, 16), (4 * 8, 4), (7 * 8, 4), (8, 1)])
+def test_the_search_finds_the_largest_divisor_that_fits(limit: int, expected: int) -> None:
+    budget = MemoryBudget(limit_bytes=limit)
+    model, x = BudgetedMLP(budget), torch.randn(32, 8)
+    tried: list[int] = []
+
+    def try_size(size: int) -> None:
+        tried.append(size)
+        _step(model, x[:size])
+
+    search = find_micro_batch(try_size, 32)
+    assert search.micro_batch == expected and search.micro_batches == 32 // expected
+    assert len(tried) == len(set(tried)) <= 3  # bisection over 6 candidates: each size once, at most 3 trials
+    assert [t.size for t in search.trials] == tried
+    assert all(t.fits == (t.size * 8 <= limit) for t in search.trials)
+
+
+def test_not_even_one_sample_fits() -> None:
+    model = BudgetedMLP(MemoryBudget(limit_bytes=4))
+    search = find_micro_batch(lambda size: _step(model, torch.randn(size, 8)), 8)
+    assert search.micro_batch is None and search.micro_batches is None
+    assert search.trials[-1].size == 1 and not search.trials[-1].fits
+
+
+def test_a_measured_peak_over_the_budget_does_not_fit_and_other_errors_propagate() -> None:
+    search = find_micro_batch(lambda size: size * 100, 16, budget_bytes=450)  # peaks 1600, 800, 400 ...
+    assert search.micro_batch == 4
+    assert any(t.reason.startswith("peak 800 B over the budget of 450 B") for t in search.trials)
+
+    def broken(size: int) -> None:
+        raise ValueError("a bug, not memory")
+
+    with pytest.raises(ValueError, match="a bug"):
+        find_micro_batch(broken, 8)
+
+
+def test_what_counts_as_out_of_memory() -> None:
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory(MemoryError())  # host memory: not something a smaller micro-batch fixes
+
+
+def test_split_sizes_even_and_uneven() -> None:
+    assert split_sizes(32, 4) == [4] * 8
+    assert split_sizes(30, 8) == [8, 8, 8, 6]
+    assert split_sizes(3, 8) == [3]
+    assert sample_weights([8, 8, 8, 6]) == [8 / 30] * 3 + [6 / 30]
+    with pytest.raises(ConfigError):
+        split_sizes(0, 4)
+
+
+def test_split_batch_keeps_the_structure() -> None:
+    Pair = namedtuple("Pair", "x y")
+    batch = {"input": (torch.arange(30).view(30, 1), [torch.arange(30)]), "pair": Pair(torch.zeros(30, 2), "tag"),
+             "name": "b"}  # fmt: skip
+    pieces = split_batch(batch, [8, 8, 8, 6])
+    assert [p["input"][0].shape[0] for p in pieces] == [8, 8, 8, 6]
+    assert torch.equal(torch.cat([p["input"][1][0] for p in pieces]), torch.arange(30))
+    assert isinstance(pieces[3]["pair"], Pair) and pieces[3]["pair"].y == "tag" and pieces[3]["name"] == "b"
+    with pytest.raises(ConfigError, match=r"shape \(29,\) cannot be split into micro-batches of \[8, 8, 8, 6\]"):
+        split_batch((torch.zeros(30), torch.zeros(29)), [8, 8, 8, 6])
+
+
+@pytest.mark.parametrize(("n", "piece"), [(32, 4), (30, 8), (7, 3)])
+def test_sample_weighted_pieces_give_the_whole_batchs_gradient(n: int, piece: int) -> None:
+    """The foundation of exact recovery: the pieces' mean losses, each weighted by its share of the samples, sum to
+    the whole batch's mean loss, so the gradients match (an equal-weight average of an uneven split would not)."""
+    x, y = torch.randn(n, 8, dtype=torch.float64), torch.randn(n, 1, dtype=torch.float64)
+    whole = BudgetedMLP(MemoryBudget(limit_bytes=10**9)).double()
+    split = BudgetedMLP(MemoryBudget(limit_bytes=piece * 8)).double()  # the whole batch would not fit
+    split.load_state_dict(whole.state_dict())
+    torch.nn.functional.mse_loss(whole(x), y).backward()
+    sizes = split_sizes(n, piece)
+    for (px, py), weight in zip(split_batch((x, y), sizes), sample_weights(sizes), strict=True):
+        (torch.nn.functional.mse_loss(split(px), py) * weight).backward()
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+    if n % piece:  # equal weights differ: the reason for sample weights
+        equal = BudgetedMLP(MemoryBudget(limit_bytes=10**9)).double()
+        equal.load_state_dict(whole.state_dict())
+        for px, py in split_batch((x, y), sizes):
+            (torch.nn.functional.mse_loss(equal(px), py) / len(sizes)).backward()
+        assert not all(torch.allclose(a.grad, b.grad) for a, b in zip(whole.parameters(), equal.parameters(),
+                                                                        strict=True))  # fmt: skip
+
+
+def test_a_long_sequence_batch_runs_out_where_short_ones_fit() -> None:
+    """The data-dependent case: the same micro-batch fits short sequences and not a long one."""
+    budget = MemoryBudget(limit_bytes=16 * 64)
+    short, long = torch.zeros(16, 64), torch.zeros(16, 512)
+    assert budget.check(short) == 16 * 64
+    with pytest.raises(torch.OutOfMemoryError):
+        budget.check(long)
+    search = find_micro_batch(lambda size: budget.check(long[:size]), 16)
+    assert search.micro_batch == 2  # 2 x 512 fits 1024
