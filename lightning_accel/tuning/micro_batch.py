@@ -8,6 +8,8 @@ The search and the splitting the micro-batch finder (issue 19) is built on, with
 - `split_sizes(n, piece)` and `split_batch(batch, sizes)`: a batch cut into micro-batches along its first dimension
   (30 in pieces of 8: 8, 8, 8, 6), with `sample_weights(sizes)`, the share of each piece in the batch's mean loss
   (a piece's mean loss times its share sums to the whole batch's mean, which equal weights would not);
+- `backward_in_pieces(loss_fn, batch, params, piece=)`: one batch's forward and backward in micro-batches, recovering
+  from out-of-memory by splitting further, with the gradients of the whole batch and ranks kept in lockstep;
 - `is_out_of_memory(err)` and `release_memory()`: what counts as running out of device memory (torch's
   `OutOfMemoryError` on CUDA, and the same class raised by a memory-budget seam on a CPU), and freeing what a
   failed attempt held.
@@ -22,11 +24,15 @@ from typing import Any
 
 import torch
 
+from lightning_accel.batches import samples_in
 from lightning_accel.errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "MicroBatchSearch",
+    "MicroBatchTooLargeError",
+    "SplitStep",
     "Trial",
+    "backward_in_pieces",
     "candidate_sizes",
     "find_micro_batch",
     "is_out_of_memory",
@@ -190,3 +196,83 @@ def split_batch(batch: Any, sizes: Sequence[int]) -> list[Any]:
         return value
 
     return [cut(batch, i) for i in range(len(sizes))]
+
+
+class MicroBatchTooLargeError(RuntimeError):
+    """Not even one sample of a batch fits the device: the message names what was tried and what to do."""
+
+
+@dataclass(frozen=True)
+class SplitStep:
+    """What `backward_in_pieces` did for one batch."""
+
+    loss: torch.Tensor
+    """The batch's mean loss (the pieces' mean losses, weighted by their samples), detached."""
+    piece: int
+    """The micro-batch size that ran."""
+    recoveries: int
+    """Out-of-memory errors survived by splitting further."""
+
+
+def backward_in_pieces(
+    loss_fn: Callable[[Any], torch.Tensor],
+    batch: Any,
+    params: Sequence[torch.nn.Parameter],
+    *,
+    piece: int | None = None,
+    agree: Callable[[bool], bool] | None = None,
+) -> SplitStep:
+    """Forward and backward of `batch` as micro-batches of `piece` samples (the whole batch when None), with the
+    gradient of the whole batch's mean loss: each piece's mean loss is weighted by its share of the samples.
+
+    When a piece runs out of memory, the gradients are put back as they were before this batch (earlier
+    micro-batches of an accumulation window keep theirs), memory is released, and the batch runs again in pieces of
+    half the size; the same batch is never halved twice for one error.
+
+    Args:
+        loss_fn: the mean loss of a piece (a forward); its backward runs here.
+        batch: tensors along the first dimension, in tuples, lists and dicts (`split_batch`).
+        params: the parameters whose gradients accumulate (saved before the batch, restored after a failure).
+        piece: the micro-batch size to start from.
+        agree: called after every attempt with "this rank ran out of memory", returns "any rank did" (an all-reduce
+            of the flag); every rank then retries at the same size, so collectives stay matched. Under DDP, run the
+            pieces inside `no_sync` and reduce the gradients once after this returns.
+
+    Raises:
+        MicroBatchTooLargeError: when one sample does not fit.
+    """
+    n = max(1, samples_in(batch, default=1))
+    size = n if piece is None else max(1, min(piece, n))
+    saved = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    recoveries = 0
+    while True:
+        sizes = split_sizes(n, size)
+        failure: BaseException | None = None
+        total: torch.Tensor | None = None
+        try:
+            for part, weight in zip(split_batch(batch, sizes), sample_weights(sizes), strict=True):
+                loss = loss_fn(part) * weight
+                loss.backward()
+                total = loss.detach() if total is None else total + loss.detach()  # the loss's dtype and device
+                del loss
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            failure = err
+        oomed = failure is not None
+        if agree is not None:
+            oomed = agree(oomed)
+        if not oomed and total is not None:
+            return SplitStep(loss=total, piece=size, recoveries=recoveries)
+        message = str(failure) if failure is not None else "another rank ran out of memory"
+        del failure
+        for param, grad in zip(params, saved, strict=True):
+            param.grad = None if grad is None else grad.clone()
+        release_memory()
+        if size == 1:
+            raise MicroBatchTooLargeError(
+                f"One sample of this batch does not fit the device ({message}). Reduce the memory per sample: "
+                "activation checkpointing (Parallelize(activation_checkpointing=True)), bf16 (precision='bf16-mixed' "
+                "or 'amp'), a model-parallel strategy (ModelParallelStrategy, PipelineStrategy), or shorter sequences."
+            )
+        size, recoveries = max(1, size // 2), recoveries + 1

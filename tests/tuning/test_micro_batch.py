@@ -129,3 +129,67 @@ def test_a_long_sequence_batch_runs_out_where_short_ones_fit() -> None:
         budget.check(long)
     search = find_micro_batch(lambda size: budget.check(long[:size]), 16)
     assert search.micro_batch == 2  # 2 x 512 fits 1024
+
+
+def _whole_and_split(n: int, limit_samples: int) -> tuple[BudgetedMLP, BudgetedMLP, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(1)
+    data = (torch.randn(n, 8, dtype=torch.float64), torch.randn(n, 1, dtype=torch.float64))
+    whole = BudgetedMLP(MemoryBudget(limit_bytes=10**9)).double()
+    split = BudgetedMLP(MemoryBudget(limit_bytes=limit_samples * 8)).double()
+    split.load_state_dict(whole.state_dict())
+    return whole, split, data
+
+
+def _mse(model: BudgetedMLP):  # noqa: ANN202
+    return lambda part: torch.nn.functional.mse_loss(model(part[0]), part[1])
+
+
+def test_an_oom_splits_the_batch_and_keeps_the_whole_batchs_gradient() -> None:
+    from lightning_accel.tuning.micro_batch import backward_in_pieces
+
+    whole, split, data = _whole_and_split(32, limit_samples=5)  # 32 and 16 and 8 run out; 4 fits
+    earlier = [torch.full_like(p, 0.5) for p in split.parameters()]  # an earlier micro-batch of the window
+    for p, g in zip(split.parameters(), earlier, strict=True):
+        p.grad = g.clone()
+    for p, g in zip(whole.parameters(), earlier, strict=True):
+        p.grad = g.clone()
+    expected = _mse(whole)(data)
+    expected.backward()
+    step = backward_in_pieces(_mse(split), data, list(split.parameters()))
+    assert (step.piece, step.recoveries) == (4, 3)  # halved once per error: 32 -> 16 -> 8 -> 4
+    torch.testing.assert_close(step.loss.double(), expected.detach(), rtol=1e-12, atol=1e-12)
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):  # failed attempts left no trace
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_an_uneven_batch_in_pieces_of_8() -> None:
+    from lightning_accel.tuning.micro_batch import backward_in_pieces
+
+    whole, split, data = _whole_and_split(30, limit_samples=8)
+    _mse(whole)(data).backward()
+    step = backward_in_pieces(_mse(split), data, list(split.parameters()), piece=8)
+    assert (step.piece, step.recoveries) == (8, 0) and split.budget.ooms == 0
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_another_ranks_oom_makes_this_rank_retry_at_the_same_smaller_size() -> None:
+    from lightning_accel.tuning.micro_batch import backward_in_pieces
+
+    whole, split, data = _whole_and_split(16, limit_samples=10**6)  # this rank would fit everything
+    _mse(whole)(data).backward()
+    votes = iter([True, False])  # the other rank ran out at 16, and fitted at 8
+    step = backward_in_pieces(_mse(split), data, list(split.parameters()), agree=lambda mine: mine or next(votes))
+    assert (step.piece, step.recoveries) == (8, 1)
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_one_sample_that_does_not_fit_fails_fast_naming_the_fixes() -> None:
+    from lightning_accel.tuning.micro_batch import MicroBatchTooLargeError, backward_in_pieces
+
+    _, split, data = _whole_and_split(8, limit_samples=0)
+    with pytest.raises(MicroBatchTooLargeError, match=r"One sample of this batch does not fit .*activation "
+                       r"checkpointing.*bf16.*ModelParallelStrategy"):  # fmt: skip
+        backward_in_pieces(_mse(split), data, list(split.parameters()))
+    assert all(p.grad is None for p in split.parameters())  # nothing half-accumulated is left behind
