@@ -8,6 +8,7 @@ from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.callbacks.float8 import Float8Training
 from lightning_accel.callbacks.gpu_monitor import GPUMonitor
 from lightning_accel.callbacks.lr_scaling import LRScaling
+from lightning_accel.callbacks.micro_batch import MicroBatchFinder
 from lightning_accel.callbacks.nonfinite import NonFiniteGuard
 from lightning_accel.callbacks.parallelize import Parallelize
 from lightning_accel.callbacks.preflight import Preflight
@@ -22,6 +23,7 @@ __all__ = [
     "Float8Training",
     "GPUMonitor",
     "LRScaling",
+    "MicroBatchFinder",
     "NonFiniteGuard",
     "Parallelize",
     "Preflight",

@@ -32,10 +32,12 @@ __all__ = [
     "MicroBatchTooLargeError",
     "SplitStep",
     "Trial",
+    "average_gradients",
     "backward_in_pieces",
     "candidate_sizes",
     "find_micro_batch",
     "is_out_of_memory",
+    "optimizer_state_bytes",
     "release_memory",
     "sample_weights",
     "split_batch",
@@ -144,9 +146,10 @@ def _run_trial(try_size: Callable[[int], int | None], size: int, budget_bytes: i
     except Exception as err:
         if not is_out_of_memory(err):
             raise
+        first_line = (str(err).strip().splitlines() or [""])[0][:300]
         del err
         release_memory()
-        return Trial(size, fits=False, reason="out of memory")
+        return Trial(size, fits=False, reason=f"out of memory ({first_line})" if first_line else "out of memory")
     if budget_bytes is not None and peak is not None and peak > budget_bytes:
         return Trial(size, fits=False, peak_bytes=peak, reason=f"peak {peak} B over the budget of {budget_bytes} B")
     return Trial(size, fits=True, peak_bytes=peak)
@@ -206,8 +209,9 @@ class MicroBatchTooLargeError(RuntimeError):
 class SplitStep:
     """What `backward_in_pieces` did for one batch."""
 
-    loss: torch.Tensor
-    """The batch's mean loss (the pieces' mean losses, weighted by their samples), detached."""
+    loss: torch.Tensor | None
+    """The batch's mean loss (the pieces' mean losses, weighted by their samples), detached; None when every piece
+    was skipped."""
     piece: int
     """The micro-batch size that ran."""
     recoveries: int
@@ -215,12 +219,13 @@ class SplitStep:
 
 
 def backward_in_pieces(
-    loss_fn: Callable[[Any], torch.Tensor],
+    loss_fn: Callable[[Any], torch.Tensor | None],
     batch: Any,
     params: Sequence[torch.nn.Parameter],
     *,
     piece: int | None = None,
     agree: Callable[[bool], bool] | None = None,
+    backward: Callable[[torch.Tensor], None] | None = None,
 ) -> SplitStep:
     """Forward and backward of `batch` as micro-batches of `piece` samples (the whole batch when None), with the
     gradient of the whole batch's mean loss: each piece's mean loss is weighted by its share of the samples.
@@ -230,13 +235,16 @@ def backward_in_pieces(
     half the size; the same batch is never halved twice for one error.
 
     Args:
-        loss_fn: the mean loss of a piece (a forward); its backward runs here.
+        loss_fn: the mean loss of a piece (a forward); its backward runs here. None skips the piece (a
+            `training_step` that returned None).
         batch: tensors along the first dimension, in tuples, lists and dicts (`split_batch`).
         params: the parameters whose gradients accumulate (saved before the batch, restored after a failure).
         piece: the micro-batch size to start from.
         agree: called after every attempt with "this rank ran out of memory", returns "any rank did" (an all-reduce
             of the flag); every rank then retries at the same size, so collectives stay matched. Under DDP, run the
             pieces inside `no_sync` and reduce the gradients once after this returns.
+        backward: runs a piece's backward (Lightning's `strategy.backward`, which scales an fp16 loss and calls the
+            backward hooks); None: `loss.backward()`.
 
     Raises:
         MicroBatchTooLargeError: when one sample does not fit.
@@ -251,8 +259,14 @@ def backward_in_pieces(
         total: torch.Tensor | None = None
         try:
             for part, weight in zip(split_batch(batch, sizes), sample_weights(sizes), strict=True):
-                loss = loss_fn(part) * weight
-                loss.backward()
+                loss = loss_fn(part)
+                if loss is None:
+                    continue
+                loss = loss * weight
+                if backward is None:
+                    loss.backward()
+                else:
+                    backward(loss)
                 total = loss.detach() if total is None else total + loss.detach()  # the loss's dtype and device
                 del loss
         except Exception as err:
@@ -262,7 +276,7 @@ def backward_in_pieces(
         oomed = failure is not None
         if agree is not None:
             oomed = agree(oomed)
-        if not oomed and total is not None:
+        if not oomed:
             return SplitStep(loss=total, piece=size, recoveries=recoveries)
         message = str(failure) if failure is not None else "another rank ran out of memory"
         del failure
@@ -276,3 +290,69 @@ def backward_in_pieces(
                 "or 'amp'), a model-parallel strategy (ModelParallelStrategy, PipelineStrategy), or shorter sequences."
             )
         size, recoveries = max(1, size // 2), recoveries + 1
+
+
+def average_gradients(params: Sequence[torch.nn.Parameter], group: Any = None, bucket_bytes: int = 25 * 2**20) -> None:
+    """All-reduce the gradients of `params` to their mean over the ranks of `group` (what DDP's backward does), in
+    flat buckets of about `bucket_bytes` per dtype and device: the one reduction of an optimizer step whose
+    micro-batches ran under `no_sync`. A parameter without a gradient on this rank but with one on another takes part
+    with zeros (every rank must send the same buckets); one without a gradient on any rank keeps None. No-op outside
+    an initialised process group of more than one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    trained = [param for param in params if param.requires_grad]
+    if not trained:
+        return
+    has_grad = torch.tensor([param.grad is not None for param in trained], dtype=torch.uint8,
+                            device=trained[0].device)  # fmt: skip
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
+    grads: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for param, anywhere in zip(trained, has_grad.tolist(), strict=True):
+        if not anywhere:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grads.setdefault((param.grad.dtype, param.grad.device), []).append(param.grad)
+    for tensors in grads.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in [*tensors, None]:
+            if grad is not None:
+                bucket.append(grad)
+                size += grad.numel() * grad.element_size()
+            if bucket and (grad is None or size >= bucket_bytes):
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                dist.all_reduce(flat, group=group)
+                flat /= world
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+                bucket, size = [], 0
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The device memory `optimizer`'s state takes once it has stepped: what it holds now, or, before its first step,
+    an estimate from its kind (Adam-like optimizers keep two tensors per parameter, momentum SGD one, others none),
+    the room a search run before the first step must leave."""
+    held = sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
+    if held:
+        return held
+    per_param = 0
+    defaults = optimizer.defaults
+    if "betas" in defaults:
+        per_param = 2
+    elif defaults.get("momentum"):
+        per_param = 1
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return per_param * sum(p.numel() * p.element_size() for p in params)

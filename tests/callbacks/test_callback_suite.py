@@ -75,6 +75,9 @@ CASES: dict[str, Case] = {
         helpers=lambda cb: [gpu_cases.Driver(callbacks.GPUMonitor._clock, cb)],  # the FakeClock `_gpu_monitor` set
         observe=lambda cb: cb.report.to_dict(),
     ),
+    "MicroBatchFinder": Case(
+        lambda mp: callbacks.MicroBatchFinder(), observe=lambda cb: (cb.batch_size, cb.found, cb.size)
+    ),
     "NonFiniteGuard": Case(
         lambda mp: callbacks.NonFiniteGuard(action="skip"),
         model=lambda: NaNLossModel(nan_batches=(1,)),

@@ -1,0 +1,286 @@
+"""MicroBatchFinder in a real CPU Trainer: the micro-batch found under a memory budget, recovery from out-of-memory
+inside a step, and the update of the whole batch every time (weights equal a run without it, 1e-5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from _memory_budget import MemoryBudget
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel.callbacks import AccumulationScheduler, MicroBatchFinder
+from lightning_accel.errors import ConfigError
+from lightning_accel.schedules import estimated_optimizer_steps
+from lightning_accel.tuning.micro_batch import MicroBatchTooLargeError
+
+FEATURES = 8
+TOL = 1e-5
+
+
+def budget_for(samples: int) -> MemoryBudget:
+    """Room for `samples` samples of FEATURES values per forward (a batch's cost is samples x FEATURES)."""
+    return MemoryBudget(limit_bytes=samples * FEATURES)
+
+
+class BudgetedModel(pl.LightningModule):
+    """An MLP whose forward asks a memory budget for room (out-of-memory above it), SGD with momentum.
+
+    Args:
+        budget: None: no limit (the reference run).
+        oom_at_steps: optimizer steps whose first attempt runs out of memory once, whatever its size (an injected
+            fault, as a fragmented allocator gives).
+        onecycle: OneCycleLR over `estimated_optimizer_steps`, stepped every optimizer step.
+    """
+
+    def __init__(self, budget: MemoryBudget | None = None, oom_at_steps: tuple[int, ...] = (),
+                 onecycle: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.budget, self.oom_at_steps, self.onecycle = budget, set(oom_at_steps), onecycle
+        self.pieces: list[int] = []  # samples of each training_step call of a training batch (not the search's)
+        self.trials: list[int] = []  # samples of each training_step call of the search that got past the budget
+        self._in_batch = False
+        self.lrs: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.global_step in self.oom_at_steps:
+            self.oom_at_steps.discard(self.global_step)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected at this step)")
+        if self.budget is not None:
+            self.budget.check(x)
+        (self.pieces if self._in_batch else self.trials).append(int(x.shape[0]))
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._in_batch = True
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._in_batch = False
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if not self.onecycle:
+            return optimizer
+        total = estimated_optimizer_steps(self.trainer)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def loader(samples: int = 640, batch_size: int = 32) -> DataLoader:
+    gen = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(samples, FEATURES, generator=gen), torch.randn(samples, 1, generator=gen))
+    return DataLoader(data, batch_size=batch_size)
+
+
+def fit(model: pl.LightningModule, callbacks: list[pl.Callback], root: Any, data: DataLoader | None = None,
+        ckpt_path: str | None = None, **trainer: Any) -> pl.Trainer:  # fmt: skip
+    args: dict[str, Any] = {"max_steps": 20, "enable_checkpointing": False}
+    args.update(trainer)
+    pl_trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=str(root), callbacks=callbacks,
+                            **args)  # fmt: skip
+    pl_trainer.fit(model, data if data is not None else loader(), ckpt_path=ckpt_path)
+    return pl_trainer
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(x, y, rtol=TOL, atol=TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> BudgetedModel:
+    """20 optimizer steps on whole batches of 32, no budget, no finder."""
+    model = BudgetedModel()
+    fit(model, [], tmp_path_factory.mktemp("reference"))
+    assert set(model.pieces) == {32}
+    return model
+
+
+def test_a_budget_of_4_samples_gives_micro_batch_4_and_the_whole_batchs_weights(reference, tmp_path) -> None:
+    model, finder = BudgetedModel(budget_for(4)), MicroBatchFinder()
+    trainer = fit(model, [finder], tmp_path)
+    assert finder.search is not None and finder.search.micro_batch == 4 and finder.found == finder.size == 4
+    assert [t.size for t in finder.search.trials] == [8, 2, 4]  # bisection over 32, 16, 8, 4, 2, 1
+    assert trainer.global_step == 20
+    assert model.trials == [2, 4]  # 8 ran out of memory
+    assert model.pieces == [4] * 8 * 20  # 8 micro-batches per batch, no whole batch ever tried in training
+    assert finder.oom_recoveries == 0
+    assert trainer.callback_metrics["micro_batch/size"] == 4
+    assert_same_weights(model, reference)
+
+
+def test_the_search_leaves_no_trace(tmp_path) -> None:
+    """The trial steps leave buffers (BatchNorm statistics) and the RNG as they were: a buffer counting forwards
+    sees only the training's, and a shuffling loader draws the order it draws without the finder."""
+
+    class Counting(BudgetedModel):
+        def __init__(self, budget: MemoryBudget | None = None) -> None:
+            super().__init__(budget)
+            self.register_buffer("seen", torch.zeros(()))
+            self.first_x: torch.Tensor | None = None
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.seen += 1
+            if self.first_x is None and self._in_batch:
+                self.first_x = batch[0].clone()
+            return super().training_step(batch, batch_idx)
+
+    def shuffled() -> DataLoader:
+        return DataLoader(loader().dataset, batch_size=32, shuffle=True)
+
+    torch.manual_seed(5)
+    plain = Counting()
+    fit(plain, [], tmp_path / "plain", data=shuffled(), max_steps=1)
+    torch.manual_seed(5)
+    model, finder = Counting(budget_for(8)), MicroBatchFinder()
+    fit(model, [finder], tmp_path / "finder", data=shuffled(), max_steps=1)
+    assert finder.found == 8 and finder.search is not None and len(finder.search.trials) >= 2
+    assert model.seen.item() == 4  # the 4 pieces of the one training batch; the trials' counts were put back
+    assert model.first_x is not None and plain.first_x is not None
+    torch.testing.assert_close(model.first_x, plain.first_x[:8])  # the same shuffled order: the search's draw undone
+
+
+def test_two_injected_out_of_memory_errors_recover_with_the_same_weights(reference, tmp_path) -> None:
+    model = BudgetedModel(budget_for(4), oom_at_steps=(5, 12))
+    finder = MicroBatchFinder(grow_after=None)
+    with pytest.warns(UserWarning, match="out of memory at step 5"):
+        trainer = fit(model, [finder], tmp_path)
+    assert finder.oom_recoveries == 2
+    assert finder.size == 1  # 4 -> 2 at step 5, 2 -> 1 at step 12: halved once per error
+    assert trainer.callback_metrics["micro_batch/oom_recoveries"] == 2
+    assert trainer.global_step == 20
+    assert_same_weights(model, reference)
+
+
+def test_after_clean_steps_it_grows_back_to_the_size_found(reference, tmp_path) -> None:
+    model = BudgetedModel(budget_for(4), oom_at_steps=(3,))
+    finder = MicroBatchFinder(grow_after=4)
+    fit(model, [finder], tmp_path)
+    assert finder.oom_recoveries == 1 and finder.size == 4 == finder.found
+    assert 2 in model.pieces[: 8 * 10]  # ran at 2 for a while
+    assert model.pieces[-8:] == [4] * 8
+    assert_same_weights(model, reference)
+
+
+def test_an_uneven_split_batch_30_in_pieces_of_8(tmp_path) -> None:
+    whole = BudgetedModel()
+    fit(whole, [], tmp_path / "whole", data=loader(600, 30))
+    split = BudgetedModel(budget_for(8))
+    finder = MicroBatchFinder(micro_batch_size=8)
+    fit(split, [finder], tmp_path / "split", data=loader(600, 30))
+    assert split.pieces[:4] == [8, 8, 8, 6]
+    assert_same_weights(split, whole)
+
+
+def test_a_data_dependent_oom_long_batches_split_short_ones_do_not(tmp_path) -> None:
+    """Sequences of 4 tokens fit 32 per forward; one batch of 16-token sequences does not, and is split."""
+
+    class SeqModel(BudgetedModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            self.budget.check(x)  # type: ignore[union-attr]
+            (self.pieces if self._in_batch else self.trials).append(int(x.shape[0]))
+            return self.net(x.mean(dim=1)).pow(2).mean()
+
+    short = [torch.randn(32, 4, FEATURES) for _ in range(3)]
+    long = torch.randn(32, 16, FEATURES)
+    batches = [*short, long, *short]
+    data = DataLoader([(b,) for b in batches], batch_size=None)
+    budget = MemoryBudget(limit_bytes=32 * 4 * FEATURES)  # cost: samples x tokens (x FEATURES, bytes_per_token)
+    budget.cost = lambda x: int(x.shape[0] * x.shape[1] * FEATURES)  # type: ignore[method-assign]
+    model, finder = SeqModel(budget), MicroBatchFinder(grow_after=1)
+    with pytest.warns(UserWarning, match="out of memory at step 3"):
+        fit(model, [finder], tmp_path, data=data, max_steps=7)
+    assert finder.found == 32 and finder.oom_recoveries == 2  # 32 -> 16 -> 8 for the long batch
+    assert model.pieces[:3] == [32, 32, 32] and model.pieces[3:7] == [8, 8, 8, 8]
+    assert model.pieces[7:] == [8, 8, 8, 8, 16, 16, 32]  # doubled back after each clean batch, up to the size found
+
+
+def test_one_sample_that_does_not_fit_fails_before_any_step(tmp_path) -> None:
+    model = BudgetedModel(MemoryBudget(limit_bytes=FEATURES - 1))
+    with pytest.raises(MicroBatchTooLargeError, match="not even one sample.*activation checkpointing.*bf16"):
+        fit(model, [MicroBatchFinder()], tmp_path)
+    assert model.pieces == [] and model.trainer.global_step == 0
+
+
+def test_resume_keeps_the_micro_batch_and_the_accumulation(tmp_path) -> None:
+    """10 steps, a checkpoint, 10 more from it (no new search) equal 20 straight, with a global batch of 64."""
+    straight = BudgetedModel(budget_for(4))
+    fit(straight, [MicroBatchFinder(), AccumulationScheduler(global_batch_size=64)], tmp_path / "straight")
+    first = BudgetedModel(budget_for(4))
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=10)
+    fit(first, [MicroBatchFinder(), AccumulationScheduler(global_batch_size=64), saver], tmp_path / "first",
+        max_steps=10, enable_checkpointing=True)  # fmt: skip
+    resumed, finder, accumulation = BudgetedModel(budget_for(4)), MicroBatchFinder(), AccumulationScheduler(
+        global_batch_size=64)  # fmt: skip
+    budget = resumed.budget
+    fit(resumed, [finder, accumulation], tmp_path / "resumed", ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert finder.search is None and finder.size == 4  # resumed, not searched again
+    assert budget.ooms == 0  # no trial above the budget ran
+    assert accumulation.get_accumulate_grad_batches(0) == 2
+    assert resumed.pieces == [4] * 8 * 2 * 10
+    assert_same_weights(resumed, straight)
+
+
+def test_optimizer_steps_stay_exact_and_onecycle_ends_at_its_final_lr(tmp_path) -> None:
+    model = BudgetedModel(budget_for(4), onecycle=True)
+    accumulation = AccumulationScheduler(global_batch_size=64)
+    trainer = fit(model, [MicroBatchFinder(), accumulation], tmp_path, max_steps=-1, max_epochs=2,
+                  data=loader(656, 32))  # 21 batches per epoch: 11 windows, the last of 1 batch  # fmt: skip
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert trainer.global_step == 22 == scheduler.total_steps  # type: ignore[attr-defined]
+    final = scheduler.optimizer.param_groups[0]["min_lr"]  # type: ignore[attr-defined]
+    assert model.lrs[-1] == pytest.approx(final, rel=1e-6)  # the last step ran at OneCycle's final LR
+    assert set(model.pieces) == {4}
+
+
+def test_it_splits_each_micro_batch_of_an_accumulation_window(reference, tmp_path) -> None:
+    """Loader batches of 16, 2 per optimizer step (global 32), each run as 4 pieces of 4: the reference's weights."""
+    model = BudgetedModel(budget_for(4))
+    fit(model, [MicroBatchFinder(), AccumulationScheduler(global_batch_size=32)], tmp_path, data=loader(640, 16))
+    assert model.pieces == [4] * 4 * 2 * 20
+    assert_same_weights(model, reference)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "setting"),
+    [({"micro_batch_size": 0}, "micro_batch_size"), ({"micro_batch_size": "big"}, "micro_batch_size"),
+     ({"memory_fraction": 1.5}, "memory_fraction"), ({"memory_fraction": 0}, "memory_fraction"),
+     ({"grow_after": 0}, "grow_after")],
+)  # fmt: skip
+def test_bad_options_name_the_setting(kwargs: dict[str, Any], setting: str) -> None:
+    with pytest.raises(ConfigError, match=setting) as info:
+        MicroBatchFinder(**kwargs)
+    assert info.value.setting == setting
+
+
+def test_manual_optimization_and_other_strategies_are_refused(tmp_path) -> None:
+    class Manual(BudgetedModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ConfigError, match="manual optimization"):
+        fit(Manual(), [MicroBatchFinder()], tmp_path)
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    class OwnLoader(BudgetedModel):
+        batch_size = 32
+
+        def train_dataloader(self) -> DataLoader:
+            return loader()
+
+    with pytest.raises(ConfigError, match="BatchSizeFinder"):
+        pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                   callbacks=[MicroBatchFinder(), BatchSizeFinder()]).fit(OwnLoader())  # fmt: skip
