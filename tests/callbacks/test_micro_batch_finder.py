@@ -284,3 +284,23 @@ def test_manual_optimization_and_other_strategies_are_refused(tmp_path) -> None:
     with pytest.raises(ConfigError, match="BatchSizeFinder"):
         pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
                    callbacks=[MicroBatchFinder(), BatchSizeFinder()]).fit(OwnLoader())  # fmt: skip
+
+
+def test_two_ddp_ranks_recover_together_when_only_rank_1_runs_out_of_memory(tmp_path) -> None:
+    """2 gloo ranks x batches of 32 under a budget of 4, rank 1 out of memory at step 5: both ranks redo the step at
+    2, and their weights equal each other and one process's on whole batches of 64 (the same samples per step)."""
+    import _micro_batch_cases as cases
+    from _torchrun import rank_results
+
+    ranks = rank_results(cases.__file__, tmp_path, ranks=2)
+    whole = BudgetedModel()
+    fit(whole, [], tmp_path / "whole", data=loader(640, 64))
+    for rank, result in enumerate(ranks):
+        assert result["found"] == 4 and result["steps"] == 20
+        assert result["recoveries"] == 1 and result["size"] == 2  # rank 0 recovered too, in lockstep
+        ran_at_4 = 8 * 5 + (8 if rank == 0 else 0)  # rank 0 finished step 5 at 4, then redid it with rank 1 at 2
+        assert result["pieces"][:ran_at_4] == [4] * ran_at_4
+        assert result["pieces"][ran_at_4:] == [2] * 16 * 15
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # identical on both ranks
+    for name, value in whole.state_dict().items():
+        torch.testing.assert_close(torch.tensor(ranks[0]["weights"][name]), value.flatten(), rtol=TOL, atol=TOL)
