@@ -99,6 +99,16 @@ def test_quality_fails_a_stage_worse_than_baseline_and_the_table_shows_it() -> N
     assert "skipped: `ddp` with one device" in table[4]
 
 
+def test_the_table_reports_each_stages_micro_batch() -> None:
+    rows = [_row("baseline", 10.0, 2.0), _row("amp", 5.0, 2.0), _row("ddp", 4.0, 2.0)]
+    for row, (size, auto, recoveries) in zip(rows, [(32, False, 0), (8, True, 0), (4, True, 1)], strict=True):
+        row.measurement.update(micro_batch=size, micro_batch_auto=auto, micro_batch_recoveries=recoveries)
+    finalize(rows, mode="min", tolerance=0.02)
+    table = markdown_table(rows, "val/loss", 0.02, None).splitlines()
+    column = table[0].split(" | ").index("micro-batch")
+    assert [line.split(" | ")[column] for line in table[2:]] == ["32", "8 (auto)", "4 (auto, 1 OOM recovery)"]
+
+
 def test_metric_direction_from_its_name() -> None:
     assert higher_is_better("val/acc") and higher_is_better("val/f1_macro")
     assert not higher_is_better("val/loss") and not higher_is_better("val/bpc") and not higher_is_better("val/ppl")

@@ -56,9 +56,13 @@ def test_ddp_two_cpu_processes_share_one_run_directory(run_cli, tmp_path: Path) 
 
 
 def test_ddp_preset_tunes_the_dataloader_once_for_both_ranks(run_cli, tmp_path: Path) -> None:
-    """`preset=ddp` brings the DataLoaderTuner: rank zero decides, both ranks train with it, a rerun hits the cache."""
+    """`preset=ddp` brings the DataLoaderTuner: rank zero decides, both ranks train with it, a rerun hits the cache.
+
+    On a busy machine the first decision may be measured under interference: then it is applied but not cached (the
+    log says so) and the rerun tunes again, which is asserted instead of the cache hit."""
     tuning = ["callbacks.dataloader_tuner.max_tuning_time_s=20", "callbacks.dataloader_tuner.steps_per_trial=4",
               "precision=fp32", "trainer.devices=2"]  # fmt: skip
+    cached_first = True
     for attempt in ("tuned", "cached"):
         run_dir = tmp_path / attempt
         result = run_cli([*SMOKE, "preset=ddp", *tuning, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
@@ -67,12 +71,19 @@ def test_ddp_preset_tunes_the_dataloader_once_for_both_ranks(run_cli, tmp_path: 
         header = rows[0].split(",")
         logged = next(dict(zip(header, row.split(","), strict=True)) for row in rows[1:]
                       if row.split(",")[header.index("dataloader_tuner/num_workers")])  # fmt: skip
-        assert float(logged["dataloader_tuner/cache_hit"]) == (attempt == "cached")
-        assert float(logged["dataloader_tuner/trials"]) >= (0 if attempt == "cached" else 2)
+        hit = attempt == "cached" and cached_first
+        assert float(logged["dataloader_tuner/cache_hit"]) == hit
+        assert float(logged["dataloader_tuner/trials"]) >= (0 if hit else 2)
         logs = {name: (run_dir / name).read_text() for name in ("train.log", "train_rank1.log")}
         assert "DataLoaderTuner (" in logs["train.log"], logs["train.log"][-2000:]  # rank zero reports the choice
         assert "DataLoaderTuner" not in logs["train_rank1.log"]
-    cache = json.loads((tmp_path / "cache" / "lightning_accel" / "dataloader_tuner.json").read_text())
+        if attempt == "tuned":
+            cached_first = "but not cached" not in logs["train.log"]  # measured under interference: not cached
+    cache_file = tmp_path / "cache" / "lightning_accel" / "dataloader_tuner.json"
+    if not cache_file.exists():
+        assert not cached_first  # nothing cached only when both decisions were measured under interference
+        return
+    cache = json.loads(cache_file.read_text())
     (entry,) = cache["entries"].values()
     assert entry["facts"]["world_size"] == 2 and entry["facts"]["cpus_per_rank"] >= 1
 

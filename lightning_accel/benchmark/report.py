@@ -32,7 +32,8 @@ per round and rerun, each with its `interference`), and `time_interval`, `speedu
 CSV_COLUMNS = (
     "stage", "status", "reason", "changes", "world_size", "steps", "reference_steps", "runs", "time_s", "time_low",
     "time_high", "speedup", "speedup_low", "speedup_high", "speedup_verdict", "samples_per_s", "samples_per_s_low",
-    "samples_per_s_high", "tokens_per_s", "time_to_target_s", "peak_memory_bytes", "energy_j",
+    "samples_per_s_high", "tokens_per_s", "time_to_target_s", "peak_memory_bytes", "micro_batch", "micro_batch_auto",
+    "micro_batch_recoveries", "energy_j",
     "energy_j_per_sample", "energy_note", "mfu", "gpu_utilization_pct", "metric_value", "metric_low", "metric_high",
     "quality", "quality_delta_pct", "quality_noise", "interference", "interference_note", "bottleneck", "next_step",
     "data_share", "forward_share", "backward_share", "optimizer_share", "communication_share", "process_s",
@@ -96,7 +97,7 @@ def markdown_table(results: Sequence[StageResult], metric: str, tolerance: float
     figure a median over the stage's counted runs with its interval in brackets."""
     reach = "time to target" if target is None else f"time to {metric}={target:g}"
     header = ["stage", "what it changes", "runs", "time", "speedup", "samples/s", "tokens/s", reach, "peak mem",
-              "energy", "MFU", "GPU util", metric, f"quality (±{tolerance:.0%} or noise)", "interference",
+              "micro-batch", "energy", "MFU", "GPU util", metric, f"quality (±{tolerance:.0%} or noise)", "interference",
               "bottleneck", "next to try"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in results:
@@ -118,7 +119,7 @@ def markdown_table(results: Sequence[StageResult], metric: str, tolerance: float
             cells = [
                 r.name, r.changes, str(counted), _time_cell(r),
                 speedup_cell(r), _number(r.samples_per_s) + _interval(r.samples_interval, ",.0f"),
-                _number(r.tokens_per_s), reached, _bytes(r.peak_memory_bytes), energy, mfu,
+                _number(r.tokens_per_s), reached, _bytes(r.peak_memory_bytes), _micro_batch_cell(r), energy, mfu,
                 "n/a" if r.gpu_utilization_pct is None else f"{r.gpu_utilization_pct:.0f}%",
                 _number(r.metric_value, 4) + _interval(r.metric_interval, ".4f"), quality,
                 ("FLAGGED: " if r.interference else "") + (r.interference_note or "quiet"),
@@ -126,6 +127,16 @@ def markdown_table(results: Sequence[StageResult], metric: str, tolerance: float
             ]  # fmt: skip
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
+
+
+def _micro_batch_cell(r: StageResult) -> str:
+    """`32`, or `4 (auto)` / `2 (auto, 1 OOM recovery)` when MicroBatchFinder chose it; `-` when unknown."""
+    if r.micro_batch is None:
+        return "-"
+    if not r.micro_batch_auto:
+        return str(r.micro_batch)
+    n = r.micro_batch_recoveries
+    return f"{r.micro_batch} (auto" + (f", {n} OOM recover{'y' if n == 1 else 'ies'})" if n else ")")
 
 
 def _csv_row(r: StageResult) -> dict[str, Any]:

@@ -136,6 +136,10 @@ class StageResult:
     peak_memory_bytes: int | None = None
     memory_total_bytes: int | None = None
     memory_kind: str = ""
+    micro_batch: int | None = None
+    """Samples per forward on one device (MicroBatchFinder's size, else the loader's batch), of the middle run."""
+    micro_batch_auto: bool = False
+    micro_batch_recoveries: int = 0
     device: str = ""
     dtype: str = ""
     mfu: float | None = None
@@ -326,7 +330,10 @@ def next_step(result: StageResult, verdict: str, num_workers: int | None, precis
         options.append("a faster interconnect (`nccl=ib`) or fewer, larger processes")
         return ", or ".join(options)
     if verdict == "memory-bound":
-        return "strategy=model_parallel (shards the model), or `callbacks.parallelize.activation_checkpointing=true`"
+        return (
+            "micro_batch=auto (the largest micro-batch that fits, same global batch), strategy=model_parallel "
+            "(shards the model), or `callbacks.parallelize.activation_checkpointing=true`"
+        )
     if precision.startswith("32") or precision.startswith("64"):
         return "preset=amp (mixed precision)"
     rung = _NEXT_RUNG.get(result.name)
@@ -462,6 +469,9 @@ def _derive(result: StageResult, peak_tflops: float | None) -> None:
     result.peak_memory_bytes = m.get("peak_memory_bytes")
     result.memory_total_bytes = m.get("memory_total_bytes")
     result.memory_kind = m.get("memory_kind", "")
+    result.micro_batch = m.get("micro_batch")
+    result.micro_batch_auto = bool(m.get("micro_batch_auto", False))
+    result.micro_batch_recoveries = int(m.get("micro_batch_recoveries") or 0)
     result.device = m.get("device", "")
     result.gpu_utilization_pct = m.get("gpu_utilization_pct")
     result.metric_value = m.get("final_metric")

@@ -74,6 +74,11 @@ class StageMeasurement:
     memory_kind: str = ""
     gpu_utilization_pct: float | None = None
     """Mean NVML utilisation over the fit from a `GPUMonitor` in the same Trainer; None without one or a GPU."""
+    micro_batch: int | None = None
+    """Samples per forward on one device: the size MicroBatchFinder ran last, else the train loader's batch size."""
+    micro_batch_auto: bool = False
+    """Whether MicroBatchFinder chose it (then `micro_batch_recoveries` counts its out-of-memory recoveries)."""
+    micro_batch_recoveries: int = 0
     metric: str = ""
     mode: str = "min"
     validations: list[dict[str, float]] = field(default_factory=list)
@@ -344,6 +349,7 @@ class BenchMonitor(Callback):
         else:
             m.peak_memory_bytes = _peak_rss_bytes()
         m.gpu_utilization_pct = _gpu_utilization(trainer)
+        _record_micro_batch(m, trainer)
         self._energy_step("pause")
         if self._energy is not None:
             m.energy_j = float(self._energy.joules)
@@ -395,3 +401,16 @@ def _gpu_utilization(trainer: pl.Trainer) -> float | None:
             values = [v for v in values if not math.isnan(v)]
             return sum(values) / len(values) if values else None
     return None
+
+
+def _record_micro_batch(m: StageMeasurement, trainer: pl.Trainer) -> None:
+    """The micro-batch the fit ran: MicroBatchFinder's last size and recoveries, else the loader's batch size."""
+    from lightning_accel.batches import loader_batch_size
+    from lightning_accel.callbacks.micro_batch import MicroBatchFinder
+
+    callbacks = getattr(trainer, "callbacks", [])
+    finder = next((cb for cb in callbacks if isinstance(cb, MicroBatchFinder)), None)
+    if finder is not None and finder.size is not None:
+        m.micro_batch, m.micro_batch_auto, m.micro_batch_recoveries = finder.size, True, finder.oom_recoveries
+        return
+    m.micro_batch = loader_batch_size(getattr(trainer, "train_dataloader", None))

@@ -93,12 +93,16 @@ class MicroBatchFinder(Callback):
         ):
             raise ConfigError(f"`micro_batch_size={micro_batch_size!r}` must be 'auto' or an integer >= 1.",
                               setting="micro_batch_size")  # fmt: skip
-        if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or not (
-            0 < memory_fraction <= 1
+        if (
+            isinstance(memory_fraction, bool)
+            or not isinstance(memory_fraction, (int, float))
+            or not (0 < memory_fraction <= 1)
         ):
             raise ConfigError(f"`memory_fraction={memory_fraction!r}` must be a number in (0, 1], e.g. 0.9.",
                               setting="memory_fraction")  # fmt: skip
-        if grow_after is not None and (isinstance(grow_after, bool) or not isinstance(grow_after, int) or grow_after < 1):
+        if grow_after is not None and (
+            isinstance(grow_after, bool) or not isinstance(grow_after, int) or grow_after < 1
+        ):
             raise ConfigError(f"`grow_after={grow_after!r}` must be an integer >= 1, or None to keep the smaller size.",
                               setting="grow_after")  # fmt: skip
         self.micro_batch_size = micro_batch_size
@@ -361,7 +365,9 @@ def _first_batch(trainer: pl.Trainer) -> Any:
     try:
         batch = next(iter(trainer.train_dataloader))
     except StopIteration:
-        raise ConfigError("MicroBatchFinder: the train DataLoader yields no batch to size the micro-batch on.") from None
+        raise ConfigError(
+            "MicroBatchFinder: the train DataLoader yields no batch to size the micro-batch on."
+        ) from None
     finally:
         torch.random.set_rng_state(rng)
     return trainer.strategy.batch_to_device(batch)

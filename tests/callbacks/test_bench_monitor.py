@@ -140,3 +140,20 @@ def test_cuda_peak_memory_is_read_from_the_fit_start_device_not_the_module_after
     monitor.on_fit_end(_Trainer(), module)  # type: ignore[arg-type]
     assert asked == [1]
     assert monitor.measurement.peak_memory_bytes == 123
+
+
+@pytest.mark.parametrize("finder", [False, True])
+def test_the_micro_batch_the_fit_ran_is_recorded(tmp_path, finder: bool) -> None:
+    """The loader's batch (4) without MicroBatchFinder; its size, marked auto, with it."""
+    from lightning_accel.callbacks import MicroBatchFinder
+
+    monitor = BenchMonitor(metric="val/score")
+    model = _TokenModel()
+    extra = [MicroBatchFinder(micro_batch_size=2)] if finder else []
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, callbacks=[monitor, *extra], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path), limit_val_batches=0)  # fmt: skip
+    data = TensorDataset(torch.randint(0, 16, (64, 5), generator=torch.Generator().manual_seed(0)))
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    m = monitor.measurement
+    assert (m.micro_batch, m.micro_batch_auto, m.micro_batch_recoveries) == ((2, True, 0) if finder else (4, False, 0))
