@@ -99,7 +99,8 @@ def _check_example_data(model: DictConfig, data: DictConfig) -> None:
 # Config groups of this package whose options add a callback; `callbacks: null` (lightning-hydra-template's debug
 # configs) drops it, and the run then trains differently from what the group says.
 _GROUP_CALLBACKS = {("accumulation", "schedule"): "accumulation", ("accumulation", "global_batch"): "accumulation",
-                    ("preset", "amp"): "dataloader_tuner", ("preset", "ddp"): "dataloader_tuner"}  # fmt: skip
+                    ("preset", "amp"): "dataloader_tuner", ("preset", "ddp"): "dataloader_tuner",
+                    ("micro_batch", "auto"): "micro_batch"}  # fmt: skip
 
 
 def check_app_config(cfg: DictConfig) -> list[str]:
@@ -521,6 +522,7 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shap
             check_pipeline_settings(values, precision=precision, world=shape.world_size)  # type: ignore[arg-type]
         except ConfigError as err:  # the library names its arguments; the user wrote them under these paths
             raise err.at("trainer" if err.setting == "precision" else "trainer.strategy") from None
+    _check_micro_batch(cfg, name)
     if not on_cuda and precision.startswith("transformer-engine"):
         raise ConfigError(
             f"`trainer.precision={precision}` needs a CUDA GPU (Transformer Engine), but this run is on the CPU; "
@@ -531,6 +533,21 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shap
             f"`trainer.strategy.ddp_comm_hook={_show(strategy.get('ddp_comm_hook'))}` has no effect on the CPU: "
             "Lightning registers DDP communication hooks on CUDA only and drops them silently elsewhere; remove "
             "it (`~trainer.strategy.ddp_comm_hook`) or run on GPUs."
+        )
+
+
+def _check_micro_batch(cfg: DictConfig, family: str) -> None:
+    """MicroBatchFinder runs on one device or DDP: the other strategies split their own work."""
+    for name, node in (cfg.get("callbacks") or {}).items():
+        target = str(node.get("_target_", "")) if isinstance(node, (DictConfig, Mapping)) else ""
+        if target.rsplit(".", 1)[-1] != "MicroBatchFinder" or family not in ("fsdp", "model_parallel", "pipeline",
+                                                                             "deepspeed"):  # fmt: skip
+            continue
+        raise ConfigError(
+            f"`callbacks.{name}` (MicroBatchFinder, `micro_batch=auto`) runs on one device or under DDP, not with "
+            f"`strategy={family}`, which splits its own work and reduces gradients inside the backward; use "
+            "`micro_batch=none` with it (and set the batch size by hand), or `strategy=ddp`.",
+            setting=f"callbacks.{name}",
         )
 
 

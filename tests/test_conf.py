@@ -128,6 +128,9 @@ def test_option_composes_and_builds_a_cpu_trainer(compose_train, group: str, opt
         schedulers = [cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler)]
         expected = {"none": (1, 0), "fixed": (4, 0), "schedule": (1, 1), "global_batch": (1, 1)}[option]
         assert (trainer.accumulate_grad_batches, len(schedulers)) == expected
+    if group == "micro_batch":
+        finders = [cb for cb in trainer.callbacks if type(cb).__name__ == "MicroBatchFinder"]
+        assert len(finders) == (option == "auto")
     if group == "scheduler":
         assert (cfg.scheduler is None) == (option == "none")
         assert (model.lr_scheduler is None) == (option == "none")

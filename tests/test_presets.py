@@ -139,6 +139,10 @@ _FP16_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_com
         (0, ["strategy=ddp", "trainer.accelerator=cpu", f"+trainer.strategy.ddp_comm_hook._target_={_GET_METHOD}",
              f"+trainer.strategy.ddp_comm_hook.path={_FP16_HOOK}"],
          "has no effect on the CPU", "remove it (`~trainer.strategy.ddp_comm_hook`)"),
+        (0, ["micro_batch=auto", "strategy=model_parallel", "precision=bf16_mixed"],
+         "(MicroBatchFinder, `micro_batch=auto`) runs on one device or under DDP", "use `micro_batch=none`"),
+        (0, ["micro_batch=auto", "strategy=pipeline", "trainer.devices=2"], "not with `strategy=pipeline`",
+         "or `strategy=ddp`"),
     ],
 )  # fmt: skip
 def test_invalid_combination_names_the_fix(
@@ -159,6 +163,7 @@ def test_invalid_combination_names_the_fix(
         (2, ["trainer.accelerator=gpu", "trainer.devices=-1", "strategy=ddp"]),
         (1, ["trainer.strategy=fsdp"]),  # auto picks the GPU
         (0, [f"trainer.strategy={{_target_: {_MODEL_PARALLEL}}}", "precision=bf16_mixed"]),
+        (0, ["micro_batch=auto", "strategy=ddp", "trainer.devices=2", "accumulation=global_batch"]),
     ],
 )
 def test_valid_combinations_pass(compose_train, monkeypatch: pytest.MonkeyPatch, visible: int, overrides) -> None:

@@ -88,6 +88,23 @@ def test_ddp_preset_tunes_the_dataloader_once_for_both_ranks(run_cli, tmp_path: 
     assert entry["facts"]["world_size"] == 2 and entry["facts"]["cpus_per_rank"] >= 1
 
 
+def test_micro_batch_auto_splits_every_batch_on_both_ddp_ranks_keeping_the_global_batch(run_cli, tmp_path) -> None:
+    """`micro_batch=auto` with `accumulation=global_batch` under 2 DDP ranks (a start size of 4, so batches of 32
+    split on the CPU): both ranks run it, the global batch stays 128, the micro-batch is logged."""
+    run_dir = tmp_path / "run"
+    result = run_cli([*SMOKE, *DDP2, "micro_batch=auto", "accumulation=global_batch",
+                      "callbacks.micro_batch.micro_batch_size=4", f"hydra.run.dir={run_dir}"], cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (run_dir / "train.log").read_text() + result.stderr
+    assert "MicroBatchFinder: micro-batch 4 of the loader's 32 (8 micro-batch(es) per batch; given)" in log
+    assert "global batch 128 = 32 per device x 2 device(s) x 2 micro-batches" in log
+    rows = (run_dir / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    sizes = {row.split(",")[header.index("micro_batch/size")] for row in rows[1:]} - {""}
+    assert sizes == {"4.0"}
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+
+
 def test_multirun_with_ddp_keeps_one_sweep_directory(run_cli, tmp_path: Path) -> None:
     """Lightning #11300: child ranks must not start the sweep again, and job 2 must launch its own ranks."""
     result = run_cli(["-m", *SMOKE, *DDP2, "seed=1,2"], cwd=tmp_path)

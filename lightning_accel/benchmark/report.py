@@ -97,8 +97,8 @@ def markdown_table(results: Sequence[StageResult], metric: str, tolerance: float
     figure a median over the stage's counted runs with its interval in brackets."""
     reach = "time to target" if target is None else f"time to {metric}={target:g}"
     header = ["stage", "what it changes", "runs", "time", "speedup", "samples/s", "tokens/s", reach, "peak mem",
-              "micro-batch", "energy", "MFU", "GPU util", metric, f"quality (±{tolerance:.0%} or noise)", "interference",
-              "bottleneck", "next to try"]  # fmt: skip
+              "micro-batch", "energy", "MFU", "GPU util", metric, f"quality (±{tolerance:.0%} or noise)",
+              "interference", "bottleneck", "next to try"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in results:
         if r.status != "ok":

@@ -161,18 +161,17 @@ class MicroBatchFinder(Callback):
         self.batch_size, self.search = batch_size, None
         self.oom_recoveries = self._clean = 0
         if self.micro_batch_size != "auto":
-            self.found = self.size = min(int(self.micro_batch_size), self.batch_size)
-            return
-        self.search = self._search(trainer, pl_module, batch)
-        chosen = _agree_min(trainer, self.search.micro_batch or 0)
-        if chosen == 0:
-            raise MicroBatchTooLargeError(_too_large_message(self.search, trainer))
+            chosen, how = min(int(self.micro_batch_size), self.batch_size), "given"
+        else:
+            self.search = self._search(trainer, pl_module, batch)
+            chosen = _agree_min(trainer, self.search.micro_batch or 0)
+            if chosen == 0:
+                raise MicroBatchTooLargeError(_too_large_message(self.search, trainer))
+            how = f"trials: {_trials_text(self.search)}"
         self.found = self.size = chosen
         pieces = -(-self.batch_size // chosen)
-        rank_zero_info(
-            f"MicroBatchFinder: micro-batch {chosen} of the loader's {self.batch_size} ({pieces} micro-batch(es) per "
-            f"batch; trials: {_trials_text(self.search)})."
-        )
+        rank_zero_info(f"MicroBatchFinder: micro-batch {chosen} of the loader's {self.batch_size} ({pieces} "
+                       f"micro-batch(es) per batch; {how}).")  # fmt: skip
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> MicroBatchSearch:
         """Forward and backward of the first `size` samples of the first batch at each size the bisection asks for,
@@ -394,8 +393,10 @@ def _too_large_message(search: MicroBatchSearch | None, trainer: pl.Trainer) -> 
 
 def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     if not pl_module.automatic_optimization:
-        raise ConfigError("MicroBatchFinder runs the batches of automatic optimization; under manual optimization "
-                          "(`automatic_optimization=False`) split the batch in your training_step, or remove it.")  # fmt: skip
+        raise ConfigError(
+            "MicroBatchFinder runs the batches of automatic optimization; under manual optimization "
+            "(`automatic_optimization=False`) split the batch in your training_step, or remove it."
+        )
     strategy = trainer.strategy
     if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.handles_gradient_accumulation:
         raise ConfigError(

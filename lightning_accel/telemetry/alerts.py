@@ -76,8 +76,9 @@ def check_alerts(
             found["memory_headroom"] = Alert("memory_headroom", step, 100.0 - peak, (
                 f"`{key}` peaked at {peak:.1f}% of its memory{held}, {100.0 - peak:.1f}% headroom (below "
                 f"`min_memory_headroom_pct={limit}`): a longer batch or allocator fragmentation will raise CUDA out of "
-                "memory. Lower the batch size and accumulate gradients, use bf16 mixed precision, or checkpoint "
-                "activations."
+                "memory. Add MicroBatchFinder (accel-train `micro_batch=auto`): it runs the largest micro-batch that "
+                "fits with the same global batch and recovers from out-of-memory; or use bf16 mixed precision, or "
+                "checkpoint activations."
             ), key)  # fmt: skip
         limit = thresholds.max_throttle_pct
         if "throttling" not in found and limit is not None and throttled is not None and 100 * throttled.mean > limit:

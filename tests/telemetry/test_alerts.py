@@ -69,7 +69,7 @@ def test_each_alert_fires_on_its_condition_with_number_and_fix() -> None:
     assert "busy 31% of the last 10.0 s" in low.message and "`num_workers`" in low.message
     headroom = alerts["memory_headroom"]
     assert headroom.value == pytest.approx(3.5) and "3.5% headroom" in headroom.message
-    assert "batch size" in headroom.message
+    assert "MicroBatchFinder" in headroom.message and "micro_batch=auto" in headroom.message
     throttle = alerts["throttling"]
     assert throttle.value == pytest.approx(40.0) and "thermal 40%, power 0%" in throttle.message
     assert "cooling" in throttle.message
