@@ -92,8 +92,8 @@ def test_micro_batch_auto_splits_every_batch_on_both_ddp_ranks_keeping_the_globa
     """`micro_batch=auto` with `accumulation=global_batch` under 2 DDP ranks (a start size of 4, so batches of 32
     split on the CPU): both ranks run it, the global batch stays 128, the micro-batch is logged."""
     run_dir = tmp_path / "run"
-    result = run_cli([*SMOKE, *DDP2, "micro_batch=auto", "accumulation=global_batch",
-                      "callbacks.micro_batch.micro_batch_size=4", f"hydra.run.dir={run_dir}"], cwd=tmp_path)  # fmt: skip
+    overrides = ["micro_batch=auto", "accumulation=global_batch", "callbacks.micro_batch.micro_batch_size=4"]
+    result = run_cli([*SMOKE, *DDP2, *overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (run_dir / "train.log").read_text() + result.stderr
     assert "MicroBatchFinder: micro-batch 4 of the loader's 32 (8 micro-batch(es) per batch; given)" in log
