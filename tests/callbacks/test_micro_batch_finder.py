@@ -304,3 +304,61 @@ def test_two_ddp_ranks_recover_together_when_only_rank_1_runs_out_of_memory(tmp_
     assert ranks[0]["weights"] == ranks[1]["weights"]  # identical on both ranks
     for name, value in whole.state_dict().items():
         torch.testing.assert_close(torch.tensor(ranks[0]["weights"][name]), value.flatten(), rtol=TOL, atol=TOL)
+
+
+def _two_runs(make_model: Any, callbacks: Any, tmp_path: Any, **trainer: Any) -> tuple[Any, Any, Any, Any]:
+    """The same fit without and with MicroBatchFinder(micro_batch_size=2) on batches of 4: (model, callbacks) each."""
+    from _tiny import tiny_loader
+
+    out = []
+    for with_finder in (False, True):
+        torch.manual_seed(0)  # the same initial weights
+        model, extra = make_model(), callbacks()
+        finder = [MicroBatchFinder(micro_batch_size=2)] if with_finder else []
+        pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                   callbacks=[*extra, *finder], **trainer).fit(model, tiny_loader())  # fmt: skip
+        out += [model, extra[0]]
+    return tuple(out)  # type: ignore[return-value]
+
+
+def test_it_composes_with_nonfinite_guard_skipping_a_nan_step(tmp_path) -> None:
+    from test_nonfinite import NaNLossModel
+
+    from lightning_accel.callbacks import NonFiniteGuard
+
+    plain, plain_guard, split, split_guard = _two_runs(lambda: NaNLossModel(nan_batches=(1,)),
+                                                       lambda: [NonFiniteGuard(action="skip")], tmp_path)  # fmt: skip
+    assert plain_guard.nonfinite_losses == split_guard.nonfinite_losses == 1  # seen once per batch, not per piece
+    assert plain.steps == split.steps  # the same LR held on the skipped step
+    for a, b in zip(plain.weights, split.weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(split.weights[1], split.weights[2])  # the NaN step moved nothing
+
+
+def test_it_composes_with_fp16_loss_scaling_and_skipped_step_guard(tmp_path) -> None:
+    from test_skipped_steps import InfGradModel, _fp16
+
+    from lightning_accel.callbacks import SkippedStepGuard
+
+    plain, plain_guard, split, split_guard = _two_runs(lambda: InfGradModel(inf_batches=(1,)),
+                                                       lambda: [SkippedStepGuard()], tmp_path,
+                                                       plugins=[_fp16()])  # fmt: skip
+    assert plain_guard.skipped_steps == split_guard.skipped_steps == 1
+    assert plain.lrs == split.lrs
+    for (_, _, a), (_, _, b) in zip(plain.steps, split.steps, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-3)  # fp16 sums pieces' gradients in another order
+
+
+def test_bf16_mixed_precision_runs_the_pieces_under_autocast(tmp_path) -> None:
+    """Under bf16-mixed the pieces' forwards run in bf16 (the precision context is entered per piece)."""
+    seen: list[torch.dtype] = []
+
+    class Recording(BudgetedModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append(self.net[0](batch[0]).dtype)
+            return super().training_step(batch, batch_idx)
+
+    model = Recording(budget_for(8))
+    fit(model, [MicroBatchFinder()], tmp_path, max_steps=2, precision="bf16-mixed")
+    assert model.pieces == [8] * 4 * 2 and set(seen) == {torch.bfloat16}
