@@ -14,7 +14,11 @@ with torch >= 2.4 and does not import Hydra. Parts:
 - `doctor`: `accel-doctor` exits 0;
 - `fsdp` and `model_parallel`: one step under FSDPStrategy, 8 under ModelParallelStrategy with `Parallelize`
   (FSDP2 per block), on one GPU;
-- `fp8`: one fp8 step where the GPU (compute capability 8.9+) and Transformer Engine or torchao allow.
+- `fp8`: one fp8 step where the GPU (compute capability 8.9+) and Transformer Engine or torchao allow;
+- `micro_batch`: MicroBatchFinder under a 3 GiB cap on the process (`set_per_process_memory_fraction`): the GPT
+  example's batch of 128 does not fit, the search finds the largest micro-batch that does from real CUDA
+  out-of-memory errors and measured peaks, a real allocator OOM injected at step 3 is recovered by halving, and the
+  weights after 6 steps equal a run at a fixed micro-batch of 8 (1e-3).
 """
 
 from __future__ import annotations
@@ -289,9 +293,68 @@ def _fp8() -> Part:
     return Part(name="fp8", status="PASS", detail=resolved.describe())
 
 
+def _micro_batch() -> Part:
+    _need_cuda()
+    import lightning.pytorch as pl
+
+    from lightning_accel.callbacks import MicroBatchFinder
+
+    cap = 3 * 2**30
+    total = torch.cuda.get_device_properties(0).total_memory
+    gpt = _gpt_class()
+
+    class _SGD(gpt):  # type: ignore[misc, valid-type]
+        """Plain SGD: the weights then differ by what the gradients differ (Adam's first steps amplify rounding)."""
+
+        def configure_optimizers(self) -> object:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class _OOMOnce(_SGD):
+        """A real CUDA out-of-memory error from the allocator, once, in the first piece of optimizer step 3."""
+
+        oom_at = 3
+
+        def training_step(self, batch: object, batch_idx: int) -> object:
+            if self.global_step == self.oom_at:
+                self.oom_at = -1
+                torch.empty(total, dtype=torch.uint8, device="cuda")  # more than the cap: raises OutOfMemoryError
+            return super().training_step(batch, batch_idx)
+
+    data = torch.randint(0, 256, (6 * 128, 257), generator=torch.Generator().manual_seed(0))
+    pairs = list(zip(data[:, :-1], data[:, 1:], strict=True))
+    runs = {}
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(cap / total, 0)
+    try:
+        for name, finder in (("auto", MicroBatchFinder(grow_after=None)), ("fixed 8", MicroBatchFinder(8))):
+            pl.seed_everything(0)
+            model = (_OOMOnce if name == "auto" else _SGD)(block_size=256, n_layer=4, n_head=8, n_embd=512)
+            trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, callbacks=[finder])  # fmt: skip
+            started = time.perf_counter()
+            trainer.fit(model, torch.utils.data.DataLoader(pairs, batch_size=128))
+            runs[name] = (finder, time.perf_counter() - started, [p.detach().float().cpu() for p in model.parameters()])
+            del model, trainer
+            torch.cuda.empty_cache()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    finder, seconds, weights = runs["auto"]
+    drift = max(float((a - b).abs().max()) for a, b in zip(weights, runs["fixed 8"][2], strict=True))
+    trials = ", ".join(f"{t.size}: {'fits' if t.fits else 'no'}" + (f" ({t.peak_bytes / 2**30:.2f} GiB)"
+                       if t.peak_bytes else "") for t in (finder.search.trials if finder.search else ()))  # fmt: skip
+    ok = finder.found is not None and finder.found < 128 and finder.oom_recoveries == 1 and drift <= 1e-3
+    return Part(name="micro_batch", status="PASS" if ok else "FAIL",
+                detail=f"cap {cap / 2**30:.0f} GiB, GPT 4x512, block 256, batch 128, 6 steps",
+                figures={"micro-batch found": str(finder.found), "trials": trials,
+                         "after the injected OOM": f"{finder.size} ({finder.oom_recoveries} recovery)",
+                         "max |w_auto - w_fixed8|": f"{drift:.2e}", "fit s (auto, fixed 8)":
+                         f"{seconds:.1f}, {runs['fixed 8'][1]:.1f}"})  # fmt: skip
+
+
 PARTS: dict[str, Callable[[], Part]] = {
     "nvml_vs_torch": _nvml_vs_torch, "gpu_monitor_overhead": _gpu_monitor_overhead, "gpt_precision": _gpt_precision,
     "mfu": _mfu, "doctor": _doctor, "fsdp": _fsdp, "model_parallel": _model_parallel, "fp8": _fp8,
+    "micro_batch": _micro_batch,
 }  # fmt: skip
 
 

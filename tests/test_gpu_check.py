@@ -11,7 +11,16 @@ import torch
 
 from lightning_accel import gpu_check
 
-CUDA_PARTS = ("nvml_vs_torch", "gpu_monitor_overhead", "gpt_precision", "mfu", "fsdp", "model_parallel", "fp8")
+CUDA_PARTS = (
+    "nvml_vs_torch",
+    "gpu_monitor_overhead",
+    "gpt_precision",
+    "mfu",
+    "fsdp",
+    "model_parallel",
+    "fp8",
+    "micro_batch",
+)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skips of a machine without CUDA")
@@ -42,3 +51,11 @@ def test_a_part_that_breaks_is_a_fail_and_the_others_still_run(monkeypatch: pyte
     assert parts["mfu"].status == "FAIL" and "RuntimeError: boom" in parts["mfu"].detail
     assert parts["fp8"].status in ("SKIP", "PASS")
     assert "| mfu | FAIL | RuntimeError: boom |" in gpu_check.render(list(parts.values()))
+
+
+@pytest.mark.gpu
+def test_micro_batch_finder_on_a_real_gpu_recovers_from_real_cuda_out_of_memory() -> None:
+    """Under a 3 GiB cap: the search rules sizes out by real CUDA OOM or measured peak, an allocator OOM at step 3 is
+    recovered by halving, and the weights equal a fixed micro-batch of 8's (1e-3)."""
+    (part,) = gpu_check.run_checks(["micro_batch"])
+    assert part.status == "PASS", (part.detail, part.figures)

@@ -180,8 +180,11 @@ class MicroBatchFinder(Callback):
         cuda = device.type == "cuda"
         budget = None
         if cuda:
-            free, _total = torch.cuda.mem_get_info(device)
+            free, total = torch.cuda.mem_get_info(device)
             room = free + torch.cuda.memory_reserved(device)
+            capped = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+            if capped is not None:
+                room = min(room, int(capped(device) * total))
             budget = int(self.memory_fraction * room) - sum(optimizer_state_bytes(o) for o in trainer.optimizers)
         n = samples_in(batch, default=1)
         params = [p for p in pl_module.parameters() if p.requires_grad]
