@@ -342,11 +342,13 @@ def _micro_batch() -> Part:
     drift = max(float((a - b).abs().max()) for a, b in zip(weights, runs["fixed 8"][2], strict=True))
     trials = ", ".join(f"{t.size}: {'fits' if t.fits else 'no'}" + (f" ({t.peak_bytes / 2**30:.2f} GiB)"
                        if t.peak_bytes else "") for t in (finder.search.trials if finder.search else ()))  # fmt: skip
-    ok = finder.found is not None and finder.found < 128 and finder.oom_recoveries == 1 and drift <= 1e-3
+    # >= 1: a real OOM of its own during training (the cap limits reserved memory, fragmentation included) is fine
+    ok = finder.found is not None and finder.found < 128 and finder.oom_recoveries >= 1 and drift <= 1e-3
+    ok = ok and finder.size is not None and finder.size <= finder.found // 2
     return Part(name="micro_batch", status="PASS" if ok else "FAIL",
                 detail=f"cap {cap / 2**30:.0f} GiB, GPT 4x512, block 256, batch 128, 6 steps",
                 figures={"micro-batch found": str(finder.found), "trials": trials,
-                         "after the injected OOM": f"{finder.size} ({finder.oom_recoveries} recovery)",
+                         "after the injected OOM": f"{finder.size} ({finder.oom_recoveries} recoveries)",
                          "max |w_auto - w_fixed8|": f"{drift:.2e}", "fit s (auto, fixed 8)":
                          f"{seconds:.1f}, {runs['fixed 8'][1]:.1f}"})  # fmt: skip
 

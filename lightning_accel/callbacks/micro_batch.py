@@ -51,8 +51,9 @@ class MicroBatchFinder(Callback):
     gradients back as they were before the batch, frees what the attempt held and runs the batch again in pieces of
     half the size, once per error; after `grow_after` clean batches it tries twice the size again, up to the size
     found. Under DDP every rank adopts the smallest rank's size, an out-of-memory error on one rank makes every rank
-    redo the batch at the smaller size, and the gradients are averaged once per optimizer step (the pieces run under
-    `no_sync`).
+    redo the batch at the smaller size (one all-reduce of a byte per attempt), the gradients are averaged once per
+    optimizer step (the pieces run past DDP's forward, under `no_sync`), and buffers are broadcast from rank zero then;
+    a DDP communication hook is not used.
 
     The backward hooks (`on_before_backward`, `on_after_backward`) run once per batch, after all its pieces, with the
     batch's loss; `training_step` runs once per piece (on_step logs show the last piece's values; on_epoch means are
@@ -151,8 +152,13 @@ class MicroBatchFinder(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        batch = _first_batch(trainer)
-        batch_size = loader_batch_size(trainer.train_dataloader) or samples_in(batch, default=1)
+        if trainer.train_dataloader is None:
+            trainer.fit_loop.setup_data()
+        batch = None
+        batch_size = loader_batch_size(trainer.train_dataloader)
+        if batch_size is None:
+            batch = _first_batch(trainer)
+            batch_size = samples_in(batch, default=1)
         resumed, self._resumed = self._resumed, False
         if resumed and self.batch_size == batch_size and self.size and self.found:
             rank_zero_info(f"MicroBatchFinder: resumed at micro-batch {self.size} of {self.batch_size} "
@@ -163,7 +169,7 @@ class MicroBatchFinder(Callback):
         if self.micro_batch_size != "auto":
             chosen, how = min(int(self.micro_batch_size), self.batch_size), "given"
         else:
-            self.search = self._search(trainer, pl_module, batch)
+            self.search = self._search(trainer, pl_module, _first_batch(trainer) if batch is None else batch)
             chosen = _agree_min(trainer, self.search.micro_batch or 0)
             if chosen == 0:
                 raise MicroBatchTooLargeError(_too_large_message(self.search, trainer))
@@ -189,6 +195,8 @@ class MicroBatchFinder(Callback):
         n = samples_in(batch, default=1)
         params = [p for p in pl_module.parameters() if p.requires_grad]
         buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
+        metrics = _metric_states(pl_module)
+        rngs = _host_rngs()
         rng = torch.random.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
 
@@ -198,7 +206,7 @@ class MicroBatchFinder(Callback):
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             try:
-                loss = _piece_loss(trainer, {"batch": part, "batch_idx": 0})
+                loss = _piece_loss(trainer, _step_kwargs(pl_module, part))
                 if loss is not None:
                     loss.backward()
                     del loss
@@ -218,6 +226,9 @@ class MicroBatchFinder(Callback):
                     for name, b in pl_module.named_buffers():
                         if name in buffers:
                             b.copy_(buffers[name])
+                for metric, state in metrics:
+                    metric.__dict__.update(state)
+                _set_host_rngs(rngs)
                 torch.random.set_rng_state(rng)
                 if cuda_rng is not None:
                     torch.cuda.set_rng_state(cuda_rng, device)
@@ -230,10 +241,15 @@ class MicroBatchFinder(Callback):
         params = [p for p in pl_module.parameters() if p.requires_grad]
         extra: dict[str, Any] = {}
 
+        results = trainer._results
+        whole = kwargs["batch"]
+
         def loss_fn(part: Any) -> torch.Tensor | None:
+            extra.clear()  # the last piece's outputs (a failed attempt's among them) go before the next forward
+            if results is not None:  # self.log weighs on-epoch means by this piece's samples, not the batch's
+                results.batch, results.batch_size = part, None
             output = _piece_output(trainer, OrderedDict(kwargs, batch=part))
             result = ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
-            extra.clear()
             extra.update(result.extra)
             return result.closure_loss
 
@@ -241,14 +257,25 @@ class MicroBatchFinder(Callback):
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             trainer.precision_plugin.backward(scaler.scale(loss) if scaler is not None else loss, pl_module, optimizer)
 
-        distributed = trainer.world_size > 1
-        agree = (lambda oom: trainer.strategy.reduce_boolean_decision(oom, all=False)) if distributed else None
-        sync = bool(getattr(trainer.strategy.model, "require_backward_grad_sync", False))  # the window ends here
-        with _no_sync(trainer):
-            step = backward_in_pieces(loss_fn, kwargs["batch"], params, piece=self.size, agree=agree,
-                                      backward=piece_backward if backward is not None else _skip_backward)  # fmt: skip
+        model = trainer.strategy.model
+        group = getattr(model, "process_group", None)
+        distributed = trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+        agree = (lambda oom: _any_rank(oom, pl_module.device, group)) if distributed else None
+        sync = bool(getattr(model, "require_backward_grad_sync", False))  # the window ends with this batch
+        try:
+            with _no_sync(trainer):
+                step = backward_in_pieces(
+                    loss_fn, whole, params, piece=self.size, agree=agree,
+                    backward=piece_backward if backward is not None else _skip_backward,
+                )  # fmt: skip
+        finally:
+            if results is not None:
+                results.batch, results.batch_size = whole, None
         if distributed and sync and backward is not None:
-            average_gradients(params, getattr(trainer.strategy.model, "process_group", None))
+            average_gradients(params, group)
+            if getattr(model, "broadcast_buffers", False):  # what DDP's forward did: rank zero's buffers everywhere
+                for buffer in pl_module.buffers():
+                    torch.distributed.broadcast(buffer, src=_group_rank_zero(group), group=group)
         self._after_batch(trainer, step.piece, step.recoveries)
         if step.loss is None:
             return ClosureResult(None, extra=extra)
@@ -346,6 +373,68 @@ def _piece_loss(trainer: pl.Trainer, kwargs: dict[str, Any]) -> torch.Tensor | N
     return ClosureResult.from_training_step_output(output, 1).closure_loss
 
 
+def _step_kwargs(pl_module: pl.LightningModule, batch: Any) -> dict[str, Any]:
+    """`training_step`'s arguments as Lightning passes them: `batch_idx` only where the signature takes it."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    kwargs: dict[str, Any] = {"batch": batch}
+    if is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2):
+        kwargs["batch_idx"] = 0
+    return kwargs
+
+
+def _metric_states(pl_module: pl.LightningModule) -> list[tuple[Any, dict[str, Any]]]:
+    """Copies of every torchmetrics Metric's states (its `_defaults` keys, update count, cached result), so trial
+    steps that update metrics leave them as they were."""
+    import copy
+
+    saved = []
+    for module in pl_module.modules():
+        defaults = getattr(module, "_defaults", None)
+        if isinstance(defaults, dict) and hasattr(module, "_update_count"):
+            keys = [*defaults, "_update_count", "_computed"]
+            saved.append((module, {k: copy.deepcopy(module.__dict__[k]) for k in keys if k in module.__dict__}))
+    return saved
+
+
+def _host_rngs() -> dict[str, Any]:
+    """Python's and (when imported) numpy's global random states."""
+    import random
+    import sys
+
+    states: dict[str, Any] = {"random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    return states
+
+
+def _set_host_rngs(states: dict[str, Any]) -> None:
+    import random
+    import sys
+
+    random.setstate(states["random"])
+    if "numpy" in states:
+        sys.modules["numpy"].random.set_state(states["numpy"])
+
+
+def _any_rank(flag: bool, device: torch.device, group: Any) -> bool:
+    """Whether `flag` holds on any rank of `group`: one all-reduce of a byte (no barrier)."""
+    tensor = torch.tensor([int(flag)], dtype=torch.uint8, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(tensor.item())
+
+
+def _group_rank_zero(group: Any) -> int:
+    """The global rank of `group`'s first rank (the source of a broadcast)."""
+    if group is None:
+        return 0
+    try:
+        return torch.distributed.get_global_rank(group, 0)
+    except Exception:
+        return 0
+
+
 def _no_sync(trainer: pl.Trainer) -> Any:
     model = trainer.strategy.model
     return model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) else nullcontext()
@@ -363,15 +452,23 @@ def _first_batch(trainer: pl.Trainer) -> Any:
     """The train loader's first batch on the device (the RNG a shuffling sampler draws from is put back)."""
     if trainer.train_dataloader is None:
         trainer.fit_loop.setup_data()
-    rng = torch.random.get_rng_state()
+    loader = trainer.train_dataloader
+    sampler = getattr(loader, "sampler", None)
+    generators = [g for g in (getattr(loader, "generator", None), getattr(sampler, "generator", None))
+                  if isinstance(g, torch.Generator)]  # fmt: skip
+    states = [g.get_state() for g in generators]
+    rng, host = torch.random.get_rng_state(), _host_rngs()
     try:
-        batch = next(iter(trainer.train_dataloader))
+        batch = next(iter(loader))
     except StopIteration:
         raise ConfigError(
             "MicroBatchFinder: the train DataLoader yields no batch to size the micro-batch on."
         ) from None
     finally:
         torch.random.set_rng_state(rng)
+        _set_host_rngs(host)
+        for generator, state in zip(generators, states, strict=True):
+            generator.set_state(state)
     return trainer.strategy.batch_to_device(batch)
 
 
@@ -400,7 +497,16 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             "MicroBatchFinder runs the batches of automatic optimization; under manual optimization "
             "(`automatic_optimization=False`) split the batch in your training_step, or remove it."
         )
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        raise ConfigError("MicroBatchFinder splits the batch Lightning passes to `training_step`; a step that takes "
+                          "`dataloader_iter` fetches its own. Remove MicroBatchFinder, or take `batch`.")  # fmt: skip
     strategy = trainer.strategy
+    if getattr(strategy, "_ddp_comm_hook", None) is not None:
+        rank_zero_warn("MicroBatchFinder averages the gradients itself, once per optimizer step: the DDP "
+                       "communication hook (gradient compression) is not used while it runs.",
+                       category=LightningAccelWarning)  # fmt: skip
     if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.handles_gradient_accumulation:
         raise ConfigError(
             f"MicroBatchFinder supports one device and DDP, not {type(strategy).__name__}: FSDP, model-parallel, "

@@ -147,8 +147,11 @@ def _run_trial(try_size: Callable[[int], int | None], size: int, budget_bytes: i
         if not is_out_of_memory(err):
             raise
         first_line = (str(err).strip().splitlines() or [""])[0][:300]
-        del err
-        release_memory()
+        peak = None
+    else:
+        first_line = None
+    if first_line is not None:
+        release_memory()  # outside the `except`: the handled error's frames no longer hold the trial's tensors
         return Trial(size, fits=False, reason=f"out of memory ({first_line})" if first_line else "out of memory")
     if budget_bytes is not None and peak is not None and peak > budget_bytes:
         return Trial(size, fits=False, peak_bytes=peak, reason=f"peak {peak} B over the budget of {budget_bytes} B")
@@ -250,13 +253,18 @@ def backward_in_pieces(
         MicroBatchTooLargeError: when one sample does not fit.
     """
     n = max(1, samples_in(batch, default=1))
-    size = n if piece is None else max(1, min(piece, n))
-    saved = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    size = n if piece is None else max(1, piece)  # the size every rank holds, whatever its own batch's length
+    # The gradients from before this batch are set aside (by reference: no copy) and the pieces accumulate into
+    # fresh ones; success adds the two, failure puts the old ones back as they were.
+    before = [p.grad for p in params]
     recoveries = 0
     while True:
-        sizes = split_sizes(n, size)
-        failure: BaseException | None = None
+        for param in params:
+            param.grad = None
+        sizes = split_sizes(n, min(size, n))
+        message: str | None = None
         total: torch.Tensor | None = None
+        loss: torch.Tensor | None = None
         try:
             for part, weight in zip(split_batch(batch, sizes), sample_weights(sizes), strict=True):
                 loss = loss_fn(part)
@@ -268,28 +276,40 @@ def backward_in_pieces(
                 else:
                     backward(loss)
                 total = loss.detach() if total is None else total + loss.detach()  # the loss's dtype and device
-                del loss
+                loss = None
         except Exception as err:
             if not is_out_of_memory(err):
+                _put_back(params, before)
                 raise
-            failure = err
-        oomed = failure is not None
+            message = str(err).strip().splitlines()[0][:500] if str(err).strip() else type(err).__name__
+        loss = None  # the failed piece's graph (and its activations) go before anything else runs
+        oomed = message is not None
         if agree is not None:
             oomed = agree(oomed)
         if not oomed:
+            for param, old in zip(params, before, strict=True):
+                if old is not None:
+                    if param.grad is None:
+                        param.grad = old
+                    else:
+                        param.grad = old.add_(param.grad)
             return SplitStep(loss=total, piece=size, recoveries=recoveries)
-        message = str(failure) if failure is not None else "another rank ran out of memory"
-        del failure
-        for param, grad in zip(params, saved, strict=True):
-            param.grad = None if grad is None else grad.clone()
-        release_memory()
+        total = None
+        _put_back(params, before)
+        release_memory()  # outside the `except`: the handled error's frames no longer hold the attempt's tensors
         if size == 1:
             raise MicroBatchTooLargeError(
-                f"One sample of this batch does not fit the device ({message}). Reduce the memory per sample: "
-                "activation checkpointing (Parallelize(activation_checkpointing=True)), bf16 (precision='bf16-mixed' "
-                "or 'amp'), a model-parallel strategy (ModelParallelStrategy, PipelineStrategy), or shorter sequences."
+                f"One sample of this batch does not fit the device ({message or 'another rank ran out of memory'}). "
+                "Reduce the memory per sample: activation checkpointing (Parallelize(activation_checkpointing=True)), "
+                "bf16 (precision='bf16-mixed' or 'amp'), a model-parallel strategy (ModelParallelStrategy, "
+                "PipelineStrategy), or shorter sequences."
             )
         size, recoveries = max(1, size // 2), recoveries + 1
+
+
+def _put_back(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
 
 
 def average_gradients(params: Sequence[torch.nn.Parameter], group: Any = None, bucket_bytes: int = 25 * 2**20) -> None:

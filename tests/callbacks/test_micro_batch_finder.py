@@ -362,3 +362,44 @@ def test_bf16_mixed_precision_runs_the_pieces_under_autocast(tmp_path) -> None:
     model = Recording(budget_for(8))
     fit(model, [MicroBatchFinder()], tmp_path, max_steps=2, precision="bf16-mixed")
     assert model.pieces == [8] * 4 * 2 and set(seen) == {torch.bfloat16}
+
+
+def test_a_training_step_without_batch_idx_and_epoch_means_weighted_by_samples(tmp_path) -> None:
+    """`training_step(self, batch)` works (Lightning passes batch_idx only when asked), and an on-epoch mean logged
+    per piece equals the whole batch's: 30 samples in 8, 8, 8, 6 weigh the last piece 6/30."""
+
+    class NoIndex(BudgetedModel):
+        def training_step(self, batch: Any) -> torch.Tensor:  # type: ignore[override]
+            self.log("train/x_mean", batch[0].mean(), on_step=False, on_epoch=True)
+            return super().training_step(batch, 0)
+
+    whole, split = NoIndex(), NoIndex(budget_for(8))
+    plain = fit(whole, [], tmp_path / "whole", data=loader(60, 30), max_steps=2)
+    finder = fit(split, [MicroBatchFinder(micro_batch_size=8)], tmp_path / "split", data=loader(60, 30), max_steps=2)
+    assert split.pieces == [8, 8, 8, 6] * 2
+    torch.testing.assert_close(finder.callback_metrics["train/x_mean"], plain.callback_metrics["train/x_mean"])
+
+
+def test_the_search_leaves_metrics_and_the_loaders_own_generator_alone(tmp_path) -> None:
+    from torchmetrics import SumMetric
+
+    class Counting(BudgetedModel):
+        def __init__(self, budget: MemoryBudget | None = None) -> None:
+            super().__init__(budget)
+            self.samples = SumMetric()
+            self.first: torch.Tensor | None = None
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.samples.update(float(batch[0].shape[0]))
+            if self.first is None and self._in_batch:
+                self.first = batch[0][0].clone()
+            return super().training_step(batch, batch_idx)
+
+    def shuffled() -> DataLoader:
+        return DataLoader(loader().dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
+
+    plain, model = Counting(), Counting(budget_for(8))
+    fit(plain, [], tmp_path / "plain", data=shuffled(), max_steps=2)
+    fit(model, [MicroBatchFinder()], tmp_path / "finder", data=shuffled(), max_steps=2)
+    assert model.trials and model.samples.compute() == plain.samples.compute() == 64  # the trials' 14 not counted
+    torch.testing.assert_close(model.first, plain.first)  # the loader's generator drew the same order

@@ -193,3 +193,53 @@ def test_one_sample_that_does_not_fit_fails_fast_naming_the_fixes() -> None:
                        r"checkpointing.*bf16.*ModelParallelStrategy"):  # fmt: skip
         backward_in_pieces(_mse(split), data, list(split.parameters()))
     assert all(p.grad is None for p in split.parameters())  # nothing half-accumulated is left behind
+
+
+def test_ranks_with_batches_of_different_lengths_halve_the_same_size() -> None:
+    """The size halves from what every rank holds, not from this rank's shorter batch: a last batch of 3 with size
+    4 goes 4 -> 2 with the other rank, never 3 -> 1 (which would part the ranks)."""
+    from lightning_accel.tuning.micro_batch import backward_in_pieces
+
+    _, split, data = _whole_and_split(3, limit_samples=10**6)
+    votes = iter([True, False])  # the other rank, on a batch of 4, ran out at 4 and fitted at 2
+    step = backward_in_pieces(_mse(split), data, list(split.parameters()), piece=4,
+                              agree=lambda mine: mine or next(votes))  # fmt: skip
+    assert (step.piece, step.recoveries) == (2, 1)
+
+
+def test_a_failed_attempt_frees_its_activations_before_the_retry_and_keeps_earlier_gradients() -> None:
+    """The failed piece's graph is gone when the retry's first forward runs (a GPU needs that memory), and the
+    gradients from before the batch are put back by reference, then summed with the batch's."""
+    import gc
+    import weakref
+
+    from lightning_accel.tuning.micro_batch import backward_in_pieces
+
+    layer = torch.nn.Linear(4, 1).double()
+    layer.weight.grad = torch.ones_like(layer.weight)
+    earlier = layer.weight.grad
+    x = torch.randn(8, 4, dtype=torch.float64)
+    alive: list[weakref.ref] = []
+    seen_alive: list[int] = []
+    failed = [False]
+
+    def loss_fn(part: torch.Tensor) -> torch.Tensor:
+        gc.collect()
+        seen_alive.append(sum(ref() is not None for ref in alive))
+        hidden = layer(part) * 2.0
+        alive.append(weakref.ref(hidden))
+        if part.shape[0] == 8 and not failed[0]:
+            failed[0] = True
+
+            def boom(grad: torch.Tensor) -> torch.Tensor:
+                raise torch.OutOfMemoryError("CUDA out of memory (in backward)")
+
+            hidden.register_hook(boom)
+        return hidden.pow(2).mean()
+
+    step = backward_in_pieces(loss_fn, x, list(layer.parameters()))
+    assert step.recoveries == 1 and step.piece == 4
+    assert seen_alive == [0, 0, 0]  # nothing of the failed attempt (nor of the piece before) alive at each forward
+    expected = torch.autograd.grad((layer(x) * 2.0).pow(2).mean(), layer.weight)[0] + 1.0
+    assert layer.weight.grad is earlier  # the gradient from before the batch, summed in place
+    torch.testing.assert_close(layer.weight.grad, expected, rtol=1e-12, atol=1e-12)
