@@ -36,6 +36,7 @@ __all__ = [
     "external_rank_job_name",
     "external_run_id",
     "hydra_safe_launch",
+    "fused_resolver",
     "precision_resolver",
     "register_resolvers",
     "resolve_run_id",
@@ -270,6 +271,19 @@ def precision_resolver(requested: Any, accelerator: Any = "auto") -> str:
     return resolve_precision(str(requested), accelerator, setting="trainer.precision").value
 
 
+def fused_resolver(accelerator: Any = "auto") -> bool | None:
+    """`${accel_fused:${trainer.accelerator}}`: `fused=True` for the example models' AdamW when the run is on CUDA
+    (one kernel for the whole update), None elsewhere (torch's default, the foreach implementation)."""
+    name = str(accelerator) if accelerator is not None else "auto"
+    if name in ("gpu", "cuda"):
+        return True
+    if name == "auto":
+        from lightning_accel.presets import runs_on_cuda
+
+        return True if runs_on_cuda(OmegaConf.create({"trainer": {"accelerator": "auto"}})) else None
+    return None
+
+
 def register_resolvers() -> None:
     """`${accel_run_id:STAMP}`, `${accel_unique:STAMP}` and `${accel_job_name:DEFAULT}` for conf/hydra/default.yaml
     (idempotent)."""
@@ -281,5 +295,7 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("accel_precision", precision_resolver, use_cache=True)
     if not OmegaConf.has_resolver("accel_unique"):
         OmegaConf.register_new_resolver("accel_unique", unique_stamp, use_cache=True)
+    if not OmegaConf.has_resolver("accel_fused"):
+        OmegaConf.register_new_resolver("accel_fused", fused_resolver, use_cache=True)
     if not OmegaConf.has_resolver("accel_job_name"):
         OmegaConf.register_new_resolver("accel_job_name", lambda default: external_rank_job_name(str(default)))

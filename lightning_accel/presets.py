@@ -100,7 +100,8 @@ def _check_example_data(model: DictConfig, data: DictConfig) -> None:
 # configs) drops it, and the run then trains differently from what the group says.
 _GROUP_CALLBACKS = {("accumulation", "schedule"): "accumulation", ("accumulation", "global_batch"): "accumulation",
                     ("preset", "amp"): "dataloader_tuner", ("preset", "ddp"): "dataloader_tuner",
-                    ("micro_batch", "auto"): "micro_batch"}  # fmt: skip
+                    ("micro_batch", "auto"): "micro_batch", ("compile", "default"): "compile",
+                    ("compile", "reduce-overhead"): "compile", ("compile", "max-autotune"): "compile"}  # fmt: skip
 
 
 def check_app_config(cfg: DictConfig) -> list[str]:
@@ -523,6 +524,7 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shap
         except ConfigError as err:  # the library names its arguments; the user wrote them under these paths
             raise err.at("trainer" if err.setting == "precision" else "trainer.strategy") from None
     _check_micro_batch(cfg, name)
+    _check_compile(cfg, name, on_cuda)
     if not on_cuda and precision.startswith("transformer-engine"):
         raise ConfigError(
             f"`trainer.precision={precision}` needs a CUDA GPU (Transformer Engine), but this run is on the CPU; "
@@ -549,6 +551,34 @@ def _check_micro_batch(cfg: DictConfig, family: str) -> None:
             "`micro_batch=none` with it (and set the batch size by hand), or `strategy=ddp`.",
             setting=f"callbacks.{name}",
         )
+
+
+def _check_compile(cfg: DictConfig, family: str, on_cuda: bool) -> None:
+    """The Compile callback: a strategy it can compile under, and the compiler inductor builds kernels with."""
+    for name, node in (cfg.get("callbacks") or {}).items():
+        target = str(node.get("_target_", "")) if isinstance(node, (DictConfig, Mapping)) else ""
+        if target.rsplit(".", 1)[-1] != "Compile" or not target.startswith("lightning_accel."):
+            continue
+        if family in ("pipeline", "deepspeed", "fsdp"):
+            fix = "strategy=model_parallel (FSDP2, compiled per block)" if family == "fsdp" else "strategy=ddp"
+            raise ConfigError(
+                f"`callbacks.{name}` (Compile, `compile=...`) cannot compile the model under `strategy={family}`; use "
+                f"`compile=none` with it, or {fix}.",
+                setting=f"callbacks.{name}",
+            )
+        if family == "model_parallel" and not OmegaConf.select(cfg, "callbacks.parallelize.block_classes"):
+            raise ConfigError(
+                f"`callbacks.{name}` (Compile) under `strategy=model_parallel` compiles each block through "
+                "`callbacks.parallelize`, which names no `block_classes`; set the model config's "
+                "`parallel_plan.block_classes`, or use `compile=none`.",
+                setting=f"callbacks.{name}",
+            )
+        from lightning_accel.system.software import compile_problem
+
+        problem = compile_problem(str(node.get("backend", "inductor")), on_cuda=on_cuda)
+        if problem:
+            raise ConfigError(f"`callbacks.{name}` (Compile): {problem}; or use `compile=none`.",
+                              setting=f"callbacks.{name}.backend")  # fmt: skip
 
 
 _CPU_OVERSUBSCRIPTION = 4  # CPU ranks per usable CPU still accepted: tests run 4 pipeline ranks on 2 cores

@@ -235,3 +235,18 @@ def test_precision_amp_builds_a_trainer_in_an_app_that_never_calls_apply_precisi
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "PRECISION bf16-mixed" in done.stdout or "PRECISION 32-true" in done.stdout
+
+
+def test_the_example_optimizers_fuse_on_cuda_only(compose_train, monkeypatch) -> None:
+    """`fused: ${accel_fused:${trainer.accelerator}}`: True for a CUDA run (one kernel per AdamW update), None (torch's
+    foreach default) on the CPU; `auto` counts the visible CUDA devices."""
+    from lightning_accel.launch import fused_resolver
+
+    assert fused_resolver("gpu") is True and fused_resolver("cuda") is True and fused_resolver("cpu") is None
+    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: 1)
+    assert fused_resolver("auto") is True
+    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: 0)
+    for model in ("gpt", "classifier"):
+        cfg = compose_train([f"model={model}", "trainer.accelerator=cpu"])
+        assert cfg.model.optimizer.fused is None
+        assert OmegaConf.to_container(cfg.model.optimizer)["fused"].startswith("${accel_fused:")

@@ -143,6 +143,10 @@ _FP16_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_com
          "(MicroBatchFinder, `micro_batch=auto`) runs on one device or under DDP", "use `micro_batch=none`"),
         (0, ["micro_batch=auto", "strategy=pipeline", "trainer.devices=2"], "not with `strategy=pipeline`",
          "or `strategy=ddp`"),
+        (0, ["compile=default", "strategy=pipeline", "trainer.devices=2"],
+         "(Compile, `compile=...`) cannot compile the model under `strategy=pipeline`", "use `compile=none`"),
+        (0, ["compile=max-autotune", "strategy=model_parallel", "precision=bf16_mixed", "parallel_plan=null"],
+         "compiles each block through `callbacks.parallelize`", "`parallel_plan.block_classes`"),
     ],
 )  # fmt: skip
 def test_invalid_combination_names_the_fix(
@@ -164,6 +168,8 @@ def test_invalid_combination_names_the_fix(
         (1, ["trainer.strategy=fsdp"]),  # auto picks the GPU
         (0, [f"trainer.strategy={{_target_: {_MODEL_PARALLEL}}}", "precision=bf16_mixed"]),
         (0, ["micro_batch=auto", "strategy=ddp", "trainer.devices=2", "accumulation=global_batch"]),
+        (0, ["compile=default", "strategy=ddp", "trainer.devices=2"]),
+        (0, ["compile=reduce-overhead", "strategy=model_parallel", "precision=bf16_mixed"]),
     ],
 )
 def test_valid_combinations_pass(compose_train, monkeypatch: pytest.MonkeyPatch, visible: int, overrides) -> None:
@@ -308,3 +314,15 @@ def test_your_own_pipeline_strategy_is_not_checked_as_ours() -> None:
     with pytest.raises(ConfigError, match="extra_knob"):
         check_combinations(OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": ours}}),
                            visible_cuda=0)  # fmt: skip
+
+
+def test_compile_without_a_compiler_is_refused_before_launch(compose_train, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_accel.system import software
+
+    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: 0)
+    monkeypatch.setattr(software.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ConfigError, match="inductor needs a C\\+\\+ compiler") as err:
+        check_config(compose_train(["compile=default"]))
+    assert err.value.setting == "callbacks.compile.backend"
+    check_config(compose_train(["compile=default", "callbacks.compile.backend=aot_eager"]))  # no kernels to build

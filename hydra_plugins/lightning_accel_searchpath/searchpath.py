@@ -29,6 +29,7 @@ def _lazy(name: str) -> Any:
 # them with no call of ours: a Trainer from `precision=amp` gets this machine's precision string.
 for _name, _function, _cached in (
     ("accel_precision", "precision_resolver", True),
+    ("accel_fused", "fused_resolver", True),
     ("accel_run_id", "resolve_run_id", True),
     ("accel_unique", "unique_stamp", True),
     ("accel_job_name", "external_rank_job_name", False),

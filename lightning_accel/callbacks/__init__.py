@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lightning_accel.callbacks.accumulation import AccumulationScheduler
 from lightning_accel.callbacks.bench_monitor import BenchMonitor
+from lightning_accel.callbacks.compile import Compile
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.callbacks.float8 import Float8Training
 from lightning_accel.callbacks.gpu_monitor import GPUMonitor
@@ -19,6 +20,7 @@ from lightning_accel.callbacks.stop_on_signal import StopOnSignal
 __all__ = [
     "AccumulationScheduler",
     "BenchMonitor",
+    "Compile",
     "DataLoaderTuner",
     "Float8Training",
     "GPUMonitor",

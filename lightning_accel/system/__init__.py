@@ -12,12 +12,18 @@ from lightning_accel.system.cpu import BF16_FLAGS, CpuInfo, native_bf16_flag, re
 from lightning_accel.system.facts import SystemFacts, collect_facts, facts_to_dict
 from lightning_accel.system.gpu import GpuInfo, GpuLink, NvmlFacts, VisibleDevice, read_nvml
 from lightning_accel.system.host import IbPort, ShmInfo, read_infiniband, read_nccl_env, read_shm
-from lightning_accel.system.software import PackageVersion, TorchBuild, read_packages, read_torch_build
+from lightning_accel.system.software import (
+    PackageVersion,
+    TorchBuild,
+    compile_problem,
+    read_packages,
+    read_torch_build,
+)
 
 __all__ = [
     "BF16_FLAGS", "CHECKS", "Check", "CheckRequest", "CpuBudget", "CpuInfo", "GpuInfo", "GpuLink", "IbPort",
     "MemoryLimit", "NvmlFacts", "PackageVersion", "ShmInfo", "Status", "SystemFacts", "TorchBuild", "VisibleDevice",
-    "collect_facts", "facts_to_dict", "native_bf16_flag", "read_cpu_budget", "read_cpu_info", "read_infiniband",
-    "read_memory_limit", "read_nccl_env", "read_nvml", "read_packages", "read_shm", "read_torch_build", "run_checks",
-    "suggested_num_workers",
+    "collect_facts", "compile_problem", "facts_to_dict", "native_bf16_flag", "read_cpu_budget", "read_cpu_info",
+    "read_infiniband", "read_memory_limit", "read_nccl_env", "read_nvml", "read_packages", "read_shm",
+    "read_torch_build", "run_checks", "suggested_num_workers",
 ]  # fmt: skip

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import shutil
 from dataclasses import dataclass
 
-__all__ = ["DISTRIBUTION", "PackageVersion", "TorchBuild", "read_packages", "read_torch_build"]
+__all__ = ["DISTRIBUTION", "PackageVersion", "TorchBuild", "compile_problem", "read_packages", "read_torch_build"]
 
 DISTRIBUTION = "lightning_accel"
 """The distribution whose requirements `read_packages` reads."""
@@ -100,3 +102,24 @@ def read_packages(distribution: str = DISTRIBUTION) -> tuple[PackageVersion, ...
             installed = None
         found.append(PackageVersion(name=requirement.name, required=str(requirement.specifier), installed=installed))
     return tuple(found)
+
+
+def compile_problem(backend: str = "inductor", on_cuda: bool = False) -> str | None:
+    """Why `torch.compile` cannot run here, or None: dynamo unsupported on this Python, or inductor without the
+    compiler it builds kernels with (a C++ compiler on the CPU; a C compiler for Triton's launcher on CUDA)."""
+    import torch
+
+    dynamo = getattr(torch, "_dynamo", None)
+    if dynamo is not None and hasattr(dynamo, "is_dynamo_supported") and not dynamo.is_dynamo_supported():
+        return "torch.compile (dynamo) does not support this Python/torch combination"
+    if backend != "inductor":
+        return None
+    if on_cuda:
+        names = [os.environ.get("CC"), "cc", "gcc", "clang"]
+        kind = "a C compiler (Triton builds its kernel launcher with it)"
+    else:
+        names = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+        kind = "a C++ compiler (inductor builds CPU kernels with it)"
+    if any(name and shutil.which(name) for name in names):
+        return None
+    return f"inductor needs {kind} and none is on PATH (install gcc/g++, e.g. `apt install build-essential`)"

@@ -63,6 +63,9 @@ CASES: dict[str, Case] = {
         lambda mp: callbacks.BenchMonitor(metric="train/loss", target=1e9, warmup_batches=1),
         stateless="a measurement of one fit, written to its file; a resumed fit measures itself",
     ),
+    "Compile": Case(
+        lambda mp: callbacks.Compile(backend="eager"), stateless="compiles the model again in every fit's setup"
+    ),
     "DataLoaderTuner": Case(
         lambda mp: callbacks.DataLoaderTuner(steps_per_trial=2, use_cache=False, print_table=False)
     ),
