@@ -1,0 +1,261 @@
+"""accel-tune's search policy, as pure functions: from what was measured, the next configurations to try.
+
+The search is guided, as a profiler-guided engineer works: it starts from the baseline, reads the incumbent's
+bottleneck (BenchMonitor's split through `results.bottleneck`: input-, compute-, communication- or memory-bound)
+and tries the moves that address it, one change at a time on top of the incumbent. A candidate replaces the
+incumbent only when it passed the quality gate and its throughput interval clears the incumbent's (its low end
+above the incumbent's high end): a difference inside the noise is no win.
+
+Nothing here runs anything: `next_candidates(history, space)` takes the outcomes so far and the machine's
+possibilities and returns what to measure next, so the policy is tested on made-up outcomes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "MOVES",
+    "GROUPS",
+    "Candidate",
+    "Move",
+    "Outcome",
+    "Space",
+    "Suggestion",
+    "apply_move",
+    "baseline",
+    "clears",
+    "compatible",
+    "incumbent",
+    "next_candidates",
+]
+
+Bottleneck = Literal["input-bound", "compute-bound", "communication-bound", "memory-bound", ""]
+GROUPS = frozenset({"precision", "compile", "micro_batch", "strategy", "accumulation", "scheduler", "nccl",
+                    "lr_scaling"})  # fmt: skip
+"""Choice keys that are config groups (`precision=amp`); any other key is a setting (`++trainer.devices=2`)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: Hydra choices over the user's own config, and how the search got there."""
+
+    choices: tuple[tuple[str, str], ...] = ()
+    """`(key, value)` pairs, sorted by key: config groups (`precision`, `compile`, `micro_batch`, `strategy`,
+    `accumulation`) and settings (`trainer.devices`, `callbacks.parallelize.activation_checkpointing`)."""
+    parent: str | None = None
+    """The name of the candidate it was derived from (None for the baseline)."""
+    move: str = ""
+    """The move that made it from its parent, in words."""
+
+    @property
+    def name(self) -> str:
+        """A stable name from the choices: `baseline`, `precision=amp+compile=default`."""
+        return "+".join(f"{k}={v}" for k, v in self.choices) or "baseline"
+
+    def overrides(self) -> list[str]:
+        """The Hydra command-line overrides of this candidate (on top of the user's): `group=option` for a config
+        group, `++key=value` (set or add) for a setting."""
+        return [f"{key}={value}" if key in GROUPS else f"++{key}={value}" for key, value in self.choices]
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        return dict(self.choices).get(key, default)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What measuring a candidate gave (medians and intervals over rounds, as accel-bench reports them)."""
+
+    candidate: Candidate
+    status: Literal["ok", "failed"] = "ok"
+    samples_per_s: float | None = None
+    low: float | None = None
+    """The low end of the samples/s interval."""
+    high: float | None = None
+    bottleneck: Bottleneck = ""
+    quality: Literal["pass", "FAIL", "n/a"] = "n/a"
+    reason: str = ""
+    """Why it failed, or a note."""
+
+
+@dataclass(frozen=True)
+class Space:
+    """What this machine and model allow."""
+
+    devices: int = 1
+    """Devices of one kind the run may use (GPUs, or CPU processes)."""
+    on_cuda: bool = False
+    bf16: bool = False
+    """Native bf16 (a CUDA GPU of compute capability 8.0+, or a CPU with bf16 instructions)."""
+    compile: bool = True
+    """torch.compile can run (a compiler for inductor; `system.software.compile_problem`)."""
+    block_classes: bool = False
+    """The model config names its blocks (`parallel_plan.block_classes`): model parallel, pipeline, checkpointing."""
+    global_batch: int | None = None
+    """The global batch to keep (samples per optimizer step), when the user set one."""
+
+
+@dataclass(frozen=True)
+class Move:
+    """One change the search may make: the choices it sets, when it applies, and which bottleneck it addresses."""
+
+    name: str
+    sets: tuple[tuple[str, str], ...]
+    addresses: tuple[str, ...]
+    """Bottlenecks it is tried for, in the order of `MOVES` within each."""
+    needs: tuple[str, ...] = ()
+    """Conditions on the space: `multi` (2+ devices), `cuda`, `bf16`, `compile`, `blocks`, `model_parallel`
+    (the candidate runs strategy=model_parallel)."""
+    excludes: tuple[str, ...] = ()
+    """Keys that must not be set already (a strategy move on top of another strategy)."""
+
+
+MOVES: tuple[Move, ...] = (
+    Move(
+        "DataLoader workers by experiment",
+        (("callbacks.dataloader_tuner._target_", "lightning_accel.callbacks.DataLoaderTuner"),),
+        ("input-bound",),
+    ),
+    Move("micro-batches sized to memory", (("micro_batch", "auto"),), ("memory-bound",)),
+    Move("mixed precision", (("precision", "amp"),), ("compute-bound", "memory-bound", "")),
+    Move("torch.compile", (("compile", "default"),), ("compute-bound", ""), needs=("compile",)),
+    Move("torch.compile max-autotune", (("compile", "max-autotune"),), ("compute-bound",), needs=("compile",)),
+    Move(
+        "DDP over the devices",
+        (("strategy", "ddp"), ("trainer.devices", "{devices}")),
+        ("compute-bound", "input-bound", ""),
+        needs=("multi",),
+        excludes=("strategy",),
+    ),  # fmt: skip
+    Move(
+        "model parallel (FSDP2 per block)",
+        (("strategy", "model_parallel"), ("trainer.devices", "{devices}")),
+        ("memory-bound", "compute-bound"),
+        needs=("multi", "blocks"),
+        excludes=("strategy",),
+    ),  # fmt: skip
+    Move(
+        "activation checkpointing",
+        (("callbacks.parallelize.activation_checkpointing", "true"),),
+        ("memory-bound",),
+        needs=("model_parallel",),
+    ),  # fmt: skip
+    Move("bf16 weights (bf16-true)", (("precision", "bf16_true"),), ("memory-bound",), needs=("bf16",)),
+    Move("fewer gradient reductions (accumulation)", (("accumulation", "fixed"),), ("communication-bound",)),
+    Move(
+        "gradient compression (bf16)", (("ddp_grad_compression", "bf16"),), ("communication-bound",), needs=("cuda",)
+    ),  # fmt: skip
+    Move(
+        "pipeline parallel",
+        (("strategy", "pipeline"), ("trainer.devices", "{devices}")),
+        ("communication-bound", "memory-bound"),
+        needs=("multi", "blocks"),
+        excludes=("strategy",),
+    ),  # fmt: skip
+)
+"""Every move, in the order tried within a bottleneck (cheapest and safest first)."""
+
+
+def baseline() -> Candidate:
+    """Where the search starts: the user's config as it is."""
+    return Candidate()
+
+
+def _applies(move: Move, candidate: Candidate, space: Space) -> bool:
+    if any(candidate.get(key) is not None for key in move.excludes):
+        return False
+    if all(candidate.get(key) == value.format(devices=space.devices) for key, value in move.sets):
+        return False  # the candidate has it already
+    checks = {"multi": space.devices > 1, "cuda": space.on_cuda, "bf16": space.bf16, "compile": space.compile,
+              "blocks": space.block_classes,
+              "model_parallel": candidate.get("strategy") == "model_parallel"}  # fmt: skip
+    if not all(checks[need] for need in move.needs):
+        return False
+    if move.sets[0] == ("precision", "amp") and candidate.get("precision") == "bf16_true":
+        return False
+    return compatible(apply_move(candidate, move, space))
+
+
+def compatible(candidate: Candidate) -> bool:
+    """Whether the candidate's choices run together (what `presets.check_combinations` would refuse is never
+    proposed): micro_batch=auto and compile need one device or DDP (compile also model_parallel)."""
+    strategy = candidate.get("strategy")
+    if candidate.get("micro_batch") == "auto" and strategy in ("model_parallel", "pipeline"):
+        return False
+    return not (candidate.get("compile") not in (None, "none") and strategy == "pipeline")
+
+
+def apply_move(candidate: Candidate, move: Move, space: Space, parent: str | None = None) -> Candidate:
+    """`candidate` with `move`'s choices set (replacing the same keys)."""
+    choices = dict(candidate.choices)
+    choices.update({key: value.format(devices=space.devices) for key, value in move.sets})
+    return Candidate(tuple(sorted(choices.items())), parent=parent or candidate.name, move=move.name)
+
+
+def clears(candidate: Outcome, incumbent: Outcome) -> bool:
+    """Whether `candidate` is faster beyond the noise: its samples/s interval lies above the incumbent's (low end
+    over high end); a candidate without an interval clears only by its median over the incumbent's high end."""
+    if candidate.status != "ok" or candidate.samples_per_s is None or incumbent.samples_per_s is None:
+        return False
+    low = candidate.low if candidate.low is not None else candidate.samples_per_s
+    high = incumbent.high if incumbent.high is not None else incumbent.samples_per_s
+    return low > high
+
+
+def incumbent(history: Sequence[Outcome]) -> Outcome | None:
+    """The best outcome so far, by the search's rule: the first ok outcome (the baseline), replaced by each later one
+    that passed the quality gate and clears it."""
+    best: Outcome | None = None
+    for outcome in history:
+        if outcome.status != "ok":
+            continue
+        if best is None:
+            best = outcome
+        elif outcome.quality == "pass" and clears(outcome, best):
+            best = outcome
+    return best
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """What to try next and why."""
+
+    candidates: list[Candidate] = field(default_factory=list)
+    why: str = ""
+
+
+def next_candidates(history: Sequence[Outcome], space: Space, limit: int = 3) -> Suggestion:
+    """Up to `limit` untried candidates, each one move on top of the incumbent, the moves for its bottleneck first
+    (then the others that apply, so a search whose guess was wrong still explores); empty when none is left or
+    nothing was measured yet (then the baseline comes first).
+
+    A move already tried on this incumbent or an earlier one (the same resulting choices) is not tried again, nor a
+    move whose candidate failed (its keys with the same values are ruled out for the rest of the search).
+    """
+    if not history:
+        return Suggestion([baseline()], "start from the baseline")
+    best = incumbent(history)
+    if best is None:
+        return Suggestion([], "the baseline failed: nothing to build on")
+    tried = {outcome.candidate.choices for outcome in history}
+    failed_settings = {pair for o in history if o.status == "failed" for pair in o.candidate.choices}
+    base = best.candidate
+    ordered = [m for m in MOVES if best.bottleneck in m.addresses]
+    ordered += [m for m in MOVES if m not in ordered]
+    picked: list[Candidate] = []
+    for move in ordered:
+        if len(picked) >= limit:
+            break
+        if not _applies(move, base, space):
+            continue
+        candidate = apply_move(base, move, space)
+        new_pairs = set(candidate.choices) - set(base.choices)
+        if candidate.choices in tried or new_pairs & failed_settings:
+            continue
+        if any(c.choices == candidate.choices for c in picked):
+            continue
+        picked.append(candidate)
+    why = f"incumbent {base.name} is {best.bottleneck or 'of unknown bottleneck'}"
+    return Suggestion(picked, why if picked else f"{why}; every move that applies was tried")
