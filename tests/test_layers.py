@@ -28,6 +28,7 @@ COMPOSITION = (
     "train",
     "doctor",
     "bench",
+    "tune",
     "conf",
     "examples",
 )  # data_settings: the old name of compose, kept for a release

@@ -34,6 +34,7 @@ __all__ = [
     "budget_overrides",
     "describe_changes",
     "monitor_overrides",
+    "override_key",
     "plan_stage",
     "plan_stages",
 ]
@@ -274,14 +275,23 @@ def _selection(name: str, presets: Sequence[str], user_overrides: Sequence[str],
         return [f"preset={name}"]
 
 
+def override_key(override: str) -> str:
+    """The key an override sets: `++trainer.devices=2` -> `trainer.devices`, `precision=amp` -> `precision`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def plan_stages(
     ladder: Sequence[str],
     user_overrides: Sequence[str],
     settings: BenchSettings,
     out_dir: Path,
     visible_cuda: int | None = None,
+    stage_extra: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[list[StagePlan], int | None]:
     """Compose and check every stage, then give each its budget and callbacks; nothing runs yet.
+
+    `stage_extra` gives a stage overrides of its own that come after the user's (accel-tune's candidates); a user
+    override of the same key is left out of that stage.
 
     Returns the plans and the seed of the first round (`settings.seed`, else the config's `seed`, else
     `DEFAULT_SEED`; None when the config sets `seed: null` and `--seed` is not given).
@@ -295,7 +305,14 @@ def plan_stages(
     quick = []
     if settings.quick and str(user_cfg.model.get("_target_", "")).endswith("GPTLanguageModel"):
         quick = [o for o in QUICK_GPT if not any(u.split("=")[0] == o.split("=")[0] for u in user_overrides)]
-    plans = [plan_stage(name, [*selection, *quick, *user_overrides], str(out_dir / "stages" / f"{index}-{name}"),
+    extra = stage_extra or {}
+
+    def stage_overrides_of(name: str, selection: list[str]) -> list[str]:
+        own = list(extra.get(name, ()))
+        keys = {override_key(o) for o in own}
+        return [*selection, *quick, *(o for o in user_overrides if override_key(o) not in keys), *own]
+
+    plans = [plan_stage(name, stage_overrides_of(name, selection), str(out_dir / "stages" / f"{index}-{name}"),
                         visible_cuda) for index, (name, selection) in enumerate(selections)]  # fmt: skip
     reference_batch = next((p.global_batch for p in plans if p.global_batch), None)
     for index, plan in enumerate(plans):

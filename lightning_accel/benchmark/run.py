@@ -8,7 +8,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +123,7 @@ def run_bench(
     launcher: Launcher = launch,
     echo: Callable[[str], None] = print,
     argv: Sequence[str] = (),
+    stage_extra: Mapping[str, Sequence[str]] | None = None,
 ) -> BenchRun:
     """Plan every stage (a bad setting raises before any runs), run them round by round, then write the outputs.
 
@@ -130,13 +131,14 @@ def run_bench(
     so the rounds pair up). A run that the interference probe flags is run again at once, up to
     `settings.max_reruns` times per stage; the rerun replaces it when it is quiet, and a flagged stage is shown as
     such. With `repeats=1` the reference stage runs a second time from the next seed, for the metric's noise.
+    `stage_extra` adds overrides per stage after the user's (see `plan_stages`).
 
     Raises:
         ConfigError: for an unknown stage or overrides that do not compose, before any stage runs.
     """
     started = time.perf_counter()
     machine = _machine()  # before any stage: the load average is the others' load, not ours
-    plans, seed = plan_stages(ladder, overrides, settings, out_dir)
+    plans, seed = plan_stages(ladder, overrides, settings, out_dir, stage_extra=stage_extra)
     changes = describe_changes(plans)
     results = [StageResult(name=p.name, changes=changes[p.name], status=p.status, reason=p.reason,
                            overrides=[*p.overrides, *p.extra], world_size=p.world_size, steps=p.steps)

@@ -1,0 +1,290 @@
+"""accel-tune's loop: measure the baseline, let each incumbent's bottleneck pick the next candidates, measure them
+beside the baseline and the incumbent with accel-bench's method, keep a winner only when it passes quality and
+clears the incumbent's interval, confirm the final pick with a longer run, and write it as a preset.
+
+Every generation is one `run_bench` over a ladder of candidate presets written into the run directory (`baseline`
+first: speedups and quality verdicts are against it), so each candidate runs in its own `accel-train` process
+session with a timeout, round by round, under the interference probe. A failed candidate is recorded and the search
+goes on; Ctrl-C stops it and the best result so far is still written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from lightning_accel.benchmark.plan import BenchSettings
+from lightning_accel.benchmark.preset_file import preset_yaml, write_preset
+from lightning_accel.benchmark.process import Launcher, launch
+from lightning_accel.benchmark.results import StageResult
+from lightning_accel.benchmark.run import run_bench
+from lightning_accel.benchmark.search import Candidate, Outcome, Space, baseline, clears, incumbent, next_candidates
+
+__all__ = ["TuneResult", "TuneSettings", "outcome_of", "tune"]
+
+
+@dataclass(kw_only=True)
+class TuneSettings:
+    """How accel-tune searches (its command line)."""
+
+    time_budget_s: float = 600.0
+    """Wall-clock budget of the search; no generation starts after it (the confirmation run may go past it)."""
+    per_generation: int = 2
+    """New candidates measured per generation."""
+    bench: BenchSettings = field(default_factory=lambda: BenchSettings(steps=40, repeats=2, match="steps"))
+    """How each generation measures (steps per run, rounds, metric, tolerance)."""
+    confirm_steps: int | None = None
+    """Steps of the confirmation run of the final pick against the baseline; None: 3x `bench.steps`; 0: none."""
+    config_dir: Path = Path("conf")
+    """Where the preset goes: `<config_dir>/preset/tuned_<name>.yaml`."""
+    name: str = "model"
+
+
+@dataclass(kw_only=True)
+class TuneResult:
+    """The search's outcome: every candidate measured, the pick, and what was written."""
+
+    history: list[Outcome]
+    pick: Outcome | None
+    confirmed: bool | None
+    """Whether the confirmation run upheld the pick (None: not run)."""
+    preset: Path | None
+    files: list[Path]
+    generations: int
+    interrupted: bool
+    stop_reason: str
+    trace: list[dict[str, Any]] = field(default_factory=list)
+
+
+def outcome_of(candidate: Candidate, result: StageResult) -> Outcome:
+    """A candidate's outcome from its accel-bench row (the baseline, the reference, passes quality by definition)."""
+    if result.status != "ok":
+        return Outcome(candidate, status="failed", reason=result.reason or result.status)
+    interval = result.samples_interval or {}
+    quality = result.quality if result.quality in ("pass", "FAIL") else ("pass" if not candidate.choices else "n/a")
+    return Outcome(candidate, samples_per_s=result.samples_per_s, low=interval.get("low"), high=interval.get("high"),
+                   bottleneck=result.bottleneck or "", quality=quality, reason=result.bottleneck_why)  # type: ignore[arg-type]  # fmt: skip
+
+
+def _stage_name(candidate: Candidate, index: int) -> str:
+    """The stage's preset name: `as_is` for the baseline (the user's config unchanged, not the packaged `baseline`
+    preset, which would set fp32, one device and no workers), `cand<i>` for the others."""
+    return "as_is" if not candidate.choices else f"cand{index}"
+
+
+def _measure(
+    ladder: list[Candidate],
+    overrides: Sequence[str],
+    bench: BenchSettings,
+    out_dir: Path,
+    launcher: Launcher,
+    echo: Callable[[str], None],
+) -> tuple[dict[Candidate, Outcome], bool, Path]:
+    """One accel-bench run over `ladder` (presets written under `out_dir/conf`); the outcomes by candidate."""
+    conf = out_dir / "conf"
+    names = []
+    for index, candidate in enumerate(ladder):
+        name = _stage_name(candidate, index)
+        (conf / "preset").mkdir(parents=True, exist_ok=True)  # the stage's name; its choices come after the user's
+        (conf / "preset" / f"{name}.yaml").write_text(preset_yaml(Candidate(), [candidate.name]))
+        names.append(name)
+    search = [f"hydra.searchpath=[file://{conf.resolve()}]"]
+    extra = {name: c.overrides() for name, c in zip(names, ladder, strict=True)}
+    run = run_bench(names, [*search, *overrides], bench, out_dir, launcher=launcher, echo=echo, stage_extra=extra)
+    outcomes = {candidate: outcome_of(candidate, result) for candidate, result in zip(ladder, run.results,
+                                                                                      strict=True)}  # fmt: skip
+    return outcomes, run.interrupted, out_dir / "bench.md"
+
+
+def tune(
+    overrides: Sequence[str],
+    space: Space,
+    settings: TuneSettings,
+    out_dir: Path,
+    *,
+    launcher: Launcher = launch,
+    echo: Callable[[str], None] = print,
+    clock: Callable[[], float] = time.monotonic,
+) -> TuneResult:
+    """Search for the fastest configuration of the user's run (`overrides`) that keeps quality, within the budget.
+
+    Raises:
+        ConfigError: when the user's overrides do not compose (before anything runs).
+    """
+    started = clock()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    history: list[Outcome] = []
+    trace: list[dict[str, Any]] = []
+    generation, interrupted, stop = 0, False, ""
+    try:
+        while True:
+            suggestion = next_candidates(history, space, limit=settings.per_generation)
+            if not suggestion.candidates:
+                stop = suggestion.why or "nothing left to try"
+                break
+            if generation and clock() - started >= settings.time_budget_s:
+                stop = f"the time budget of {settings.time_budget_s:.0f} s is spent"
+                break
+            best = incumbent(history)
+            ladder = [baseline()]
+            if best is not None and best.candidate.choices:
+                ladder.append(best.candidate)
+            ladder += [c for c in suggestion.candidates if c.choices]
+            echo(f"accel-tune: generation {generation}: {suggestion.why}; measuring "
+                 f"{', '.join(c.name for c in ladder)}")  # fmt: skip
+            outcomes, interrupted, table = _measure(ladder, overrides, settings.bench,
+                                                    out_dir / f"gen{generation}", launcher, echo)  # fmt: skip
+            history = _merge(history, outcomes)
+            trace.append({"generation": generation, "why": suggestion.why, "table": str(table),
+                          "measured": [_describe(o) for o in outcomes.values()],
+                          "incumbent": (incumbent(history) or Outcome(baseline())).candidate.name})  # fmt: skip
+            generation += 1
+            if interrupted:
+                stop = "interrupted (Ctrl-C)"
+                break
+    except KeyboardInterrupt:
+        interrupted, stop = True, "interrupted (Ctrl-C)"
+    pick = incumbent(history)
+    confirmed = None
+    if pick is not None and pick.candidate.choices and not interrupted and settings.confirm_steps != 0:
+        confirmed, pick, interrupted = _confirm(pick, overrides, settings, out_dir, launcher, echo, trace)
+    files = _write_report(history, pick, confirmed, trace, stop, settings, out_dir, clock() - started)
+    preset = None
+    if pick is not None:
+        preset = write_preset(settings.config_dir, settings.name, pick.candidate,
+                              comment=[f"accel-tune: {pick.candidate.name}", *_summary(pick, history)])  # fmt: skip
+        files.append(preset)
+    echo(f"accel-tune: {stop}; pick: {pick.candidate.name if pick else 'none'}"
+         + (f"; wrote {preset}" if preset else ""))  # fmt: skip
+    return TuneResult(history=history, pick=pick, confirmed=confirmed, preset=preset, files=files,
+                      generations=generation, interrupted=interrupted, stop_reason=stop, trace=trace)  # fmt: skip
+
+
+def _merge(history: list[Outcome], outcomes: dict[Candidate, Outcome]) -> list[Outcome]:
+    """The history with this generation's measurements: a candidate measured again (the baseline, the incumbent)
+    takes its new figures in place, side by side with the newcomers they are compared with."""
+    merged = [outcomes.get(o.candidate, o) for o in history]
+    known = {o.candidate for o in history}
+    merged += [o for c, o in outcomes.items() if c not in known]
+    return merged
+
+
+def _confirm(pick: Outcome, overrides: Sequence[str], settings: TuneSettings, out_dir: Path, launcher: Launcher,
+             echo: Callable[[str], None], trace: list[dict[str, Any]]) -> tuple[bool, Outcome, bool]:  # fmt: skip
+    """A longer run of the pick beside the baseline: it must still pass quality and clear the baseline, else the
+    baseline is the pick (never slower than where the user started)."""
+    steps = settings.confirm_steps or 3 * settings.bench.steps
+    bench = replace(settings.bench, steps=steps)
+    echo(f"accel-tune: confirming {pick.candidate.name} against the baseline over {steps} steps")
+    outcomes, interrupted, table = _measure([baseline(), pick.candidate], overrides, bench, out_dir / "confirm",
+                                            launcher, echo)  # fmt: skip
+    base, again = outcomes[baseline()], outcomes[pick.candidate]
+    upheld = again.status == "ok" and again.quality == "pass" and clears(again, base)
+    trace.append({"generation": "confirm", "table": str(table), "measured": [_describe(o) for o in outcomes.values()],
+                  "upheld": upheld})  # fmt: skip
+    if not upheld:
+        echo(f"accel-tune: the confirmation did not uphold {pick.candidate.name} "
+             f"({again.quality}, {_rate(again)} vs {_rate(base)}): the baseline stays")  # fmt: skip
+        return False, base, interrupted
+    return True, again, interrupted
+
+
+def _rate(o: Outcome) -> str:
+    if o.samples_per_s is None:
+        return o.status
+    return f"{o.samples_per_s:,.0f} samples/s [{o.low or o.samples_per_s:,.0f}, {o.high or o.samples_per_s:,.0f}]"
+
+
+def _describe(o: Outcome) -> dict[str, Any]:
+    return {"candidate": o.candidate.name, "overrides": o.candidate.overrides(), "parent": o.candidate.parent,
+            "move": o.candidate.move, **{k: v for k, v in asdict(o).items() if k != "candidate"}}  # fmt: skip
+
+
+def _summary(pick: Outcome, history: Sequence[Outcome]) -> list[str]:
+    base = next((o for o in history if not o.candidate.choices), None)
+    if base is None or base.samples_per_s is None or pick.samples_per_s is None:
+        return []
+    return [f"{pick.samples_per_s / base.samples_per_s:.2f}x the baseline's samples/s ({_rate(pick)} vs "
+            f"{_rate(base)}), quality {pick.quality}"]  # fmt: skip
+
+
+def _verdict(o: Outcome, pick: Outcome | None, base: Outcome | None) -> str:
+    if o.status != "ok":
+        return f"failed: {o.reason}"
+    if pick is not None and o.candidate == pick.candidate:
+        return "pick"
+    if not o.candidate.choices:
+        return "reference"
+    if o.quality == "FAIL":
+        return "lost: quality"
+    if base is not None and not clears(o, base):
+        return "lost: not faster than the baseline beyond the noise"
+    return "lost: another candidate was faster"
+
+
+def _write_report(history: Sequence[Outcome], pick: Outcome | None, confirmed: bool | None,
+                  trace: list[dict[str, Any]], stop: str, settings: TuneSettings, out_dir: Path,
+                  total_s: float) -> list[Path]:  # fmt: skip
+    """tune.md (every candidate: samples/s with interval, speedup, quality, bottleneck, verdict), tune.json (the
+    trace) and tune.png (samples/s with intervals; needs matplotlib), written atomically."""
+    base = next((o for o in history if not o.candidate.choices and o.status == "ok"), None)
+    rows = ["| candidate | move | samples/s [interval] | vs baseline | quality | bottleneck | verdict |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for o in history:
+        speed = "-"
+        if base is not None and base.samples_per_s and o.samples_per_s:
+            speed = f"{o.samples_per_s / base.samples_per_s:.2f}x"
+        rows.append(f"| `{o.candidate.name}` | {o.candidate.move or '-'} | {_rate(o)} | {speed} | {o.quality} | "
+                    f"{o.bottleneck or '-'} | {_verdict(o, pick, base)} |")  # fmt: skip
+    confirm = {None: "not run", True: "upheld", False: "not upheld: the baseline stays"}[confirmed]
+    text = "\n".join([
+        f"# accel-tune: {pick.candidate.name if pick else 'no pick'}", "",
+        f"Stopped: {stop}. {len(history)} candidate(s) in {total_s:.0f} s; confirmation: {confirm}.", "",
+        *rows, "",
+        f"Preset: `preset=tuned_{settings.name}` (with `'hydra.searchpath=[file://{settings.config_dir}]'`).", "",
+    ])  # fmt: skip
+    files = [_atomic(out_dir / "tune.md", text),
+             _atomic(out_dir / "tune.json", json.dumps({"stop": stop, "total_s": total_s, "confirmed": confirmed,
+                                                        "pick": pick.candidate.name if pick else None,
+                                                        "trace": trace}, indent=2, default=str) + "\n")]  # fmt: skip
+    plot = _plot(history, out_dir / "tune.png")
+    if plot is not None:
+        files.append(plot)
+    return files
+
+
+def _atomic(path: Path, text: str) -> Path:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def _plot(history: Sequence[Outcome], path: Path) -> Path | None:
+    measured = [o for o in history if o.samples_per_s is not None]
+    if not measured:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(measured) + 1.5))
+    values = [o.samples_per_s or 0.0 for o in measured]
+    errors = [[v - (o.low or v) for o, v in zip(measured, values, strict=True)],
+              [(o.high or v) - v for o, v in zip(measured, values, strict=True)]]  # fmt: skip
+    ax.barh([o.candidate.name for o in measured], values, xerr=errors, capsize=3)
+    ax.set_xlabel("samples/s (median, interval)")
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,114 @@
+"""accel-tune: the fastest configuration of your run that keeps quality, found by experiment, written as a preset."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_accel.errors import ConfigError
+
+__all__ = ["build_parser", "detect_space", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `accel-tune`; argparse exits 2 on a usage error."""
+    parser = argparse.ArgumentParser(
+        prog="accel-tune",
+        description="Search the configuration of an accel-train run (precision, torch.compile, DataLoader workers, "
+        "micro-batch, DDP, model parallel, pipeline, checkpointing, accumulation) for the fastest one that keeps "
+        "quality. From the baseline, each incumbent's measured bottleneck picks the next moves; candidates are "
+        "measured beside the baseline with accel-bench's rounds, intervals and interference checks, and win only "
+        "when they pass the quality gate and their throughput interval clears the incumbent's. The pick is "
+        "confirmed by a longer run and written as <config-dir>/preset/tuned_<name>.yaml, with tune.md, tune.json "
+        "and tune.png in --out. Exit code: 0 with a pick, 1 when even the baseline failed, 2 for a usage error, "
+        "130 after Ctrl-C (the best so far is written).",
+        epilog="Trailing Hydra overrides are the run to tune: accel-tune --time-budget 600 model=classifier",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of the run to tune")
+    parser.add_argument("--time-budget", type=float, default=600.0, metavar="S",
+                        help="seconds of search; no generation starts after it (default 600)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=40, metavar="N",
+                        help="optimizer steps of each measured run (default 40)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=2, metavar="N", help="rounds per generation (default 2)")
+    parser.add_argument("--per-generation", type=int, default=2, metavar="N",
+                        help="new candidates measured per generation (default 2)")  # fmt: skip
+    parser.add_argument("--confirm-steps", type=int, default=None, metavar="N",
+                        help="steps of the confirmation run of the pick (default 3 x --steps; 0: none)")  # fmt: skip
+    parser.add_argument("--metric", default="val/loss", help="the quality metric (default val/loss)")
+    parser.add_argument("--tolerance", type=float, default=0.02,
+                        help="a candidate's metric may be this much (relative) worse than the baseline's "
+                        "(default 0.02)")  # fmt: skip
+    parser.add_argument("--config-dir", type=Path, default=Path("conf"),
+                        help="where the preset goes: <dir>/preset/tuned_<name>.yaml (default ./conf)")  # fmt: skip
+    parser.add_argument("--name", default=None, help="the preset's name (default: the model config's target)")
+    parser.add_argument("--out", type=Path, default=None, help="the run directory (default outputs/tune/<time>)")
+    parser.add_argument("--quick", action="store_true", help="the smaller GPT example and 2 validations per run")
+    parser.add_argument("--stage-timeout", type=float, default=300.0, metavar="S",
+                        help="a run that takes longer is ended and counts as failed (default 300)")  # fmt: skip
+    return parser
+
+
+def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
+    """What this machine and the user's model allow (`search.Space`), and the model's name for the preset."""
+    from omegaconf import OmegaConf
+
+    from lightning_accel.benchmark.compose import compose_user_config
+    from lightning_accel.benchmark.search import Space
+    from lightning_accel.precision import resolve_precision
+    from lightning_accel.presets import check_config, run_shape
+    from lightning_accel.system.software import compile_problem
+
+    cfg = compose_user_config(list(overrides), str(run_dir / "check"))
+    check_config(cfg)
+    shape = run_shape(cfg)
+    devices = shape.visible_cuda if shape.on_cuda else min(2, shape.cpus)
+    accelerator = "cuda" if shape.on_cuda else "cpu"
+    bf16 = resolve_precision("amp", accelerator).value.startswith("bf16")
+    blocks = bool(OmegaConf.select(cfg, "parallel_plan.block_classes"))
+    global_batch = OmegaConf.select(cfg, "callbacks.accumulation.global_batch_size")
+    space = Space(devices=max(1, int(devices or 1)), on_cuda=shape.on_cuda, bf16=bf16,
+                  compile=compile_problem(on_cuda=shape.on_cuda) is None, block_classes=blocks,
+                  global_batch=global_batch if isinstance(global_batch, int) else None)  # fmt: skip
+    name = str(cfg.model.get("_target_", "model")).rsplit(".", 1)[-1]
+    return space, "".join(ch if ch.isalnum() else "_" for ch in name).lower()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point of `accel-tune` (also `python -m lightning_accel.tune`); returns the exit code."""
+    from lightning_accel.benchmark import BenchSettings
+    from lightning_accel.benchmark.autopilot import TuneSettings, tune
+    from lightning_accel.launch import unique_stamp
+
+    args = build_parser().parse_args(argv)
+    try:
+        for flag, value in (("--steps", args.steps), ("--repeats", args.repeats),
+                            ("--per-generation", args.per_generation)):  # fmt: skip
+            if value < 1:
+                raise ConfigError(f"`{flag}={value}` must be >= 1.")
+        if args.time_budget <= 0:
+            raise ConfigError(f"`--time-budget={args.time_budget}` must be > 0 seconds.")
+        stamp = unique_stamp(dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+        out = (args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "tune" / stamp).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        space, model_name = detect_space(args.overrides, out)
+        bench = BenchSettings(steps=args.steps, match="steps", repeats=args.repeats, metric=args.metric,
+                              tolerance=args.tolerance, quick=args.quick, val_checks=2,
+                              stage_timeout_s=args.stage_timeout)  # fmt: skip
+        settings = TuneSettings(time_budget_s=args.time_budget, per_generation=args.per_generation, bench=bench,
+                                confirm_steps=args.confirm_steps, config_dir=args.config_dir.resolve(),
+                                name=args.name or model_name)  # fmt: skip
+        result = tune(args.overrides, space, settings, out)  # type: ignore[arg-type]
+    except ConfigError as err:
+        print(f"accel-tune: error: {err}", file=sys.stderr)
+        return 2
+    if result.interrupted:
+        return 130
+    return 0 if result.pick is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""accel-tune end to end with a scripted launcher: the guided search, the quality gate, failures, the time budget,
+Ctrl-C, the preset and the report. Each "run" writes the measurement a fake world gives its candidate."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from test_bench import _measurement
+
+from lightning_accel.benchmark.autopilot import TuneSettings, tune
+from lightning_accel.benchmark.plan import BenchSettings
+from lightning_accel.benchmark.search import Space
+
+USER = ["trainer.accelerator=cpu", "trainer.devices=1"]
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No interference flags: the scripted runs take no time, whatever else this machine runs."""
+    from test_bench import _ScriptedProbe
+
+    monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([]))
+
+
+def _candidate_of(command: list[str]) -> str:
+    """The candidate a run measures: the name in its stage preset's first comment line."""
+    preset = next(a.split("=", 1)[1] for a in command if a.startswith("preset="))
+    searchpath = next(a for a in command if a.startswith("hydra.searchpath="))
+    folder = Path(re.search(r"file://([^\]]+)", searchpath).group(1))  # type: ignore[union-attr]
+    return (folder / "preset" / f"{preset}.yaml").read_text().splitlines()[1].lstrip("# ").strip()
+
+
+def world(rates: dict[str, float], metrics: dict[str, float] | None = None, fails: tuple[str, ...] = (),
+          data_share: dict[str, float] | None = None, on_call: Callable[[int], None] | None = None):  # fmt: skip
+    """A launcher whose runs measure `rates[candidate]` samples/s (+-1% by round), the metric `metrics[candidate]`
+    (2.0), a data-wait share (input-bound above 0.2), and fail for the candidates in `fails`."""
+    calls: list[str] = []
+
+    def launcher(command: list[str], stage_dir: Path, timeout: float | None) -> subprocess.CompletedProcess[str]:
+        name = _candidate_of(command)
+        calls.append(name)
+        if on_call is not None:
+            on_call(len(calls))
+        if name in fails:
+            return subprocess.CompletedProcess(command, 1, "", "RuntimeError: boom in the candidate\n")
+        rate = rates.get(name, rates["baseline"] * 0.9) * (1 + 0.01 * (len(calls) % 3 - 1))
+        share = (data_share or {}).get(name, 0.05)
+        m = _measurement(320.0 / rate, (metrics or {}).get(name, 2.0), data_s=share)
+        m["steady_s"] = steady = 320.0 / rate
+        compute = steady * (1 - share) / 3
+        m["data_s"], m["forward_s"], m["backward_s"], m["optimizer_s"] = share * steady, compute, compute, compute
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        (stage_dir / "stage.json").write_text(json.dumps(m))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    return launcher, calls
+
+
+def settings(tmp_path: Path, **kwargs) -> TuneSettings:
+    return TuneSettings(bench=BenchSettings(steps=4, repeats=2, match="steps"), config_dir=tmp_path / "conf",
+                        name="tiny", **kwargs)  # fmt: skip
+
+
+def test_the_search_follows_the_bottleneck_keeps_quality_and_writes_the_preset(tmp_path: Path) -> None:
+    rates = {"baseline": 100.0, "precision=amp": 150.0, "precision=amp+strategy=ddp+trainer.devices=2": 260.0}
+    metrics = {"compile=default": 3.0}  # faster but worse: must not win
+    rates["compile=default"] = 400.0
+    launcher, calls = world(rates, metrics, fails=("compile=default+precision=amp",))
+    lines: list[str] = []
+    result = tune(USER, Space(devices=2, compile=True), settings(tmp_path), tmp_path / "out", launcher=launcher,
+                  echo=lines.append)  # fmt: skip
+    assert result.pick is not None and result.pick.candidate.name == "precision=amp+strategy=ddp+trainer.devices=2"
+    assert result.confirmed is True
+    names = [o.candidate.name for o in result.history]
+    assert names[0] == "baseline" and "compile=default" in names
+    compiled = next(o for o in result.history if o.candidate.name == "compile=default")
+    assert compiled.quality == "FAIL"
+    failed = [o for o in result.history if o.status == "failed"]
+    assert [o.candidate.name for o in failed] == ["compile=default+precision=amp"] and "boom" in failed[0].reason
+    preset = (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
+    assert "override /precision: amp" in preset and "override /strategy: ddp" in preset and "devices: 2" in preset
+    report = (tmp_path / "out" / "tune.md").read_text()
+    assert "| `compile=default` |" in report and "lost: quality" in report and "failed: " in report
+    assert (
+        "pick" in report
+        and json.loads((tmp_path / "out" / "tune.json").read_text())["pick"] == result.pick.candidate.name
+    )
+    assert any("generation 1" in line for line in lines)
+
+
+def test_a_pick_the_confirmation_does_not_uphold_leaves_the_baseline(tmp_path: Path) -> None:
+    rates = {"baseline": 100.0, "precision=amp": 150.0}
+    launcher, calls = world(rates)
+
+    def confirm_aware(command, stage_dir, timeout):
+        if "confirm" in stage_dir.parts:
+            rates["precision=amp"] = 101.0  # the longer run shows no real gain
+        return launcher(command, stage_dir, timeout)
+
+    result = tune(USER, Space(devices=1, compile=False), settings(tmp_path), tmp_path / "out",
+                  launcher=confirm_aware, echo=lambda _: None)  # fmt: skip
+    assert result.confirmed is False and result.pick is not None and result.pick.candidate.name == "baseline"
+    assert "override" not in (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()  # the user's config as is
+
+
+def test_the_time_budget_stops_the_search_and_ctrl_c_keeps_the_best_so_far(tmp_path: Path) -> None:
+    ticks = iter(range(0, 10_000, 100))
+    launcher, calls = world({"baseline": 100.0, "precision=amp": 150.0})
+    result = tune(USER, Space(devices=2, compile=True), settings(tmp_path, time_budget_s=150, confirm_steps=0),
+                  tmp_path / "out", launcher=launcher, echo=lambda _: None,
+                  clock=lambda: float(next(ticks)))  # fmt: skip
+    assert result.stop_reason.startswith("the time budget of 150 s is spent") and result.generations == 2
+
+    def interrupt(n: int) -> None:
+        if n == 5:  # generation 1, after the baseline's and amp's first round
+            raise KeyboardInterrupt
+
+    launcher, calls = world({"baseline": 100.0, "precision=amp": 150.0}, on_call=interrupt)
+    result = tune(USER, Space(devices=2, compile=True), settings(tmp_path / "second"), tmp_path / "out2",
+                  launcher=launcher, echo=lambda _: None)  # fmt: skip
+    assert result.interrupted and result.stop_reason == "interrupted (Ctrl-C)" and result.confirmed is None
+    assert result.pick is not None  # the best measured before Ctrl-C
+    assert (tmp_path / "second" / "conf" / "preset" / "tuned_tiny.yaml").is_file()
+    assert (tmp_path / "out2" / "tune.md").is_file()
+
+
+def test_an_input_bound_baseline_tries_the_dataloader_tuner_first(tmp_path: Path) -> None:
+    tuner = "callbacks.dataloader_tuner._target_=lightning_accel.callbacks.DataLoaderTuner"
+    launcher, calls = world({"baseline": 100.0, tuner: 300.0}, data_share={"baseline": 0.6})
+    result = tune(USER, Space(devices=1, compile=False), settings(tmp_path, per_generation=1, confirm_steps=0),
+                  tmp_path / "out", launcher=launcher, echo=lambda _: None)  # fmt: skip
+    assert result.history[1].candidate.name == tuner  # the first move for input-bound
+    assert result.pick is not None and result.pick.candidate.name.startswith(tuner)
+    assert "DataLoaderTuner" in (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
+
+
+def test_the_command_line_refuses_bad_settings_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_accel.tune import main
+
+    assert main(["--steps", "0"]) == 2
+    assert "`--steps=0` must be >= 1" in capsys.readouterr().err
