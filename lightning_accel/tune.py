@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-budget", type=float, default=600.0, metavar="S",
                         help="seconds of search; no generation starts after it (default 600)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=40, metavar="N",
-                        help="optimizer steps of each measured run (default 40)")  # fmt: skip
+                        help="optimizer steps of the baseline's runs; every candidate trains the same samples "
+                        "(default 40)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2, metavar="N", help="rounds per generation (default 2)")
     parser.add_argument("--per-generation", type=int, default=2, metavar="N",
                         help="new candidates measured per generation (default 2)")  # fmt: skip
@@ -95,7 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = (args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "tune" / stamp).resolve()
         out.mkdir(parents=True, exist_ok=True)
         space, model_name = detect_space(args.overrides, out)
-        bench = BenchSettings(steps=args.steps, match="steps", repeats=args.repeats, metric=args.metric,
+        # the same samples for every candidate (a DDP or accumulation candidate runs fewer steps): the quality gate
+        # compares runs over the same data, and samples/s is the throughput
+        bench = BenchSettings(steps=args.steps, match="samples", repeats=args.repeats, metric=args.metric,
                               tolerance=args.tolerance, quick=args.quick, val_checks=2,
                               stage_timeout_s=args.stage_timeout)  # fmt: skip
         settings = TuneSettings(time_budget_s=args.time_budget, per_generation=args.per_generation, bench=bench,

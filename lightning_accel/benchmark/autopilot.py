@@ -36,8 +36,9 @@ class TuneSettings:
     """Wall-clock budget of the search; no generation starts after it (the confirmation run may go past it)."""
     per_generation: int = 2
     """New candidates measured per generation."""
-    bench: BenchSettings = field(default_factory=lambda: BenchSettings(steps=40, repeats=2, match="steps"))
-    """How each generation measures (steps per run, rounds, metric, tolerance)."""
+    bench: BenchSettings = field(default_factory=lambda: BenchSettings(steps=40, repeats=2, match="samples"))
+    """How each generation measures (the baseline's steps, rounds, metric, tolerance); `match="samples"`: every
+    candidate trains the same samples, so the quality gate compares runs over the same data."""
     confirm_steps: int | None = None
     """Steps of the confirmation run of the final pick against the baseline; None: 3x `bench.steps`; 0: none."""
     config_dir: Path = Path("conf")

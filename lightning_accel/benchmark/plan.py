@@ -228,7 +228,7 @@ def budget_overrides(
     """(optimizer steps, overrides): steps (or time), validation cadence and the tuner's bound for one stage."""
     extra = ["test=false", "++trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"]
     if settings.quick and "dataloader_tuner" in plan.callbacks:  # its search (up to 60 s) would dwarf a quick stage
-        extra.append(f"callbacks.dataloader_tuner.max_tuning_time_s={QUICK_TUNING_S:g}")
+        extra.append(f"++callbacks.dataloader_tuner.max_tuning_time_s={QUICK_TUNING_S:g}")  # set or add
     if settings.time_budget_s is not None:
         seconds = int(math.ceil(settings.time_budget_s))
         days, rest = divmod(seconds, 86400)
