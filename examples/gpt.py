@@ -98,6 +98,9 @@ class GPTLanguageModel(pl.LightningModule):
         optimizer: a partial called as `optimizer(param_groups)`; None gives `AdamW(lr=1e-3)`. Its
             `weight_decay` keyword, when set, applies to weights of two or more dimensions only.
         lr_scheduler: a partial called as `lr_scheduler(optimizer, total_steps=...)`, stepped every optimizer step.
+        device_memory_samples: simulate a device that holds the activations of at most this many sequences per
+            training forward: a larger batch raises `torch.OutOfMemoryError`, as CUDA would, so `micro_batch=auto`
+            and accel-tune's memory moves can be tried on a CPU. None: no limit.
 
     Raises:
         ValueError: for a non-positive size, `n_embd` not divisible by `n_head`, or dropout outside [0, 1).
@@ -118,6 +121,7 @@ class GPTLanguageModel(pl.LightningModule):
         dropout: float = 0.0,
         optimizer: Callable[..., Any] | None = None,
         lr_scheduler: Callable[..., Any] | None = None,
+        device_memory_samples: int | None = None,
     ) -> None:
         super().__init__()
         sizes = {"vocab_size": vocab_size, "block_size": block_size, "n_layer": n_layer, "n_head": n_head}
@@ -131,6 +135,9 @@ class GPTLanguageModel(pl.LightningModule):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"`model.dropout={dropout}` must be within [0, 1).")
+        if device_memory_samples is not None and device_memory_samples < 1:
+            raise ValueError(f"`model.device_memory_samples={device_memory_samples}` must be >= 1, or null.")
+        self.device_memory_samples = device_memory_samples
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -165,6 +172,12 @@ class GPTLanguageModel(pl.LightningModule):
         On a pipeline stage (`strategy=pipeline`) the modules of other stages are None: without `tok_emb` the input is
         the residual stream `(batch, seq, n_embd)`, and without `lm_head` the residual stream is returned.
         """
+        limit = self.device_memory_samples
+        if limit is not None and self.training and torch.is_grad_enabled() and idx.shape[0] > limit:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (simulated by model.device_memory_samples={limit}): a forward of {idx.shape[0]} "
+                "sequences does not fit"
+            )
         seq = idx.shape[1]
         if seq > self.block_size:
             raise ValueError(

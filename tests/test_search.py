@@ -140,3 +140,17 @@ def test_choices_that_do_not_run_together_are_never_proposed() -> None:
     assert "ddp" in strategies and not strategies & {"model_parallel", "pipeline"}  # micro_batch=auto runs with DDP
     assert not compatible(Candidate((("compile", "default"), ("strategy", "pipeline"))))
     assert compatible(Candidate((("compile", "default"), ("strategy", "model_parallel"))))
+
+
+def test_a_baseline_out_of_memory_tries_the_memory_moves_only() -> None:
+    space = Space(devices=2, bf16=True, block_classes=True)
+    oom = Outcome(baseline(), status="failed", reason="exit 1: torch.OutOfMemoryError: CUDA out of memory")
+    first = next_candidates([oom], space, limit=10)
+    assert first.candidates[0].name == "micro_batch=auto"
+    assert {c.move for c in first.candidates} <= {m.name for m in MOVES if "memory-bound" in m.addresses}
+    sized = first.candidates[0]
+    history = [oom, ok(sized, 80.0, bottleneck="compute-bound")]
+    assert incumbent(history).candidate == sized  # type: ignore[union-attr]  # the first run that fits
+    assert (
+        next_candidates([Outcome(baseline(), status="failed", reason="exit 1: KeyError: 'x'")], space).candidates == []
+    )

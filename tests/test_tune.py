@@ -36,7 +36,8 @@ def _candidate_of(command: list[str]) -> str:
 
 
 def world(rates: dict[str, float], metrics: dict[str, float] | None = None, fails: tuple[str, ...] = (),
-          data_share: dict[str, float] | None = None, on_call: Callable[[int], None] | None = None):  # fmt: skip
+          data_share: dict[str, float] | None = None, on_call: Callable[[int], None] | None = None,
+          oom: tuple[str, ...] = ()):  # fmt: skip
     """A launcher whose runs measure `rates[candidate]` samples/s (+-1% by round), the metric `metrics[candidate]`
     (2.0), a data-wait share (input-bound above 0.2), and fail for the candidates in `fails`."""
     calls: list[str] = []
@@ -48,6 +49,8 @@ def world(rates: dict[str, float], metrics: dict[str, float] | None = None, fail
             on_call(len(calls))
         if name in fails:
             return subprocess.CompletedProcess(command, 1, "", "RuntimeError: boom in the candidate\n")
+        if name in oom:
+            return subprocess.CompletedProcess(command, 1, "", "torch.OutOfMemoryError: CUDA out of memory (fake)\n")
         rate = rates.get(name, rates["baseline"] * 0.9) * (1 + 0.01 * (len(calls) % 3 - 1))
         share = (data_share or {}).get(name, 0.05)
         m = _measurement(320.0 / rate, (metrics or {}).get(name, 2.0), data_s=share)
@@ -144,3 +147,13 @@ def test_the_command_line_refuses_bad_settings_before_anything_runs(capsys: pyte
 
     assert main(["--steps", "0"]) == 2
     assert "`--steps=0` must be >= 1" in capsys.readouterr().err
+
+
+def test_a_run_that_does_not_fit_is_tuned_to_one_that_does(tmp_path: Path) -> None:
+    """The baseline runs out of memory; micro_batch=auto fits and becomes the pick (confirmed without a baseline)."""
+    launcher, calls = world({"baseline": 100.0, "micro_batch=auto": 90.0}, oom=("baseline",))
+    result = tune(USER, Space(devices=1, compile=False), settings(tmp_path, per_generation=1), tmp_path / "out",
+                  launcher=launcher, echo=lambda _: None)  # fmt: skip
+    assert result.history[0].status == "failed"
+    assert result.pick is not None and result.pick.candidate.name == "micro_batch=auto" and result.confirmed
+    assert "override /micro_batch: auto" in (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()

@@ -185,7 +185,10 @@ def _confirm(pick: Outcome, overrides: Sequence[str], settings: TuneSettings, ou
     outcomes, interrupted, table = _measure([baseline(), pick.candidate], overrides, bench, out_dir / "confirm",
                                             launcher, echo)  # fmt: skip
     base, again = outcomes[baseline()], outcomes[pick.candidate]
-    upheld = again.status == "ok" and again.quality == "pass" and clears(again, base)
+    if base.status != "ok":  # the run as configured does not run (out of memory): the pick is all there is
+        upheld = again.status == "ok"
+    else:
+        upheld = again.status == "ok" and again.quality == "pass" and clears(again, base)
     trace.append({"generation": "confirm", "table": str(table), "measured": [_describe(o) for o in outcomes.values()],
                   "upheld": upheld})  # fmt: skip
     if not upheld:

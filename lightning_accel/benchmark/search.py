@@ -178,6 +178,10 @@ def _applies(move: Move, candidate: Candidate, space: Space) -> bool:
     return compatible(apply_move(candidate, move, space))
 
 
+def _out_of_memory(reason: str) -> bool:
+    return any(text in reason for text in ("out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED"))
+
+
 def compatible(candidate: Candidate) -> bool:
     """Whether the candidate's choices run together (what `presets.check_combinations` would refuse is never
     proposed): micro_batch=auto and compile need one device or DDP (compile also model_parallel)."""
@@ -238,12 +242,20 @@ def next_candidates(history: Sequence[Outcome], space: Space, limit: int = 3) ->
         return Suggestion([baseline()], "start from the baseline")
     best = incumbent(history)
     if best is None:
-        return Suggestion([], "the baseline failed: nothing to build on")
+        first = history[0]
+        if not _out_of_memory(first.reason):
+            return Suggestion([], f"the baseline failed ({first.reason or 'no reason given'}): nothing to build on")
+        # the run as configured does not fit: the memory moves on the baseline, as if it had been memory-bound
+        best = Outcome(first.candidate, bottleneck="memory-bound")
+        memory_only = True
+    else:
+        memory_only = False
     tried = {outcome.candidate.choices for outcome in history}
     failed_settings = {pair for o in history if o.status == "failed" for pair in o.candidate.choices}
     base = best.candidate
     ordered = [m for m in MOVES if best.bottleneck in m.addresses]
-    ordered += [m for m in MOVES if m not in ordered]
+    if not memory_only:  # a run that does not fit gains nothing from moves that do not save memory
+        ordered += [m for m in MOVES if m not in ordered]
     picked: list[Candidate] = []
     for move in ordered:
         if len(picked) >= limit:

@@ -158,3 +158,26 @@ def test_train_plain_script_runs(tmp_path: Path) -> None:
     assert found is not None, run.stdout[-2000:]
     assert 0.0 < float(found.group(1)) < 8.0
     assert found.group(2).endswith(".ckpt")
+
+
+def test_a_simulated_device_memory_limit_raises_oom_that_micro_batch_finder_sizes_to(tmp_path: Path) -> None:
+    """`device_memory_samples=2`: a training forward of 4 sequences raises torch.OutOfMemoryError (evaluation does
+    not), and MicroBatchFinder finds micro-batch 2 for batches of 4."""
+    from lightning_accel.callbacks import MicroBatchFinder
+
+    model = GPTLanguageModel(block_size=16, n_layer=1, n_head=2, n_embd=16, device_memory_samples=2)
+    tokens = torch.randint(0, 256, (4, 16))
+    with pytest.raises(torch.OutOfMemoryError, match="device_memory_samples=2"):
+        model(tokens)
+    model.eval()
+    assert model(tokens).shape == (4, 16, 256)
+    with pytest.raises(ValueError, match="device_memory_samples=0"):
+        GPTLanguageModel(device_memory_samples=0)
+    data = torch.randint(0, 256, (16, 17), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=4)
+    finder = MicroBatchFinder()
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                        callbacks=[finder])  # fmt: skip
+    trainer.fit(GPTLanguageModel(block_size=16, n_layer=1, n_head=2, n_embd=16, device_memory_samples=2), loader)
+    assert finder.found == 2 and trainer.global_step == 2
