@@ -6,6 +6,7 @@ import functools
 import math
 import os
 import sysconfig
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -50,10 +51,11 @@ def read_stdlib_corpus(max_chars: int, root: str | None = None) -> bytes:
 class _ByteWindows(Dataset):
     """Windows of `block_size + 1` bytes starting every `stride` bytes, returned as `(x, y)` shifted by one."""
 
-    def __init__(self, data: torch.Tensor, block_size: int, stride: int) -> None:
+    def __init__(self, data: torch.Tensor, block_size: int, stride: int, read_delay_s: float = 0.0) -> None:
         self.data = data
         self.block_size = block_size
         self.stride = stride
+        self.read_delay_s = read_delay_s
 
     def __len__(self) -> int:
         return max(0, (len(self.data) - self.block_size - 1) // self.stride + 1)
@@ -61,6 +63,8 @@ class _ByteWindows(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} is out of range for {len(self)} windows")
+        if self.read_delay_s:
+            time.sleep(self.read_delay_s)  # the storage's latency (simulated): waits without using a CPU
         start = index * self.stride
         chunk = self.data[start : start + self.block_size + 1].long()
         return chunk[:-1], chunk[1:]
@@ -92,6 +96,8 @@ class StdlibTextDataModule(pl.LightningDataModule):
         pin_memory: pin host batches for faster copies to the GPU.
         persistent_workers: keep workers alive between epochs; only used when `num_workers > 0`.
         seed: seed of the training shuffle; None shuffles from torch's global RNG (`seed=null` in accel-train).
+        read_delay_ms: simulate storage that takes this long to read each window (a sleep that uses no CPU), so the
+            input-bound path (DataLoader workers, the DataLoaderTuner, accel-tune's input moves) shows on any machine.
 
     Raises:
         ValueError: for a non-positive size, fractions outside (0, 1) or summing to 1 or more, or a corpus too
@@ -117,8 +123,12 @@ class StdlibTextDataModule(pl.LightningDataModule):
         pin_memory: bool = False,
         persistent_workers: bool = False,
         seed: int | None = 0,
+        read_delay_ms: float = 0.0,
     ) -> None:
         super().__init__()
+        if read_delay_ms < 0:
+            raise ValueError(f"`data.read_delay_ms={read_delay_ms}` must be >= 0.")
+        self.read_delay_ms = read_delay_ms
         check_split_settings(val_fraction, test_fraction, num_workers, block_size=block_size, batch_size=batch_size,
                              max_chars=max_chars)  # fmt: skip
         self.save_hyperparameters()
@@ -164,7 +174,7 @@ class StdlibTextDataModule(pl.LightningDataModule):
         if data is None:
             raise RuntimeError("`StdlibTextDataModule.setup()` must run before asking for a dataloader.")
         return DataLoader(
-            _ByteWindows(data, self.block_size, stride=self.block_size),
+            _ByteWindows(data, self.block_size, stride=self.block_size, read_delay_s=self.read_delay_ms / 1000.0),
             batch_size=self.batch_size,
             shuffle=train,
             drop_last=train,

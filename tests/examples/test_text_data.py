@@ -121,3 +121,16 @@ def test_seed_none_shuffles_from_the_global_rng() -> None:
     first = next(iter(dm.train_dataloader()))[0]
     torch.manual_seed(1)
     assert torch.equal(next(iter(dm.train_dataloader()))[0], first)  # the global RNG decides
+
+
+def test_a_read_delay_makes_the_loader_wait() -> None:
+    """`read_delay_ms=5`: a batch of 8 windows takes >= 40 ms to load in the main process."""
+    import time
+
+    dm = StdlibTextDataModule(max_chars=50_000, batch_size=8, read_delay_ms=5.0)
+    dm.setup("fit")
+    started = time.perf_counter()
+    next(iter(dm.train_dataloader()))
+    assert time.perf_counter() - started >= 0.04
+    with pytest.raises(ValueError, match="read_delay_ms=-1"):
+        StdlibTextDataModule(read_delay_ms=-1)
