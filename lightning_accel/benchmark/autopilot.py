@@ -228,7 +228,9 @@ def _verdict(o: Outcome, pick: Outcome | None, base: Outcome | None) -> str:
         return "lost: quality"
     if base is not None and not clears(o, base):
         return "lost: not faster than the baseline beyond the noise"
-    return "lost: another candidate was faster"
+    if pick is not None and clears(pick, o):
+        return "lost: the pick is faster"
+    return "lost: not faster than the incumbent of its generation beyond the noise"
 
 
 def _write_report(history: Sequence[Outcome], pick: Outcome | None, confirmed: bool | None,
