@@ -769,3 +769,13 @@ def test_ctrl_c_keeps_the_runs_that_finished(tmp_path: Path, monkeypatch: pytest
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["interrupted"] is True and len(report["stages"][0]["runs"]) == 2
     assert (tmp_path / "bench.md").is_file()
+
+
+def test_what_a_stage_changes_names_compile_and_micro_batch(tmp_path: Path) -> None:
+    from lightning_accel.benchmark.plan import describe_changes, plan_stage
+
+    plans = [plan_stage(name, [*overrides, "trainer.accelerator=cpu"], str(tmp_path / name)) for name, overrides in
+             (("baseline", ["preset=baseline"]), ("compiled", ["preset=baseline", "compile=max-autotune"]),
+              ("sized", ["preset=baseline", "micro_batch=auto"]))]  # fmt: skip
+    described = describe_changes(plans)
+    assert described["compiled"] == "compile=max-autotune" and described["sized"] == "micro_batch=auto"

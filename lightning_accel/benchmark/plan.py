@@ -201,10 +201,20 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
         + (f" ({family})" if family not in ("auto", "single_device") else ""),
         "accumulation": f"accumulate {accumulate}",
         "scheduler": scheduler.replace("_schedule", ""),
+        "compile": _compile_text(cfg),
+        "micro_batch": "micro_batch=auto" if "micro_batch" in callbacks else "",
     }
     return StagePlan(**stage, precision=resolved.value, num_workers=num_workers, accumulate=accumulate,
                      global_batch=micro_global * accumulate if micro_global else None, settings=settings,
                      callbacks=callbacks)  # fmt: skip
+
+
+def _compile_text(cfg: DictConfig) -> str:
+    """`compile=<mode>` when the stage compiles the model (the Compile callback), else empty."""
+    for node in (cfg.get("callbacks") or {}).values():
+        if node is not None and str(node.get("_target_", "")).rsplit(".", 1)[-1] == "Compile":
+            return f"compile={node.get('mode') or 'default'}"
+    return ""
 
 
 def describe_changes(plans: Sequence[StagePlan]) -> dict[str, str]:
@@ -217,7 +227,7 @@ def describe_changes(plans: Sequence[StagePlan]) -> dict[str, str]:
         elif plan is first:
             described[plan.name] = ", ".join(v for v in plan.settings.values() if v)
         else:
-            diff = [v for k, v in plan.settings.items() if v and v != first.settings.get(k)]
+            diff = [v or f"no {k.replace('_', '-')}" for k, v in plan.settings.items() if v != first.settings.get(k)]
             described[plan.name] = ", ".join(diff) or "same settings as " + first.name
     return described
 
