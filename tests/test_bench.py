@@ -346,7 +346,7 @@ def test_quick_cli_reports_its_settings_and_every_stage(quick_bench: QuickBench)
 def test_quick_cli_runs_the_stages_round_by_round(quick_bench: QuickBench) -> None:
     lines = quick_bench.result.stdout.splitlines()
     order = [line.split("`")[1] for line in lines if line.startswith("accel-bench: run ")]
-    assert order == ["baseline", "amp", "baseline", "amp"]  # interleaved, round by round
+    assert order == ["baseline", "amp", "amp", "baseline"]  # interleaved, round by round, round 2 in reverse
 
 
 @pytest.mark.parametrize("name", ["baseline", "amp"])
@@ -586,7 +586,7 @@ def test_rounds_interleave_and_a_flagged_run_is_run_again(tmp_path: Path, monkey
     lines: list[str] = []
     run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
                     BenchSettings(steps=4, repeats=3), tmp_path, launcher=launcher, echo=lines.append)  # fmt: skip
-    assert calls == ["baseline", "amp", "amp", "baseline", "amp", "baseline", "amp"]
+    assert calls == ["baseline", "amp", "amp", "amp", "baseline", "baseline", "amp"]  # round 2 in reverse order
     amp = run.results[1]
     assert [(r.round, r.flagged, r.replaced) for r in amp.runs] == [
         (0, True, True),
@@ -605,13 +605,13 @@ def test_a_stage_under_interference_in_every_run_is_flagged_in_every_output(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     launcher, calls = _fake_launcher({"baseline": [10.0, 10.0], "amp": [2.0, 2.1, 2.2, 2.3]})
-    probe = _ScriptedProbe([False, True, True, False, True, True])  # amp: flagged, rerun flagged, in both rounds
+    probe = _ScriptedProbe([False, True, True, True, False])  # amp: flagged, rerun flagged, in both rounds
     monkeypatch.setattr("lightning_accel.benchmark.run._probe", probe)
     lines: list[str] = []
     run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
                     BenchSettings(steps=4, repeats=2, max_reruns=1), tmp_path, launcher=launcher,
                     echo=lines.append)  # fmt: skip
-    assert calls == ["baseline", "amp", "amp", "baseline", "amp"]  # one rerun in all (--max-reruns 1)
+    assert calls == ["baseline", "amp", "amp", "amp", "baseline"]  # one rerun in all (--max-reruns 1); round 2 reversed
     amp = run.results[1]
     assert amp.interference and "FLAGGED" in run.table and "(interference)" in run.table
     assert any("measured under interference: amp" in line for line in lines)
@@ -758,16 +758,16 @@ def test_ctrl_c_keeps_the_runs_that_finished(tmp_path: Path, monkeypatch: pytest
     inner, calls = _fake_launcher({"baseline": [10.0, 10.0], "amp": [5.0, 5.0]})
 
     def launcher(command: list[str], stage_dir: Path, timeout: float | None) -> subprocess.CompletedProcess[str]:
-        if len(calls) == 3:  # round 2's amp: the user presses Ctrl-C
+        if len(calls) == 3:  # round 2 (reversed: amp, baseline)'s baseline: the user presses Ctrl-C
             raise KeyboardInterrupt
         return inner(command, stage_dir, timeout)
 
     run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
                     BenchSettings(steps=4, repeats=2), tmp_path, launcher=launcher, echo=lambda _: None)  # fmt: skip
-    assert run.interrupted and calls == ["baseline", "amp", "baseline"]
+    assert run.interrupted and calls == ["baseline", "amp", "amp"]
     assert [r.status for r in run.results] == ["ok", "ok"] and run.results[1].speedup == 2.0
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert report["interrupted"] is True and len(report["stages"][0]["runs"]) == 2
+    assert report["interrupted"] is True and [len(s["runs"]) for s in report["stages"]] == [1, 2]
     assert (tmp_path / "bench.md").is_file()
 
 

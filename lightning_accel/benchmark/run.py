@@ -127,11 +127,13 @@ def run_bench(
 ) -> BenchRun:
     """Plan every stage (a bad setting raises before any runs), run them round by round, then write the outputs.
 
-    Round k runs every stage once, in ladder order, from seed `seed + k` (the same seed for every stage of a round,
-    so the rounds pair up). A run that the interference probe flags is run again at once, up to
-    `settings.max_reruns` times per stage; the rerun replaces it when it is quiet, and a flagged stage is shown as
-    such. With `repeats=1` the reference stage runs a second time from the next seed, for the metric's noise.
-    `stage_extra` adds overrides per stage after the user's (see `plan_stages`).
+    Round k runs every stage once from seed `seed + k` (the same seed for every stage of a round, so the rounds pair
+    up), in ladder order on even rounds and in reverse on odd ones (A B C, C B A, ...): a stage's place in the round
+    (caches warmed by the one before, the machine heating up, a neighbour's leftover processes) then favours no
+    stage over two rounds; in one order, two identical stages measured 11% apart. A run that the interference probe
+    flags is run again at once, up to `settings.max_reruns` times per stage; the rerun replaces it when it is quiet,
+    and a flagged stage is shown as such. With `repeats=1` the reference stage runs a second time from the next seed,
+    for the metric's noise. `stage_extra` adds overrides per stage after the user's (see `plan_stages`).
 
     Raises:
         ConfigError: for an unknown stage or overrides that do not compose, before any stage runs.
@@ -144,7 +146,8 @@ def run_bench(
                            overrides=[*p.overrides, *p.extra], world_size=p.world_size, steps=p.steps)
                for p in plans]  # fmt: skip
     runnable = [i for i, p in enumerate(plans) if p.status == "ok"]
-    schedule = [(k, i) for k in range(settings.repeats) for i in runnable]
+    orders = [runnable if k % 2 == 0 else runnable[::-1] for k in range(settings.repeats)]  # A B C, C B A, ...
+    schedule = [(k, i) for k, order in enumerate(orders) for i in order]
     if settings.repeats == 1 and runnable:  # a second seed of the reference: its own noise, for the quality verdict
         schedule.append((1, runnable[0]))
     reruns_left = {i: settings.max_reruns for i in runnable}
