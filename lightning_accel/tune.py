@@ -71,9 +71,13 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
     bf16 = resolve_precision("amp", accelerator).value.startswith("bf16")
     blocks = bool(OmegaConf.select(cfg, "parallel_plan.block_classes"))
     global_batch = OmegaConf.select(cfg, "callbacks.accumulation.global_batch_size")
+    data = cfg.get("data")
+    loader_keys = frozenset(k for k in ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+                            if data is not None and k in data)  # fmt: skip
     space = Space(devices=max(1, int(devices or 1)), on_cuda=shape.on_cuda, bf16=bf16,
                   compile=compile_problem(on_cuda=shape.on_cuda) is None, block_classes=blocks,
-                  global_batch=global_batch if isinstance(global_batch, int) else None)  # fmt: skip
+                  global_batch=global_batch if isinstance(global_batch, int) else None,
+                  loader_keys=loader_keys)  # fmt: skip
     name = str(cfg.model.get("_target_", "model")).rsplit(".", 1)[-1]
     return space, "".join(ch if ch.isalnum() else "_" for ch in name).lower()
 

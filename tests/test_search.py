@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_accel.benchmark.preset_file import preset_yaml, write_preset
+from lightning_accel.benchmark.preset_file import pinned, preset_yaml, settled_of, write_preset
 from lightning_accel.benchmark.search import (
     MOVES,
     Candidate,
@@ -39,7 +39,7 @@ def test_the_incumbents_bottleneck_picks_the_first_moves() -> None:
     space = Space(devices=4, on_cuda=True, bf16=True, block_classes=True)
     base = baseline()
     picks = {
-        "input-bound": "callbacks.dataloader_tuner._target_=lightning_accel.callbacks.DataLoaderTuner",
+        "input-bound": "dataloader_tuner",
         "compute-bound": "precision=amp",
         "memory-bound": "micro_batch=auto",
         "communication-bound": "accumulation=fixed",
@@ -121,6 +121,39 @@ def test_the_preset_file_round_trips_through_hydra(tmp_path: Path) -> None:
     for key in ("trainer.precision", "trainer.strategy", "trainer.devices", "callbacks.dataloader_tuner._target_"):
         assert OmegaConf.select(from_preset, key) == OmegaConf.select(direct, key), key
     assert from_preset.trainer.devices == 2 and from_preset.callbacks.dataloader_tuner is not None
+
+
+def test_what_a_run_settled_is_pinned_in_the_preset_and_composes(tmp_path: Path) -> None:
+    """The DataLoaderTuner's decision and MicroBatchFinder's size come back as settings; the preset pins the ones the
+    user's data config takes, and they win over the groups' own values when Hydra composes it."""
+    from hydra import compose, initialize_config_module
+
+    from lightning_accel.launch import register_resolvers
+
+    space = Space()
+    tuned = apply_move(apply_move(baseline(), move("DataLoader workers by experiment"), space),
+                       move("micro-batches sized to memory"), space)  # fmt: skip
+    loader = {"num_workers": 3, "prefetch_factor": 4, "pin_memory": False, "persistent_workers": True}
+    settled = settled_of(loader, 8, True, tuned.choices)
+    assert dict(settled) == {"data.num_workers": "3", "data.prefetch_factor": "4", "data.pin_memory": "false",
+                             "data.persistent_workers": "true",
+                             "callbacks.micro_batch.micro_batch_size": "8"}  # fmt: skip
+    assert settled_of({"num_workers": 0, "prefetch_factor": None}, 32, False, ()) == (("data.num_workers", "0"),)
+    assert settled_of(None, 8, True, ()) == ()  # a size not searched for (the user's own finder) is not pinned
+    keys = {"num_workers", "pin_memory", "persistent_workers"}
+    chosen, comment = pinned(Outcome(tuned, samples_per_s=1.0, settled=settled), keys)
+    assert ("data.prefetch_factor", "4") not in chosen.choices  # the example's data config takes no prefetch_factor
+    assert any("DataLoaderTuner's decision" in line and "data.num_workers=3" in line for line in comment)
+    assert any("micro_batch_size=8" in line for line in comment)
+    write_preset(tmp_path / "conf", "gpt", chosen, comment=comment)
+    register_resolvers()
+    with initialize_config_module(config_module="lightning_accel.conf", version_base=None):
+        search = [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "trainer.accelerator=cpu"]
+        cfg = compose("train", overrides=[*search, "preset=tuned_gpt"])
+    assert cfg.data.num_workers == 3 and cfg.data.persistent_workers is True and cfg.data.pin_memory is False
+    assert cfg.callbacks.micro_batch.micro_batch_size == 8 and cfg.callbacks.dataloader_tuner is not None
+    plain, none = pinned(Outcome(baseline(), samples_per_s=1.0), {"num_workers"})
+    assert plain.choices == () and none == []
 
 
 def test_a_preset_name_must_be_a_plain_word(tmp_path: Path) -> None:

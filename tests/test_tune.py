@@ -37,9 +37,10 @@ def _candidate_of(command: list[str]) -> str:
 
 def world(rates: dict[str, float], metrics: dict[str, float] | None = None, fails: tuple[str, ...] = (),
           data_share: dict[str, float] | None = None, on_call: Callable[[int], None] | None = None,
-          oom: tuple[str, ...] = ()):  # fmt: skip
+          oom: tuple[str, ...] = (), records: dict[str, dict[str, object]] | None = None):  # fmt: skip
     """A launcher whose runs measure `rates[candidate]` samples/s (+-1% by round), the metric `metrics[candidate]`
-    (2.0), a data-wait share (input-bound above 0.2), and fail for the candidates in `fails`."""
+    (2.0), a data-wait share (input-bound above 0.2), and fail for the candidates in `fails`; `records[candidate]`
+    adds to its BenchMonitor record (what a DataLoaderTuner or MicroBatchFinder decided)."""
     calls: list[str] = []
 
     def launcher(command: list[str], stage_dir: Path, timeout: float | None) -> subprocess.CompletedProcess[str]:
@@ -57,6 +58,7 @@ def world(rates: dict[str, float], metrics: dict[str, float] | None = None, fail
         m["steady_s"] = steady = 320.0 / rate
         compute = steady * (1 - share) / 3
         m["data_s"], m["forward_s"], m["backward_s"], m["optimizer_s"] = share * steady, compute, compute, compute
+        m.update((records or {}).get(name, {}))
         stage_dir.mkdir(parents=True, exist_ok=True)
         (stage_dir / "stage.json").write_text(json.dumps(m))
         return subprocess.CompletedProcess(command, 0, "", "")
@@ -70,14 +72,14 @@ def settings(tmp_path: Path, **kwargs) -> TuneSettings:
 
 
 def test_the_search_follows_the_bottleneck_keeps_quality_and_writes_the_preset(tmp_path: Path) -> None:
-    rates = {"baseline": 100.0, "precision=amp": 150.0, "precision=amp+strategy=ddp+trainer.devices=2": 260.0}
+    rates = {"baseline": 100.0, "precision=amp": 150.0, "precision=amp+strategy=ddp+devices=2": 260.0}
     metrics = {"compile=default": 3.0}  # faster but worse: must not win
     rates["compile=default"] = 400.0
     launcher, calls = world(rates, metrics, fails=("compile=default+precision=amp",))
     lines: list[str] = []
     result = tune(USER, Space(devices=2, compile=True), settings(tmp_path), tmp_path / "out", launcher=launcher,
                   echo=lines.append)  # fmt: skip
-    assert result.pick is not None and result.pick.candidate.name == "precision=amp+strategy=ddp+trainer.devices=2"
+    assert result.pick is not None and result.pick.candidate.name == "precision=amp+strategy=ddp+devices=2"
     assert result.confirmed is True
     names = [o.candidate.name for o in result.history]
     assert names[0] == "baseline" and "compile=default" in names
@@ -133,13 +135,17 @@ def test_the_time_budget_stops_the_search_and_ctrl_c_keeps_the_best_so_far(tmp_p
 
 
 def test_an_input_bound_baseline_tries_the_dataloader_tuner_first(tmp_path: Path) -> None:
-    tuner = "callbacks.dataloader_tuner._target_=lightning_accel.callbacks.DataLoaderTuner"
-    launcher, calls = world({"baseline": 100.0, tuner: 300.0}, data_share={"baseline": 0.6})
+    tuner = "dataloader_tuner"
+    decision = {"num_workers": 4, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": True}
+    launcher, calls = world({"baseline": 100.0, tuner: 300.0}, data_share={"baseline": 0.6},
+                            records={tuner: {"loader": decision}})  # fmt: skip
     result = tune(USER, Space(devices=1, compile=False), settings(tmp_path, per_generation=1, confirm_steps=0),
                   tmp_path / "out", launcher=launcher, echo=lambda _: None)  # fmt: skip
     assert result.history[1].candidate.name == tuner  # the first move for input-bound
     assert result.pick is not None and result.pick.candidate.name.startswith(tuner)
-    assert "DataLoaderTuner" in (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
+    preset = (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
+    assert "DataLoaderTuner" in preset  # the tuner stays, and the workers it found are pinned
+    assert "  num_workers: 4" in preset and "  persistent_workers: true" in preset and "prefetch" not in preset
 
 
 def test_the_command_line_refuses_bad_settings_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
@@ -151,9 +157,11 @@ def test_the_command_line_refuses_bad_settings_before_anything_runs(capsys: pyte
 
 def test_a_run_that_does_not_fit_is_tuned_to_one_that_does(tmp_path: Path) -> None:
     """The baseline runs out of memory; micro_batch=auto fits and becomes the pick (confirmed without a baseline)."""
-    launcher, calls = world({"baseline": 100.0, "micro_batch=auto": 90.0}, oom=("baseline",))
+    launcher, calls = world({"baseline": 100.0, "micro_batch=auto": 90.0}, oom=("baseline",),
+                            records={"micro_batch=auto": {"micro_batch": 8, "micro_batch_auto": True}})  # fmt: skip
     result = tune(USER, Space(devices=1, compile=False), settings(tmp_path, per_generation=1), tmp_path / "out",
                   launcher=launcher, echo=lambda _: None)  # fmt: skip
     assert result.history[0].status == "failed"
     assert result.pick is not None and result.pick.candidate.name == "micro_batch=auto" and result.confirmed
-    assert "override /micro_batch: auto" in (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
+    preset = (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
+    assert "override /micro_batch: auto" in preset and "    micro_batch_size: 8" in preset

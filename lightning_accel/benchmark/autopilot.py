@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_accel.benchmark.plan import BenchSettings
-from lightning_accel.benchmark.preset_file import preset_yaml, write_preset
+from lightning_accel.benchmark.preset_file import pinned, preset_yaml, settled_of, write_preset
 from lightning_accel.benchmark.process import Launcher, launch
 from lightning_accel.benchmark.results import StageResult
 from lightning_accel.benchmark.run import run_bench
@@ -68,8 +68,10 @@ def outcome_of(candidate: Candidate, result: StageResult) -> Outcome:
         return Outcome(candidate, status="failed", reason=result.reason or result.status)
     interval = result.samples_interval or {}
     quality = result.quality if result.quality in ("pass", "FAIL") else ("pass" if not candidate.choices else "n/a")
+    settled = settled_of(result.loader, result.micro_batch, result.micro_batch_auto, candidate.choices)
     return Outcome(candidate, samples_per_s=result.samples_per_s, low=interval.get("low"), high=interval.get("high"),
-                   bottleneck=result.bottleneck or "", quality=quality, reason=result.bottleneck_why)  # type: ignore[arg-type]  # fmt: skip
+                   bottleneck=result.bottleneck or "", quality=quality, reason=result.bottleneck_why,
+                   settled=settled)  # type: ignore[arg-type]  # fmt: skip
 
 
 def _stage_name(candidate: Candidate, index: int) -> str:
@@ -157,8 +159,9 @@ def tune(
     files = _write_report(history, pick, confirmed, trace, stop, settings, out_dir, clock() - started)
     preset = None
     if pick is not None:
-        preset = write_preset(settings.config_dir, settings.name, pick.candidate,
-                              comment=[f"accel-tune: {pick.candidate.name}", *_summary(pick, history)])  # fmt: skip
+        chosen, pins = pinned(pick, space.loader_keys)
+        comment = [f"accel-tune: {pick.candidate.name}", *_summary(pick, history), *pins]
+        preset = write_preset(settings.config_dir, settings.name, chosen, comment=comment)
         files.append(preset)
     echo(f"accel-tune: {stop}; pick: {pick.candidate.name if pick else 'none'}"
          + (f"; wrote {preset}" if preset else ""))  # fmt: skip

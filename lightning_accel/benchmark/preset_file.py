@@ -5,17 +5,64 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lightning_accel.benchmark.search import GROUPS, Candidate
+from lightning_accel.benchmark.search import GROUPS, Candidate, Outcome
 from lightning_accel.errors import ConfigError
 
-__all__ = ["preset_yaml", "write_preset"]
+__all__ = ["pinned", "preset_yaml", "settled_of", "write_preset"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+_MICRO_BATCH = "callbacks.micro_batch.micro_batch_size"
+
+
+def _text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def settled_of(loader: dict[str, object] | None, micro_batch: int | None, micro_batch_auto: bool,
+               choices: Collection[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:  # fmt: skip
+    """What a run decided for itself, as settings a preset can pin: the DataLoaderTuner's `loader` decision as
+    `data.<key>` (prefetch_factor only with workers), and MicroBatchFinder's size when the candidate searched for it
+    (`micro_batch=auto` among its `choices`)."""
+    settled: list[tuple[str, str]] = []
+    for key, value in (loader or {}).items():
+        if value is not None and not (key == "prefetch_factor" and not (loader or {}).get("num_workers")):
+            settled.append((f"data.{key}", _text(value)))
+    if micro_batch_auto and micro_batch and ("micro_batch", "auto") in choices:
+        settled.append((_MICRO_BATCH, str(int(micro_batch))))
+    return tuple(sorted(settled))
+
+
+def pinned(outcome: Outcome, loader_keys: Collection[str]) -> tuple[Candidate, list[str]]:
+    """The outcome's candidate with what its run settled pinned as settings, and a comment line per kind of pin.
+
+    DataLoader settings are pinned only where the user's data config takes them (`loader_keys`: the keys under
+    `data`); the DataLoaderTuner stays in the preset, so the run starts from the measured workers and the tuner keeps
+    checking them (the data wait) and tunes again where they no longer hold. The micro-batch is pinned as
+    MicroBatchFinder's starting size: no search at start, out-of-memory recovery still halves it.
+    """
+    choices = dict(outcome.candidate.choices)
+    loader = {k: v for k, v in outcome.settled if k.startswith("data.") and k.split(".", 1)[1] in loader_keys}
+    micro = dict(outcome.settled).get(_MICRO_BATCH)
+    comment: list[str] = []
+    if loader:
+        choices.update(loader)
+        found = ", ".join(f"{k}={v}" for k, v in sorted(loader.items()))
+        comment.append(f"the DataLoaderTuner's decision in the measured runs: {found} (the tuner stays: it checks the "
+                       "data wait and tunes again where these no longer hold)")  # fmt: skip
+    if micro is not None:
+        choices[_MICRO_BATCH] = micro
+        comment.append(f"MicroBatchFinder's size in the measured runs: micro_batch_size={micro} per forward (the "
+                       "loader's batch and the global batch unchanged); "
+                       f"`++{_MICRO_BATCH}=auto` searches again")  # fmt: skip
+    return replace(outcome.candidate, choices=tuple(sorted(choices.items()))), comment
 
 
 def preset_yaml(candidate: Candidate, comment: Sequence[str] = ()) -> str:

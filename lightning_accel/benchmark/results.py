@@ -140,6 +140,8 @@ class StageResult:
     """Samples per forward on one device (MicroBatchFinder's size, else the loader's batch), of the middle run."""
     micro_batch_auto: bool = False
     micro_batch_recoveries: int = 0
+    loader: dict[str, Any] | None = None
+    """The train DataLoader settings a DataLoaderTuner applied, of the middle run (None without one)."""
     device: str = ""
     dtype: str = ""
     mfu: float | None = None
@@ -472,6 +474,7 @@ def _derive(result: StageResult, peak_tflops: float | None) -> None:
     result.micro_batch = m.get("micro_batch")
     result.micro_batch_auto = bool(m.get("micro_batch_auto", False))
     result.micro_batch_recoveries = int(m.get("micro_batch_recoveries") or 0)
+    result.loader = m.get("loader")
     result.device = m.get("device", "")
     result.gpu_utilization_pct = m.get("gpu_utilization_pct")
     result.metric_value = m.get("final_metric")

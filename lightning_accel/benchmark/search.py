@@ -52,8 +52,10 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        """A stable name from the choices: `baseline`, `precision=amp+compile=default`."""
-        return "+".join(f"{k}={v}" for k, v in self.choices) or "baseline"
+        """A stable, readable name from the choices: `baseline`, `compile=default+precision=amp`; a callback added by
+        its `_target_` reads as the callback (`dataloader_tuner`), a flag set true as the flag
+        (`activation_checkpointing`), any other setting as its last key (`devices=2`)."""
+        return "+".join(_short(k, v) for k, v in self.choices) or "baseline"
 
     def overrides(self) -> list[str]:
         """The Hydra command-line overrides of this candidate (on top of the user's): `group=option` for a config
@@ -78,6 +80,10 @@ class Outcome:
     quality: Literal["pass", "FAIL", "n/a"] = "n/a"
     reason: str = ""
     """Why it failed, or a note."""
+    settled: tuple[tuple[str, str], ...] = ()
+    """What the run decided for itself, as `(key, value)` settings the preset can pin: the DataLoaderTuner's
+    `data.num_workers` (and pinning, persistence, prefetch), MicroBatchFinder's
+    `callbacks.micro_batch.micro_batch_size`."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,8 @@ class Space:
     """The model config names its blocks (`parallel_plan.block_classes`): model parallel, pipeline, checkpointing."""
     global_batch: int | None = None
     """The global batch to keep (samples per optimizer step), when the user set one."""
+    loader_keys: frozenset[str] = frozenset({"num_workers", "pin_memory", "persistent_workers"})
+    """The DataLoader settings the user's data config takes (`data.<key>`): the ones a preset may pin."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,15 @@ MOVES: tuple[Move, ...] = (
     ),  # fmt: skip
 )
 """Every move, in the order tried within a bottleneck (cheapest and safest first)."""
+
+
+def _short(key: str, value: str) -> str:
+    if key in GROUPS:
+        return f"{key}={value}"
+    parts = key.split(".")
+    if parts[-1] == "_target_" and len(parts) > 1:
+        return parts[-2]
+    return parts[-1] if value == "true" else f"{parts[-1]}={value}"
 
 
 def baseline() -> Candidate:

@@ -79,6 +79,9 @@ class StageMeasurement:
     micro_batch_auto: bool = False
     """Whether MicroBatchFinder chose it (then `micro_batch_recoveries` counts its out-of-memory recoveries)."""
     micro_batch_recoveries: int = 0
+    loader: dict[str, Any] | None = None
+    """The train DataLoader settings a `DataLoaderTuner` in the same Trainer applied (num_workers, prefetch_factor,
+    pin_memory, persistent_workers); None without one, or when it left the loader alone."""
     metric: str = ""
     mode: str = "min"
     validations: list[dict[str, float]] = field(default_factory=list)
@@ -350,6 +353,7 @@ class BenchMonitor(Callback):
             m.peak_memory_bytes = _peak_rss_bytes()
         m.gpu_utilization_pct = _gpu_utilization(trainer)
         _record_micro_batch(m, trainer)
+        m.loader = _loader_decision(trainer)
         self._energy_step("pause")
         if self._energy is not None:
             m.energy_j = float(self._energy.joules)
@@ -401,6 +405,15 @@ def _gpu_utilization(trainer: pl.Trainer) -> float | None:
             values = [v for v in values if not math.isnan(v)]
             return sum(values) / len(values) if values else None
     return None
+
+
+def _loader_decision(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """The settings a DataLoaderTuner applied to the train loader in this fit (its decision), or None."""
+    from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
+
+    tuner = next((cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, DataLoaderTuner)), None)
+    decision = getattr(tuner, "decision", None)
+    return None if decision is None else decision.as_dict()
 
 
 def _record_micro_batch(m: StageMeasurement, trainer: pl.Trainer) -> None:

@@ -157,3 +157,25 @@ def test_the_micro_batch_the_fit_ran_is_recorded(tmp_path, finder: bool) -> None
     trainer.fit(model, DataLoader(data, batch_size=4))
     m = monitor.measurement
     assert (m.micro_batch, m.micro_batch_auto, m.micro_batch_recoveries) == ((2, True, 0) if finder else (4, False, 0))
+
+
+def test_the_dataloader_tuners_decision_is_recorded(tmp_path) -> None:
+    """With a DataLoaderTuner in the Trainer, the settings it applied (what accel-tune pins in a preset); without
+    one, nothing."""
+    from lightning_accel.callbacks import DataLoaderTuner
+
+    data = TensorDataset(torch.randint(0, 16, (64, 5), generator=torch.Generator().manual_seed(0)))
+    for tuner in (None, DataLoaderTuner(max_workers=1, steps_per_trial=2, warmup_steps=0, prefetch_factors=(2,),
+                                        tune_pin_memory=False, use_cache=False, print_table=False)):  # fmt: skip
+        monitor = BenchMonitor(metric="val/score")
+        trainer = pl.Trainer(accelerator="cpu", max_steps=3, callbacks=[monitor, *([tuner] if tuner else [])],
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=str(tmp_path),
+                             limit_val_batches=0)  # fmt: skip
+        trainer.fit(_TokenModel(), DataLoader(data, batch_size=4))
+        loader = monitor.measurement.loader
+        if tuner is None:
+            assert loader is None
+        else:
+            decision = tuner.decision
+            assert decision is not None and loader == decision.as_dict() and loader["num_workers"] in (0, 1)
