@@ -6,6 +6,7 @@ import argparse
 import datetime as dt
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of the run to tune")
     parser.add_argument("--time-budget", type=float, default=600.0, metavar="S",
-                        help="seconds of search; no generation starts after it (default 600)")  # fmt: skip
+                        help="seconds for the whole search, the confirmation included: a generation starts only "
+                        "when it and the confirmation, estimated from the runs so far, end inside it; the baseline's "
+                        "runs always happen (default 600)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=40, metavar="N",
                         help="optimizer steps of the baseline's runs; every candidate trains the same samples "
                         "(default 40)")  # fmt: skip
@@ -88,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lightning_accel.benchmark.autopilot import TuneSettings, tune
     from lightning_accel.launch import unique_stamp
 
+    started = time.monotonic()
     args = build_parser().parse_args(argv)
     try:
         for flag, value in (("--steps", args.steps), ("--repeats", args.repeats),
@@ -108,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = TuneSettings(time_budget_s=args.time_budget, per_generation=args.per_generation, bench=bench,
                                 confirm_steps=args.confirm_steps, config_dir=args.config_dir.resolve(),
                                 name=args.name or model_name)  # fmt: skip
-        result = tune(args.overrides, space, settings, out)  # type: ignore[arg-type]
+        result = tune(args.overrides, space, settings, out, started=started)  # type: ignore[arg-type]
     except ConfigError as err:
         print(f"accel-tune: error: {err}", file=sys.stderr)
         return 2

@@ -113,13 +113,29 @@ def test_a_pick_the_confirmation_does_not_uphold_leaves_the_baseline(tmp_path: P
     assert "override" not in (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()  # the user's config as is
 
 
-def test_the_time_budget_stops_the_search_and_ctrl_c_keeps_the_best_so_far(tmp_path: Path) -> None:
-    ticks = iter(range(0, 10_000, 100))
+def test_the_search_and_its_confirmation_end_inside_the_time_budget_and_ctrl_c_keeps_the_best_so_far(
+    tmp_path: Path,
+) -> None:
+    """Every run takes 10 s of a fake clock (a confirmation run, 3x the steps, 30 s). The baseline's generation (2
+    runs) costs 20 s; a generation starts only when it and the confirmation (2 stages x 2 rounds x 30 s) fit in what
+    is left, so the whole search, confirmation included, ends inside 250 s."""
+    now = [0.0]
     launcher, calls = world({"baseline": 100.0, "precision=amp": 150.0})
-    result = tune(USER, Space(devices=2, compile=True), settings(tmp_path, time_budget_s=150, confirm_steps=0),
-                  tmp_path / "out", launcher=launcher, echo=lambda _: None,
-                  clock=lambda: float(next(ticks)))  # fmt: skip
-    assert result.stop_reason.startswith("the time budget of 150 s is spent") and result.generations == 2
+
+    def timed(command, stage_dir, timeout):
+        now[0] += 30.0 if "confirm" in stage_dir.parts else 10.0
+        return launcher(command, stage_dir, timeout)
+
+    result = tune(USER, Space(devices=2, compile=True), settings(tmp_path, time_budget_s=250), tmp_path / "out",
+                  launcher=timed, echo=lambda _: None, clock=lambda: now[0])  # fmt: skip
+    assert result.generations == 2 and result.confirmed is True  # 20 s + 60 s + the confirmation's 120 s
+    assert "would end past the time budget of 250 s (170 s left)" in result.stop_reason, result.stop_reason
+    assert now[0] == 200.0 <= 250
+    now[0] = 0.0
+    result = tune(USER, Space(devices=2, compile=True), settings(tmp_path / "tight", time_budget_s=150),
+                  tmp_path / "out_tight", launcher=timed, echo=lambda _: None, clock=lambda: now[0])  # fmt: skip
+    assert result.generations == 1 and result.pick is not None and result.pick.candidate.name == "baseline"
+    assert now[0] == 20.0  # 20 s + 60 s + 120 s would not fit: only the baseline, no confirmation needed
 
     def interrupt(n: int) -> None:
         if n == 5:  # generation 1, after the baseline's and amp's first round

@@ -33,7 +33,8 @@ class TuneSettings:
     """How accel-tune searches (its command line)."""
 
     time_budget_s: float = 600.0
-    """Wall-clock budget of the search; no generation starts after it (the confirmation run may go past it)."""
+    """Wall-clock budget of the search, the confirmation run included: a generation starts only when it and the
+    confirmation, estimated from the seconds per run so far, end inside it (the baseline's generation always runs)."""
     per_generation: int = 2
     """New candidates measured per generation."""
     bench: BenchSettings = field(default_factory=lambda: BenchSettings(steps=40, repeats=2, match="samples"))
@@ -113,35 +114,40 @@ def tune(
     launcher: Launcher = launch,
     echo: Callable[[str], None] = print,
     clock: Callable[[], float] = time.monotonic,
+    started: float | None = None,
 ) -> TuneResult:
     """Search for the fastest configuration of the user's run (`overrides`) that keeps quality, within the budget.
 
     Raises:
         ConfigError: when the user's overrides do not compose (before anything runs).
     """
-    started = clock()
+    started = clock() if started is None else started  # the command line's start: its config check counts too
     out_dir.mkdir(parents=True, exist_ok=True)
     history: list[Outcome] = []
     trace: list[dict[str, Any]] = []
     generation, interrupted, stop = 0, False, ""
+    run_s = 0.0  # the most seconds per run of a generation so far (its wall time over its runs)
     try:
         while True:
             suggestion = next_candidates(history, space, limit=settings.per_generation)
             if not suggestion.candidates:
                 stop = suggestion.why or "nothing left to try"
                 break
-            if generation and clock() - started >= settings.time_budget_s:
-                stop = f"the time budget of {settings.time_budget_s:.0f} s is spent"
-                break
             best = incumbent(history)
             ladder = [baseline()]
             if best is not None and best.candidate.choices:
                 ladder.append(best.candidate)
             ladder += [c for c in suggestion.candidates if c.choices]
+            if generation:
+                stop = _over_budget(clock() - started, len(ladder), run_s, settings)
+                if stop:
+                    break
             echo(f"accel-tune: generation {generation}: {suggestion.why}; measuring "
                  f"{', '.join(c.name for c in ladder)}")  # fmt: skip
+            began = clock()
             outcomes, interrupted, table = _measure(ladder, overrides, settings.bench,
                                                     out_dir / f"gen{generation}", launcher, echo)  # fmt: skip
+            run_s = max(run_s, (clock() - began) / (len(ladder) * settings.bench.repeats))
             history = _merge(history, outcomes)
             trace.append({"generation": generation, "why": suggestion.why, "table": str(table),
                           "measured": [_describe(o) for o in outcomes.values()],
@@ -167,6 +173,29 @@ def tune(
          + (f"; wrote {preset}" if preset else ""))  # fmt: skip
     return TuneResult(history=history, pick=pick, confirmed=confirmed, preset=preset, files=files,
                       generations=generation, interrupted=interrupted, stop_reason=stop, trace=trace)  # fmt: skip
+
+
+def _confirm_runs(settings: TuneSettings) -> float:
+    """The confirmation's cost in baseline-length runs: the baseline and the pick, every round, `confirm_steps`
+    long (0 without a confirmation)."""
+    if settings.confirm_steps == 0:
+        return 0.0
+    steps = settings.confirm_steps or 3 * settings.bench.steps
+    return 2 * settings.bench.repeats * steps / settings.bench.steps
+
+
+def _over_budget(spent: float, stages: int, run_s: float, settings: TuneSettings) -> str:
+    """Why the next generation of `stages` stages must not start (empty when it may): it and the confirmation,
+    at `run_s` seconds per baseline-length run, would end past the time budget."""
+    budget = settings.time_budget_s
+    if spent >= budget:
+        return f"the time budget of {budget:.0f} s is spent"
+    generation_s = stages * settings.bench.repeats * run_s
+    confirm_s = _confirm_runs(settings) * run_s
+    if spent + generation_s + confirm_s > budget:
+        return (f"the next generation (~{generation_s:.0f} s) and the confirmation (~{confirm_s:.0f} s) would end "
+                f"past the time budget of {budget:.0f} s ({budget - spent:.0f} s left)")  # fmt: skip
+    return ""
 
 
 def _merge(history: list[Outcome], outcomes: dict[Candidate, Outcome]) -> list[Outcome]:
