@@ -181,3 +181,17 @@ def test_a_run_that_does_not_fit_is_tuned_to_one_that_does(tmp_path: Path) -> No
     assert result.pick is not None and result.pick.candidate.name == "micro_batch=auto" and result.confirmed
     preset = (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
     assert "override /micro_batch: auto" in preset and "    micro_batch_size: 8" in preset
+
+
+def test_the_confirmation_is_estimated_from_the_training_part_of_a_run() -> None:
+    """3x the steps triples a run's training, not its start-up: at a quarter of a run training, the confirmation
+    (baseline and pick, 2 rounds) costs 6 baseline-length runs, not 12."""
+    from lightning_accel.benchmark.autopilot import _over_budget
+
+    tune_settings = TuneSettings(bench=BenchSettings(steps=40, repeats=2), time_budget_s=100)
+    assert _over_budget(0.0, 3, 5.0, 1.0, tune_settings) == ""  # 30 s + 60 s
+    assert "(~30 s) and the confirmation (~60 s)" in _over_budget(20.0, 3, 5.0, 1.0, tune_settings)
+    assert _over_budget(20.0, 3, 5.0, 0.25, tune_settings) == ""  # 20 s + 30 s + 30 s
+    assert _over_budget(100.0, 1, 0.0, 1.0, tune_settings) == "the time budget of 100 s is spent"
+    assert _over_budget(20.0, 3, 5.0, 1.0, TuneSettings(bench=tune_settings.bench, time_budget_s=100,
+                                                        confirm_steps=0)) == ""  # fmt: skip

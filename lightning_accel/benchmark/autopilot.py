@@ -88,8 +88,9 @@ def _measure(
     out_dir: Path,
     launcher: Launcher,
     echo: Callable[[str], None],
-) -> tuple[dict[Candidate, Outcome], bool, Path]:
-    """One accel-bench run over `ladder` (presets written under `out_dir/conf`); the outcomes by candidate."""
+) -> tuple[dict[Candidate, Outcome], bool, Path, float | None]:
+    """One accel-bench run over `ladder` (presets written under `out_dir/conf`): the outcomes by candidate, whether
+    it was interrupted, its table, and the share of a run's process time that training took (None: none ran)."""
     conf = out_dir / "conf"
     names = []
     for index, candidate in enumerate(ladder):
@@ -102,7 +103,9 @@ def _measure(
     run = run_bench(names, [*search, *overrides], bench, out_dir, launcher=launcher, echo=echo, stage_extra=extra)
     outcomes = {candidate: outcome_of(candidate, result) for candidate, result in zip(ladder, run.results,
                                                                                       strict=True)}  # fmt: skip
-    return outcomes, run.interrupted, out_dir / "bench.md"
+    shares = [r.time_s / r.process_s for r in run.results if r.status == "ok" and r.time_s and r.process_s]
+    share = max(shares) if shares else None
+    return outcomes, run.interrupted, out_dir / "bench.md", share
 
 
 def tune(
@@ -127,6 +130,7 @@ def tune(
     trace: list[dict[str, Any]] = []
     generation, interrupted, stop = 0, False, ""
     run_s = 0.0  # the most seconds per run of a generation so far (its wall time over its runs)
+    train_share = 1.0  # of a run, the share that training takes (the rest, start-up, does not grow with the steps)
     try:
         while True:
             suggestion = next_candidates(history, space, limit=settings.per_generation)
@@ -139,15 +143,16 @@ def tune(
                 ladder.append(best.candidate)
             ladder += [c for c in suggestion.candidates if c.choices]
             if generation:
-                stop = _over_budget(clock() - started, len(ladder), run_s, settings)
+                stop = _over_budget(clock() - started, len(ladder), run_s, train_share, settings)
                 if stop:
                     break
             echo(f"accel-tune: generation {generation}: {suggestion.why}; measuring "
                  f"{', '.join(c.name for c in ladder)}")  # fmt: skip
             began = clock()
-            outcomes, interrupted, table = _measure(ladder, overrides, settings.bench,
-                                                    out_dir / f"gen{generation}", launcher, echo)  # fmt: skip
+            outcomes, interrupted, table, share = _measure(ladder, overrides, settings.bench,
+                                                           out_dir / f"gen{generation}", launcher, echo)  # fmt: skip
             run_s = max(run_s, (clock() - began) / (len(ladder) * settings.bench.repeats))
+            train_share = share if share is not None else train_share
             history = _merge(history, outcomes)
             trace.append({"generation": generation, "why": suggestion.why, "table": str(table),
                           "measured": [_describe(o) for o in outcomes.values()],
@@ -175,23 +180,24 @@ def tune(
                       generations=generation, interrupted=interrupted, stop_reason=stop, trace=trace)  # fmt: skip
 
 
-def _confirm_runs(settings: TuneSettings) -> float:
+def _confirm_runs(settings: TuneSettings, train_share: float) -> float:
     """The confirmation's cost in baseline-length runs: the baseline and the pick, every round, `confirm_steps`
-    long (0 without a confirmation)."""
+    long, where only the training part of a run (`train_share` of it) grows with the steps (0 without one)."""
     if settings.confirm_steps == 0:
         return 0.0
     steps = settings.confirm_steps or 3 * settings.bench.steps
-    return 2 * settings.bench.repeats * steps / settings.bench.steps
+    share = min(1.0, max(0.0, train_share))
+    return 2 * settings.bench.repeats * ((1 - share) + share * steps / settings.bench.steps)
 
 
-def _over_budget(spent: float, stages: int, run_s: float, settings: TuneSettings) -> str:
+def _over_budget(spent: float, stages: int, run_s: float, train_share: float, settings: TuneSettings) -> str:
     """Why the next generation of `stages` stages must not start (empty when it may): it and the confirmation,
     at `run_s` seconds per baseline-length run, would end past the time budget."""
     budget = settings.time_budget_s
     if spent >= budget:
         return f"the time budget of {budget:.0f} s is spent"
     generation_s = stages * settings.bench.repeats * run_s
-    confirm_s = _confirm_runs(settings) * run_s
+    confirm_s = _confirm_runs(settings, train_share) * run_s
     if spent + generation_s + confirm_s > budget:
         return (f"the next generation (~{generation_s:.0f} s) and the confirmation (~{confirm_s:.0f} s) would end "
                 f"past the time budget of {budget:.0f} s ({budget - spent:.0f} s left)")  # fmt: skip
@@ -214,8 +220,8 @@ def _confirm(pick: Outcome, overrides: Sequence[str], settings: TuneSettings, ou
     steps = settings.confirm_steps or 3 * settings.bench.steps
     bench = replace(settings.bench, steps=steps)
     echo(f"accel-tune: confirming {pick.candidate.name} against the baseline over {steps} steps")
-    outcomes, interrupted, table = _measure([baseline(), pick.candidate], overrides, bench, out_dir / "confirm",
-                                            launcher, echo)  # fmt: skip
+    outcomes, interrupted, table, _ = _measure([baseline(), pick.candidate], overrides, bench, out_dir / "confirm",
+                                               launcher, echo)  # fmt: skip
     base, again = outcomes[baseline()], outcomes[pick.candidate]
     if base.status != "ok":  # the run as configured does not run (out of memory): the pick is all there is
         upheld = again.status == "ok"
