@@ -91,6 +91,7 @@ def test_the_search_follows_the_bottleneck_keeps_quality_and_writes_the_preset(t
     assert "override /precision: amp" in preset and "override /strategy: ddp" in preset and "devices: 2" in preset
     report = (tmp_path / "out" / "tune.md").read_text()
     assert "| `compile=default` |" in report and "lost: quality" in report and "failed: " in report
+    assert "lost: slower than the baseline |" in report  # a candidate at 0.9x, its interval below the baseline's
     assert (
         "pick" in report
         and json.loads((tmp_path / "out" / "tune.json").read_text())["pick"] == result.pick.candidate.name

@@ -264,6 +264,8 @@ def _verdict(o: Outcome, pick: Outcome | None, base: Outcome | None) -> str:
         return "reference"
     if o.quality == "FAIL":
         return "lost: quality"
+    if base is not None and clears(base, o):
+        return "lost: slower than the baseline"
     if base is not None and not clears(o, base):
         return "lost: not faster than the baseline beyond the noise"
     if pick is not None and clears(pick, o):

@@ -59,9 +59,9 @@ def pinned(outcome: Outcome, loader_keys: Collection[str]) -> tuple[Candidate, l
                        "data wait and tunes again where these no longer hold)")  # fmt: skip
     if micro is not None:
         choices[_MICRO_BATCH] = micro
-        comment.append(f"MicroBatchFinder's size in the measured runs: micro_batch_size={micro} per forward (the "
-                       "loader's batch and the global batch unchanged); "
-                       f"`++{_MICRO_BATCH}=auto` searches again")  # fmt: skip
+        comment.append(f"MicroBatchFinder's size in the measured runs: micro_batch_size={micro}: each loader batch "
+                       f"runs as micro-batches of {micro} with their gradients accumulated inside its optimizer step "
+                       f"(the global batch unchanged); `++{_MICRO_BATCH}=auto` searches again")  # fmt: skip
     return replace(outcome.candidate, choices=tuple(sorted(choices.items()))), comment
 
 
