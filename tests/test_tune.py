@@ -92,6 +92,7 @@ def test_the_search_follows_the_bottleneck_keeps_quality_and_writes_the_preset(t
     report = (tmp_path / "out" / "tune.md").read_text()
     assert "| `compile=default` |" in report and "lost: quality" in report and "failed: " in report
     assert "lost: slower than the baseline |" in report  # a candidate at 0.9x, its interval below the baseline's
+    assert "The pick: " in report and "the baseline's samples/s in the confirmation run" in report
     assert (
         "pick" in report
         and json.loads((tmp_path / "out" / "tune.json").read_text())["pick"] == result.pick.candidate.name

@@ -164,14 +164,15 @@ def tune(
     except KeyboardInterrupt:
         interrupted, stop = True, "interrupted (Ctrl-C)"
     pick = incumbent(history)
-    confirmed = None
+    confirmed, reference = None, next((o for o in history if not o.candidate.choices), None)
     if pick is not None and pick.candidate.choices and not interrupted and settings.confirm_steps != 0:
-        confirmed, pick, interrupted = _confirm(pick, overrides, settings, out_dir, launcher, echo, trace)
-    files = _write_report(history, pick, confirmed, trace, stop, settings, out_dir, clock() - started)
+        confirmed, pick, reference, interrupted = _confirm(pick, overrides, settings, out_dir, launcher, echo, trace)
+    summary = _summary(pick, reference, confirmed) if pick is not None else []
+    files = _write_report(history, pick, confirmed, trace, stop, settings, out_dir, clock() - started, summary)
     preset = None
     if pick is not None:
         chosen, pins = pinned(pick, space.loader_keys)
-        comment = [f"accel-tune: {pick.candidate.name}", *_summary(pick, history), *pins]
+        comment = [f"accel-tune: {pick.candidate.name}", *summary, *pins]
         preset = write_preset(settings.config_dir, settings.name, chosen, comment=comment)
         files.append(preset)
     echo(f"accel-tune: {stop}; pick: {pick.candidate.name if pick else 'none'}"
@@ -213,10 +214,18 @@ def _merge(history: list[Outcome], outcomes: dict[Candidate, Outcome]) -> list[O
     return merged
 
 
-def _confirm(pick: Outcome, overrides: Sequence[str], settings: TuneSettings, out_dir: Path, launcher: Launcher,
-             echo: Callable[[str], None], trace: list[dict[str, Any]]) -> tuple[bool, Outcome, bool]:  # fmt: skip
+def _confirm(
+    pick: Outcome,
+    overrides: Sequence[str],
+    settings: TuneSettings,
+    out_dir: Path,
+    launcher: Launcher,
+    echo: Callable[[str], None],
+    trace: list[dict[str, Any]],
+) -> tuple[bool, Outcome, Outcome, bool]:
     """A longer run of the pick beside the baseline: it must still pass quality and clear the baseline, else the
-    baseline is the pick (never slower than where the user started)."""
+    baseline is the pick (never slower than where the user started). Returns whether it was upheld, the pick, the
+    baseline it was measured beside, and whether Ctrl-C cut it short."""
     steps = settings.confirm_steps or 3 * settings.bench.steps
     bench = replace(settings.bench, steps=steps)
     echo(f"accel-tune: confirming {pick.candidate.name} against the baseline over {steps} steps")
@@ -232,8 +241,8 @@ def _confirm(pick: Outcome, overrides: Sequence[str], settings: TuneSettings, ou
     if not upheld:
         echo(f"accel-tune: the confirmation did not uphold {pick.candidate.name} "
              f"({again.quality}, {_rate(again)} vs {_rate(base)}): the baseline stays")  # fmt: skip
-        return False, base, interrupted
-    return True, again, interrupted
+        return False, base, base, interrupted
+    return True, again, base, interrupted
 
 
 def _rate(o: Outcome) -> str:
@@ -247,11 +256,12 @@ def _describe(o: Outcome) -> dict[str, Any]:
             "move": o.candidate.move, **{k: v for k, v in asdict(o).items() if k != "candidate"}}  # fmt: skip
 
 
-def _summary(pick: Outcome, history: Sequence[Outcome]) -> list[str]:
-    base = next((o for o in history if not o.candidate.choices), None)
+def _summary(pick: Outcome, base: Outcome | None, confirmed: bool | None) -> list[str]:
+    """The preset's speedup line: the pick against the baseline measured beside it (in the confirmation, if run)."""
     if base is None or base.samples_per_s is None or pick.samples_per_s is None:
         return []
-    return [f"{pick.samples_per_s / base.samples_per_s:.2f}x the baseline's samples/s ({_rate(pick)} vs "
+    where = " in the confirmation run" if confirmed else ""
+    return [f"{pick.samples_per_s / base.samples_per_s:.2f}x the baseline's samples/s{where} ({_rate(pick)} vs "
             f"{_rate(base)}), quality {pick.quality}"]  # fmt: skip
 
 
@@ -275,7 +285,7 @@ def _verdict(o: Outcome, pick: Outcome | None, base: Outcome | None) -> str:
 
 def _write_report(history: Sequence[Outcome], pick: Outcome | None, confirmed: bool | None,
                   trace: list[dict[str, Any]], stop: str, settings: TuneSettings, out_dir: Path,
-                  total_s: float) -> list[Path]:  # fmt: skip
+                  total_s: float, summary: Sequence[str] = ()) -> list[Path]:  # fmt: skip
     """tune.md (every candidate: samples/s with interval, speedup, quality, bottleneck, verdict), tune.json (the
     trace) and tune.png (samples/s with intervals; needs matplotlib), written atomically."""
     base = next((o for o in history if not o.candidate.choices and o.status == "ok"), None)
@@ -291,6 +301,7 @@ def _write_report(history: Sequence[Outcome], pick: Outcome | None, confirmed: b
     text = "\n".join([
         f"# accel-tune: {pick.candidate.name if pick else 'no pick'}", "",
         f"Stopped: {stop}. {len(history)} candidate(s) in {total_s:.0f} s; confirmation: {confirm}.", "",
+        *(f"The pick: {line}." for line in summary), *([""] if summary else []),
         *rows, "",
         f"Preset: `preset=tuned_{settings.name}` (with `'hydra.searchpath=[file://{settings.config_dir}]'`).", "",
     ])  # fmt: skip
