@@ -258,8 +258,8 @@ def _describe(o: Outcome) -> dict[str, Any]:
 
 def _summary(pick: Outcome, base: Outcome | None, confirmed: bool | None) -> list[str]:
     """The preset's speedup line: the pick against the baseline measured beside it (in the confirmation, if run)."""
-    if base is None or base.samples_per_s is None or pick.samples_per_s is None:
-        return []
+    if not pick.candidate.choices or base is None or base.samples_per_s is None or pick.samples_per_s is None:
+        return []  # the baseline itself, or nothing to compare
     where = " in the confirmation run" if confirmed else ""
     return [f"{pick.samples_per_s / base.samples_per_s:.2f}x the baseline's samples/s{where} ({_rate(pick)} vs "
             f"{_rate(base)}), quality {pick.quality}"]  # fmt: skip
