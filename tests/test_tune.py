@@ -197,3 +197,29 @@ def test_the_confirmation_is_estimated_from_the_training_part_of_a_run() -> None
     assert _over_budget(100.0, 1, 0.0, 1.0, tune_settings) == "the time budget of 100 s is spent"
     assert _over_budget(20.0, 3, 5.0, 1.0, TuneSettings(bench=tune_settings.bench, time_budget_s=100,
                                                         confirm_steps=0)) == ""  # fmt: skip
+
+
+def test_a_win_on_top_of_a_win_must_hold_up_against_its_parent_in_the_confirmation(tmp_path: Path) -> None:
+    """amp wins; compile on top of amp clears it in the search's short runs but not in the longer confirmation run,
+    where it is measured beside amp too: amp is the pick, and the report says why compile lost."""
+    rates = {"baseline": 100.0, "precision=amp": 150.0, "compile=default+precision=amp": 170.0}
+    launcher, calls = world(rates)
+    confirm_ladders: list[str] = []
+
+    def confirm_aware(command, stage_dir, timeout):
+        if "confirm" in stage_dir.parts:
+            rates["compile=default+precision=amp"] = 151.0  # the longer run: no gain over amp
+            confirm_ladders.append(_candidate_of(command))
+        return launcher(command, stage_dir, timeout)
+
+    lines: list[str] = []
+    result = tune(USER, Space(devices=1, compile=True), settings(tmp_path), tmp_path / "out",
+                  launcher=confirm_aware, echo=lines.append)  # fmt: skip
+    assert set(confirm_ladders) == {"baseline", "precision=amp", "compile=default+precision=amp"}
+    assert result.pick is not None and result.pick.candidate.name == "precision=amp" and result.confirmed is True
+    assert any("did not uphold compile=default+precision=amp" in line for line in lines)
+    report = (tmp_path / "out" / "tune.md").read_text()
+    assert "lost: not faster than precision=amp beyond the noise in the confirmation run" in report
+    assert "the search's pick did not hold up, precision=amp stays" in report
+    preset = (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
+    assert "override /precision: amp" in preset and "compile" not in preset

@@ -143,7 +143,9 @@ def tune(
                 ladder.append(best.candidate)
             ladder += [c for c in suggestion.candidates if c.choices]
             if generation:
-                stop = _over_budget(clock() - started, len(ladder), run_s, train_share, settings)
+                # a winner of this generation would be confirmed beside its parent, the incumbent, and the baseline
+                stop = _over_budget(clock() - started, len(ladder), run_s, train_share, settings,
+                                    confirm_stages=3 if best is not None and best.candidate.choices else 2)  # fmt: skip
                 if stop:
                     break
             echo(f"accel-tune: generation {generation}: {suggestion.why}; measuring "
@@ -165,10 +167,16 @@ def tune(
         interrupted, stop = True, "interrupted (Ctrl-C)"
     pick = incumbent(history)
     confirmed, reference = None, next((o for o in history if not o.candidate.choices), None)
+    demoted: dict[Candidate, str] = {}  # the search's pick, when the confirmation did not uphold it: why
     if pick is not None and pick.candidate.choices and not interrupted and settings.confirm_steps != 0:
-        confirmed, pick, reference, interrupted = _confirm(pick, overrides, settings, out_dir, launcher, echo, trace)
+        searched = pick
+        confirmed, pick, reference, interrupted, lost = _confirm(pick, history, overrides, settings, out_dir, launcher,
+                                                                 echo, trace)  # fmt: skip
+        if lost:
+            demoted[searched.candidate] = lost
     summary = _summary(pick, reference, confirmed) if pick is not None else []
-    files = _write_report(history, pick, confirmed, trace, stop, settings, out_dir, clock() - started, summary)
+    files = _write_report(history, pick, confirmed, trace, stop, settings, out_dir, clock() - started, summary,
+                          demoted)  # fmt: skip
     preset = None
     if pick is not None:
         chosen, pins = pinned(pick, space.loader_keys)
@@ -181,24 +189,26 @@ def tune(
                       generations=generation, interrupted=interrupted, stop_reason=stop, trace=trace)  # fmt: skip
 
 
-def _confirm_runs(settings: TuneSettings, train_share: float) -> float:
-    """The confirmation's cost in baseline-length runs: the baseline and the pick, every round, `confirm_steps`
-    long, where only the training part of a run (`train_share` of it) grows with the steps (0 without one)."""
+def _confirm_runs(settings: TuneSettings, train_share: float, stages: int = 2) -> float:
+    """The confirmation's cost in baseline-length runs: `stages` stages (the baseline, the pick, its parent when that
+    is not the baseline), every round, `confirm_steps` long, where only the training part of a run (`train_share` of
+    it) grows with the steps (0 without one)."""
     if settings.confirm_steps == 0:
         return 0.0
     steps = settings.confirm_steps or 3 * settings.bench.steps
     share = min(1.0, max(0.0, train_share))
-    return 2 * settings.bench.repeats * ((1 - share) + share * steps / settings.bench.steps)
+    return stages * settings.bench.repeats * ((1 - share) + share * steps / settings.bench.steps)
 
 
-def _over_budget(spent: float, stages: int, run_s: float, train_share: float, settings: TuneSettings) -> str:
-    """Why the next generation of `stages` stages must not start (empty when it may): it and the confirmation,
-    at `run_s` seconds per baseline-length run, would end past the time budget."""
+def _over_budget(spent: float, stages: int, run_s: float, train_share: float, settings: TuneSettings,
+                 confirm_stages: int = 2) -> str:  # fmt: skip
+    """Why the next generation of `stages` stages must not start (empty when it may): it and the confirmation
+    (`confirm_stages` stages), at `run_s` seconds per baseline-length run, would end past the time budget."""
     budget = settings.time_budget_s
     if spent >= budget:
         return f"the time budget of {budget:.0f} s is spent"
     generation_s = stages * settings.bench.repeats * run_s
-    confirm_s = _confirm_runs(settings, train_share) * run_s
+    confirm_s = _confirm_runs(settings, train_share, confirm_stages) * run_s
     if spent + generation_s + confirm_s > budget:
         return (f"the next generation (~{generation_s:.0f} s) and the confirmation (~{confirm_s:.0f} s) would end "
                 f"past the time budget of {budget:.0f} s ({budget - spent:.0f} s left)")  # fmt: skip
@@ -216,33 +226,52 @@ def _merge(history: list[Outcome], outcomes: dict[Candidate, Outcome]) -> list[O
 
 def _confirm(
     pick: Outcome,
+    history: Sequence[Outcome],
     overrides: Sequence[str],
     settings: TuneSettings,
     out_dir: Path,
     launcher: Launcher,
     echo: Callable[[str], None],
     trace: list[dict[str, Any]],
-) -> tuple[bool, Outcome, Outcome, bool]:
-    """A longer run of the pick beside the baseline: it must still pass quality and clear the baseline, else the
-    baseline is the pick (never slower than where the user started). Returns whether it was upheld, the pick, the
-    baseline it was measured beside, and whether Ctrl-C cut it short."""
+) -> tuple[bool, Outcome, Outcome, bool, str]:
+    """A longer run of the pick beside the baseline and the incumbent it replaced (its parent): it must still pass
+    quality and clear the baseline, and clear its parent, else the parent is the pick when it holds up against the
+    baseline, else the baseline (never slower than where the user started). A win that was noise in the search's
+    shorter runs does not ride on a real one.
+
+    Returns whether a pick other than the baseline was upheld, the pick, the baseline it was measured beside, whether
+    Ctrl-C cut it short, and why the search's pick lost (empty when it was upheld)."""
     steps = settings.confirm_steps or 3 * settings.bench.steps
     bench = replace(settings.bench, steps=steps)
-    echo(f"accel-tune: confirming {pick.candidate.name} against the baseline over {steps} steps")
-    outcomes, interrupted, table, _ = _measure([baseline(), pick.candidate], overrides, bench, out_dir / "confirm",
-                                               launcher, echo)  # fmt: skip
+    parent = next((o.candidate for o in history if o.candidate.choices and o.candidate.name == pick.candidate.parent),
+                  None)  # fmt: skip
+    ladder = [baseline(), *([parent] if parent is not None else []), pick.candidate]
+    echo(f"accel-tune: confirming {pick.candidate.name} against "
+         f"{', '.join(c.name for c in ladder[:-1])} over {steps} steps")  # fmt: skip
+    outcomes, interrupted, table, _ = _measure(ladder, overrides, bench, out_dir / "confirm", launcher, echo)
     base, again = outcomes[baseline()], outcomes[pick.candidate]
-    if base.status != "ok":  # the run as configured does not run (out of memory): the pick is all there is
-        upheld = again.status == "ok"
+    before = outcomes.get(parent) if parent is not None else None
+
+    def holds(o: Outcome) -> bool:  # against the baseline; when the baseline does not run (OOM), running is enough
+        if base.status != "ok":
+            return o.status == "ok"
+        return o.status == "ok" and o.quality == "pass" and clears(o, base)
+
+    if holds(again) and (before is None or not holds(before) or clears(again, before)):
+        chosen, lost = again, ""
+    elif before is not None and holds(before):
+        chosen = before
+        lost = f"not faster than {before.candidate.name} beyond the noise in the confirmation run"
     else:
-        upheld = again.status == "ok" and again.quality == "pass" and clears(again, base)
+        chosen = base
+        lost = (f"{again.quality} quality in the confirmation run" if again.quality == "FAIL"
+                else "not faster than the baseline beyond the noise in the confirmation run")  # fmt: skip
     trace.append({"generation": "confirm", "table": str(table), "measured": [_describe(o) for o in outcomes.values()],
-                  "upheld": upheld})  # fmt: skip
-    if not upheld:
-        echo(f"accel-tune: the confirmation did not uphold {pick.candidate.name} "
-             f"({again.quality}, {_rate(again)} vs {_rate(base)}): the baseline stays")  # fmt: skip
-        return False, base, base, interrupted
-    return True, again, base, interrupted
+                  "upheld": not lost, "pick": chosen.candidate.name})  # fmt: skip
+    if lost:
+        echo(f"accel-tune: the confirmation did not uphold {pick.candidate.name} ({lost}: {_rate(again)}): "
+             f"{chosen.candidate.name} is the pick")  # fmt: skip
+    return chosen is not base, chosen, base, interrupted, lost
 
 
 def _rate(o: Outcome) -> str:
@@ -265,11 +294,13 @@ def _summary(pick: Outcome, base: Outcome | None, confirmed: bool | None) -> lis
             f"{_rate(base)}), quality {pick.quality}"]  # fmt: skip
 
 
-def _verdict(o: Outcome, pick: Outcome | None, base: Outcome | None) -> str:
+def _verdict(o: Outcome, pick: Outcome | None, base: Outcome | None, demoted: dict[Candidate, str]) -> str:
     if o.status != "ok":
         return f"failed: {o.reason}"
     if pick is not None and o.candidate == pick.candidate:
         return "pick"
+    if o.candidate in demoted:
+        return f"lost: {demoted[o.candidate]}"
     if not o.candidate.choices:
         return "reference"
     if o.quality == "FAIL":
@@ -285,7 +316,8 @@ def _verdict(o: Outcome, pick: Outcome | None, base: Outcome | None) -> str:
 
 def _write_report(history: Sequence[Outcome], pick: Outcome | None, confirmed: bool | None,
                   trace: list[dict[str, Any]], stop: str, settings: TuneSettings, out_dir: Path,
-                  total_s: float, summary: Sequence[str] = ()) -> list[Path]:  # fmt: skip
+                  total_s: float, summary: Sequence[str] = (),
+                  demoted: dict[Candidate, str] | None = None) -> list[Path]:  # fmt: skip
     """tune.md (every candidate: samples/s with interval, speedup, quality, bottleneck, verdict), tune.json (the
     trace) and tune.png (samples/s with intervals; needs matplotlib), written atomically."""
     base = next((o for o in history if not o.candidate.choices and o.status == "ok"), None)
@@ -296,8 +328,12 @@ def _write_report(history: Sequence[Outcome], pick: Outcome | None, confirmed: b
         if base is not None and base.samples_per_s and o.samples_per_s:
             speed = f"{o.samples_per_s / base.samples_per_s:.2f}x"
         rows.append(f"| `{o.candidate.name}` | {o.candidate.move or '-'} | {_rate(o)} | {speed} | {o.quality} | "
-                    f"{o.bottleneck or '-'} | {_verdict(o, pick, base)} |")  # fmt: skip
-    confirm = {None: "not run", True: "upheld", False: "not upheld: the baseline stays"}[confirmed]
+                    f"{o.bottleneck or '-'} | {_verdict(o, pick, base, demoted or {})} |")  # fmt: skip
+    confirm = "not run" if confirmed is None else "upheld"
+    if demoted:
+        confirm = f"the search's pick did not hold up, {pick.candidate.name if pick else 'the baseline'} stays"
+    elif confirmed is False:
+        confirm = "not upheld: the baseline stays"
     text = "\n".join([
         f"# accel-tune: {pick.candidate.name if pick else 'no pick'}", "",
         f"Stopped: {stop}. {len(history)} candidate(s) in {total_s:.0f} s; confirmation: {confirm}.", "",
