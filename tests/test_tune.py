@@ -223,3 +223,19 @@ def test_a_win_on_top_of_a_win_must_hold_up_against_its_parent_in_the_confirmati
     assert "the search's pick did not hold up, precision=amp stays" in report
     preset = (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
     assert "override /precision: amp" in preset and "compile" not in preset
+
+
+def test_ctrl_c_in_the_confirmation_keeps_the_searchs_pick_unconfirmed(tmp_path: Path) -> None:
+    launcher, calls = world({"baseline": 100.0, "precision=amp": 150.0})
+
+    def interrupt_confirmation(command, stage_dir, timeout):
+        if "confirm" in stage_dir.parts:
+            raise KeyboardInterrupt
+        return launcher(command, stage_dir, timeout)
+
+    result = tune(USER, Space(devices=1, compile=False), settings(tmp_path), tmp_path / "out",
+                  launcher=interrupt_confirmation, echo=lambda _: None)  # fmt: skip
+    assert result.interrupted and result.confirmed is None and "confirmation was interrupted" in result.stop_reason
+    assert result.pick is not None and result.pick.candidate.name == "precision=amp"
+    assert "override /precision: amp" in (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
+    assert "confirmation: not run" in (tmp_path / "out" / "tune.md").read_text()

@@ -170,8 +170,14 @@ def tune(
     demoted: dict[Candidate, str] = {}  # the search's pick, when the confirmation did not uphold it: why
     if pick is not None and pick.candidate.choices and not interrupted and settings.confirm_steps != 0:
         searched = pick
-        confirmed, pick, reference, interrupted, lost = _confirm(pick, history, overrides, settings, out_dir, launcher,
-                                                                 echo, trace)  # fmt: skip
+        try:
+            confirmed, pick, reference, interrupted, lost = _confirm(pick, history, overrides, settings, out_dir,
+                                                                     launcher, echo, trace)  # fmt: skip
+        except KeyboardInterrupt:
+            interrupted, lost = True, ""
+        if interrupted:  # a confirmation cut short decides nothing: the search's pick stays, unconfirmed
+            confirmed, pick, lost, stop = None, searched, "", f"{stop}; the confirmation was interrupted (Ctrl-C)"
+            reference = next((o for o in history if not o.candidate.choices), None)
         if lost:
             demoted[searched.candidate] = lost
     summary = _summary(pick, reference, confirmed) if pick is not None else []
