@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,8 @@ def test_a_winner_must_clear_the_incumbents_interval_and_pass_quality() -> None:
     assert incumbent(history).candidate.name == "baseline"  # type: ignore[union-attr]
     history = [ok(base, 100.0, bottleneck="compute-bound"), ok(amp, 150.0, quality="FAIL")]
     assert incumbent(history).candidate.name == "baseline"  # type: ignore[union-attr]  # faster but worse
+    busy = replace(ok(amp, 150.0), interference=True)
+    assert incumbent([ok(base, 100.0), busy]).candidate.name == "baseline"  # type: ignore[union-attr]  # busy: no win
     history = [ok(base, 100.0, bottleneck="compute-bound"), ok(amp, 150.0)]
     assert incumbent(history).candidate.name == "precision=amp"  # type: ignore[union-attr]
 

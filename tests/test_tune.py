@@ -239,3 +239,19 @@ def test_ctrl_c_in_the_confirmation_keeps_the_searchs_pick_unconfirmed(tmp_path:
     assert result.pick is not None and result.pick.candidate.name == "precision=amp"
     assert "override /precision: amp" in (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
     assert "confirmation: not run" in (tmp_path / "out" / "tune.md").read_text()
+
+
+def test_a_row_measured_under_interference_cannot_win() -> None:
+    """The bench row's interference flag reaches the outcome, and the report names it as the reason it lost."""
+    from lightning_accel.benchmark.autopilot import _verdict, outcome_of
+    from lightning_accel.benchmark.results import StageResult
+    from lightning_accel.benchmark.search import Candidate, incumbent
+
+    amp = Candidate((("precision", "amp"),))
+    row = StageResult(name="cand1", samples_per_s=300.0, samples_interval={"low": 290.0, "high": 310.0},
+                      quality="pass", interference=True)  # fmt: skip
+    busy = outcome_of(amp, row)
+    base = outcome_of(Candidate(), StageResult(name="as_is", samples_per_s=100.0,
+                                               samples_interval={"low": 99.0, "high": 101.0}))  # fmt: skip
+    assert busy.interference and incumbent([base, busy]) == base
+    assert _verdict(busy, base, base, {}).startswith("lost: measured under interference")

@@ -72,7 +72,7 @@ def outcome_of(candidate: Candidate, result: StageResult) -> Outcome:
     settled = settled_of(result.loader, result.micro_batch, result.micro_batch_auto, candidate.choices)
     return Outcome(candidate, samples_per_s=result.samples_per_s, low=interval.get("low"), high=interval.get("high"),
                    bottleneck=result.bottleneck or "", quality=quality, reason=result.bottleneck_why,
-                   settled=settled)  # type: ignore[arg-type]  # fmt: skip
+                   interference=result.interference, settled=settled)  # type: ignore[arg-type]  # fmt: skip
 
 
 def _stage_name(candidate: Candidate, index: int) -> str:
@@ -261,7 +261,7 @@ def _confirm(
     def holds(o: Outcome) -> bool:  # against the baseline; when the baseline does not run (OOM), running is enough
         if base.status != "ok":
             return o.status == "ok"
-        return o.status == "ok" and o.quality == "pass" and clears(o, base)
+        return o.status == "ok" and o.quality == "pass" and not o.interference and clears(o, base)
 
     if holds(again) and (before is None or not holds(before) or clears(again, before)):
         chosen, lost = again, ""
@@ -311,6 +311,8 @@ def _verdict(o: Outcome, pick: Outcome | None, base: Outcome | None, demoted: di
         return "reference"
     if o.quality == "FAIL":
         return "lost: quality"
+    if o.interference:
+        return "lost: measured under interference (its figures do not decide)"
     if base is not None and clears(base, o):
         return "lost: slower than the baseline"
     if base is not None and not clears(o, base):

@@ -80,6 +80,9 @@ class Outcome:
     quality: Literal["pass", "FAIL", "n/a"] = "n/a"
     reason: str = ""
     """Why it failed, or a note."""
+    interference: bool = False
+    """Its figures (or the baseline's it is compared with) come only from runs measured under interference: it
+    cannot win, whatever they say."""
     settled: tuple[tuple[str, str], ...] = ()
     """What the run decided for itself, as `(key, value)` settings the preset can pin: the DataLoaderTuner's
     `data.num_workers` (and pinning, persistence, prefetch), MicroBatchFinder's
@@ -227,14 +230,14 @@ def clears(candidate: Outcome, incumbent: Outcome) -> bool:
 
 def incumbent(history: Sequence[Outcome]) -> Outcome | None:
     """The best outcome so far, by the search's rule: the first ok outcome (the baseline), replaced by each later one
-    that passed the quality gate and clears it."""
+    that passed the quality gate, was measured without interference, and clears it."""
     best: Outcome | None = None
     for outcome in history:
         if outcome.status != "ok":
             continue
         if best is None:
             best = outcome
-        elif outcome.quality == "pass" and clears(outcome, best):
+        elif outcome.quality == "pass" and not outcome.interference and clears(outcome, best):
             best = outcome
     return best
 
