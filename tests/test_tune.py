@@ -255,3 +255,21 @@ def test_a_row_measured_under_interference_cannot_win() -> None:
                                                samples_interval={"low": 99.0, "high": 101.0}))  # fmt: skip
     assert busy.interference and incumbent([base, busy]) == base
     assert _verdict(busy, base, base, {}).startswith("lost: measured under interference")
+
+
+def test_on_a_busy_machine_nothing_wins_and_the_report_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Every run measured under interference (reruns included): amp's 1.5x does not decide, the baseline stays."""
+    from test_bench import _ScriptedProbe
+
+    monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([True] * 1000))
+    launcher, calls = world({"baseline": 100.0, "precision=amp": 150.0})
+    lines: list[str] = []
+    result = tune(USER, Space(devices=1, compile=False), settings(tmp_path), tmp_path / "out", launcher=launcher,
+                  echo=lines.append)  # fmt: skip
+    assert result.pick is not None and result.pick.candidate.name == "baseline"
+    amp = next(o for o in result.history if o.candidate.name == "precision=amp")
+    assert amp.interference and amp.samples_per_s is not None and amp.samples_per_s > 140
+    report = (tmp_path / "out" / "tune.md").read_text()
+    assert "Measured under interference" in report and "`precision=amp`" in report
+    assert "lost: measured under interference" in report
+    assert any("measured under interference" in line for line in lines)

@@ -191,6 +191,9 @@ def tune(
         files.append(preset)
     echo(f"accel-tune: {stop}; pick: {pick.candidate.name if pick else 'none'}"
          + (f"; wrote {preset}" if preset else ""))  # fmt: skip
+    if any(o.interference for o in history):
+        echo("accel-tune: note: some candidates were measured under interference (see tune.md); their figures did "
+             "not decide: run again when the machine is quiet")  # fmt: skip
     return TuneResult(history=history, pick=pick, confirmed=confirmed, preset=preset, files=files,
                       generations=generation, interrupted=interrupted, stop_reason=stop, trace=trace)  # fmt: skip
 
@@ -329,6 +332,7 @@ def _write_report(history: Sequence[Outcome], pick: Outcome | None, confirmed: b
     """tune.md (every candidate: samples/s with interval, speedup, quality, bottleneck, verdict), tune.json (the
     trace) and tune.png (samples/s with intervals; needs matplotlib), written atomically."""
     base = next((o for o in history if not o.candidate.choices and o.status == "ok"), None)
+    busy = [o.candidate.name for o in history if o.interference]
     rows = ["| candidate | move | samples/s [interval] | vs baseline | quality | bottleneck | verdict |",
             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for o in history:
@@ -346,6 +350,9 @@ def _write_report(history: Sequence[Outcome], pick: Outcome | None, confirmed: b
         f"# accel-tune: {pick.candidate.name if pick else 'no pick'}", "",
         f"Stopped: {stop}. {len(history)} candidate(s) in {total_s:.0f} s; confirmation: {confirm}.", "",
         *(f"The pick: {line}." for line in summary), *([""] if summary else []),
+        *([f"Measured under interference (other processes took the CPUs or GPUs; reruns did not get a quiet run): "
+           f"{', '.join(f'`{n}`' for n in busy)}. Their figures do not decide: no candidate wins on them. Run "
+           f"accel-tune again on a quiet machine.", ""] if busy else []),
         *rows, "",
         f"Preset: `preset=tuned_{settings.name}` (with `'hydra.searchpath=[file://{settings.config_dir}]'`).", "",
     ])  # fmt: skip
