@@ -166,7 +166,7 @@ def tune(
     except KeyboardInterrupt:
         interrupted, stop = True, "interrupted (Ctrl-C)"
     pick = incumbent(history)
-    confirmed, reference = None, next((o for o in history if not o.candidate.choices), None)
+    confirmed, reference = None, _baseline_of(history)
     demoted: dict[Candidate, str] = {}  # the search's pick, when the confirmation did not uphold it: why
     if pick is not None and pick.candidate.choices and not interrupted and settings.confirm_steps != 0:
         searched = pick
@@ -177,7 +177,7 @@ def tune(
             interrupted, lost = True, ""
         if interrupted:  # a confirmation cut short decides nothing: the search's pick stays, unconfirmed
             confirmed, pick, lost, stop = None, searched, "", f"{stop}; the confirmation was interrupted (Ctrl-C)"
-            reference = next((o for o in history if not o.candidate.choices), None)
+            reference = _baseline_of(history)
         if lost:
             demoted[searched.candidate] = lost
     summary = _summary(pick, reference, confirmed) if pick is not None else []
@@ -222,6 +222,11 @@ def _over_budget(spent: float, stages: int, run_s: float, train_share: float, se
         return (f"the next generation (~{generation_s:.0f} s) and the confirmation (~{confirm_s:.0f} s) would end "
                 f"past the time budget of {budget:.0f} s ({budget - spent:.0f} s left)")  # fmt: skip
     return ""
+
+
+def _baseline_of(history: Sequence[Outcome], ok: bool = False) -> Outcome | None:
+    """The baseline's outcome in `history` (None when it is not there, or with `ok`, when it did not run)."""
+    return next((o for o in history if not o.candidate.choices and (o.status == "ok" or not ok)), None)
 
 
 def _merge(history: list[Outcome], outcomes: dict[Candidate, Outcome]) -> list[Outcome]:
@@ -331,7 +336,7 @@ def _write_report(history: Sequence[Outcome], pick: Outcome | None, confirmed: b
                   demoted: dict[Candidate, str] | None = None) -> list[Path]:  # fmt: skip
     """tune.md (every candidate: samples/s with interval, speedup, quality, bottleneck, verdict), tune.json (the
     trace) and tune.png (samples/s with intervals; needs matplotlib), written atomically."""
-    base = next((o for o in history if not o.candidate.choices and o.status == "ok"), None)
+    base = _baseline_of(history, ok=True)
     busy = [o.candidate.name for o in history if o.interference]
     rows = ["| candidate | move | samples/s [interval] | vs baseline | quality | bottleneck | verdict |",
             "|---|---|---|---|---|---|---|"]  # fmt: skip

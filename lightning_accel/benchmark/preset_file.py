@@ -31,10 +31,9 @@ def settled_of(loader: dict[str, object] | None, micro_batch: int | None, micro_
     """What a run decided for itself, as settings a preset can pin: the DataLoaderTuner's `loader` decision as
     `data.<key>` (prefetch_factor only with workers), and MicroBatchFinder's size when the candidate searched for it
     (`micro_batch=auto` among its `choices`)."""
-    settled: list[tuple[str, str]] = []
-    for key, value in (loader or {}).items():
-        if value is not None and not (key == "prefetch_factor" and not (loader or {}).get("num_workers")):
-            settled.append((f"data.{key}", _text(value)))
+    loader = loader or {}
+    settled = [(f"data.{key}", _text(value)) for key, value in loader.items()
+               if value is not None and not (key == "prefetch_factor" and not loader.get("num_workers"))]  # fmt: skip
     if micro_batch_auto and micro_batch and ("micro_batch", "auto") in choices:
         settled.append((_MICRO_BATCH, str(int(micro_batch))))
     return tuple(sorted(settled))

@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -396,24 +396,31 @@ def _peak_rss_bytes() -> int | None:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+_C = TypeVar("_C", bound=Callback)
+
+
+def _callback_of(trainer: pl.Trainer, kind: type[_C]) -> _C | None:
+    """The Trainer's first callback of `kind`, or None."""
+    return next((cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, kind)), None)
+
+
 def _gpu_utilization(trainer: pl.Trainer) -> float | None:
     from lightning_accel.callbacks.gpu_monitor import GPUMonitor
 
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, GPUMonitor):
-            values = [row["utilization_mean_pct"] for row in callback.report.gpu_rows()]
-            values = [v for v in values if not math.isnan(v)]
-            return sum(values) / len(values) if values else None
-    return None
+    monitor = _callback_of(trainer, GPUMonitor)
+    if monitor is None:
+        return None
+    values = [row["utilization_mean_pct"] for row in monitor.report.gpu_rows()]
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else None
 
 
 def _loader_decision(trainer: pl.Trainer) -> dict[str, Any] | None:
     """The settings a DataLoaderTuner applied to the train loader in this fit (its decision), or None."""
     from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 
-    tuner = next((cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, DataLoaderTuner)), None)
-    decision = getattr(tuner, "decision", None)
-    return None if decision is None else decision.as_dict()
+    tuner = _callback_of(trainer, DataLoaderTuner)
+    return None if tuner is None or tuner.decision is None else tuner.decision.as_dict()
 
 
 def _record_micro_batch(m: StageMeasurement, trainer: pl.Trainer) -> None:
@@ -421,8 +428,7 @@ def _record_micro_batch(m: StageMeasurement, trainer: pl.Trainer) -> None:
     from lightning_accel.batches import loader_batch_size
     from lightning_accel.callbacks.micro_batch import MicroBatchFinder
 
-    callbacks = getattr(trainer, "callbacks", [])
-    finder = next((cb for cb in callbacks if isinstance(cb, MicroBatchFinder)), None)
+    finder = _callback_of(trainer, MicroBatchFinder)
     if finder is not None and finder.size is not None:
         m.micro_batch, m.micro_batch_auto, m.micro_batch_recoveries = finder.size, True, finder.oom_recoveries
         return
