@@ -89,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `accel-tune` (also `python -m lightning_accel.tune`); returns the exit code."""
     from lightning_accel.benchmark import BenchSettings
     from lightning_accel.benchmark.autopilot import TuneSettings, tune
+    from lightning_accel.benchmark.preset_file import check_preset_name
     from lightning_accel.launch import unique_stamp
 
     started = time.monotonic()
@@ -100,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"`{flag}={value}` must be >= 1.")
         if args.time_budget <= 0:
             raise ConfigError(f"`--time-budget={args.time_budget}` must be > 0 seconds.")
+        if args.name is not None:
+            check_preset_name(args.name)  # before the search, not when its preset is written
         stamp = unique_stamp(dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
         out = (args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "tune" / stamp).resolve()
         out.mkdir(parents=True, exist_ok=True)

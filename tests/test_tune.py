@@ -166,11 +166,16 @@ def test_an_input_bound_baseline_tries_the_dataloader_tuner_first(tmp_path: Path
     assert "  num_workers: 4" in preset and "  persistent_workers: true" in preset and "prefetch" not in preset
 
 
-def test_the_command_line_refuses_bad_settings_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_line_refuses_bad_settings_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from lightning_accel.tune import main
 
     assert main(["--steps", "0"]) == 2
     assert "`--steps=0` must be >= 1" in capsys.readouterr().err
+    assert main(["--name", "../evil", "--out", str(tmp_path / "out")]) == 2  # refused before the search runs
+    assert "letters, digits and underscores" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "gen0").exists()
 
 
 def test_a_run_that_does_not_fit_is_tuned_to_one_that_does(tmp_path: Path) -> None:

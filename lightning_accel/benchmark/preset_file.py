@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from lightning_accel.benchmark.search import GROUPS, Candidate, Outcome
 from lightning_accel.errors import ConfigError
 
-__all__ = ["pinned", "preset_yaml", "settled_of", "write_preset"]
+__all__ = ["check_preset_name", "pinned", "preset_yaml", "settled_of", "write_preset"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
@@ -78,6 +78,12 @@ def preset_yaml(candidate: Candidate, comment: Sequence[str] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_preset_name(name: str) -> None:
+    """ConfigError for a preset name that is not letters, digits and underscores (it becomes a file name)."""
+    if not _NAME.match(name):
+        raise ConfigError(f"`name={name!r}`: a preset name takes letters, digits and underscores only.", setting="name")
+
+
 def write_preset(config_dir: str | os.PathLike[str], name: str, candidate: Candidate,
                  comment: Sequence[str] = ()) -> Path:  # fmt: skip
     """Write `<config_dir>/preset/tuned_<name>.yaml` atomically and return its path; run it with
@@ -86,8 +92,7 @@ def write_preset(config_dir: str | os.PathLike[str], name: str, candidate: Candi
     Raises:
         ConfigError: for a name that is not letters, digits and underscores.
     """
-    if not _NAME.match(name):
-        raise ConfigError(f"`name={name!r}`: a preset name takes letters, digits and underscores only.", setting="name")
+    check_preset_name(name)
     folder = Path(config_dir) / "preset"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"tuned_{name}.yaml"
