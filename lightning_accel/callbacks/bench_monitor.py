@@ -35,10 +35,10 @@ class StageMeasurement:
     device: str = "cpu"
     """`torch.cuda.get_device_name` of rank zero's device, or "cpu"."""
     compute_capability: list[int] | None = None
+    """CUDA compute capability of that device ([8, 0] and up have TF32); None on a CPU."""
     sm_count: int | None = None
     """Streaming multiprocessors of rank zero's device (a MIG slice's own); its share of the GPU's SMs scales the
     peak for MFU. None on a CPU."""
-    """CUDA compute capability of that device ([8, 0] and up have TF32); None on a CPU."""
     precision: str = ""
     float32_matmul_precision: str = ""
     optimizer_steps: int = 0
@@ -52,10 +52,14 @@ class StageMeasurement:
     """Training time from the first batch to the end of the fit, validation passes excluded."""
     validation_s: float = 0.0
     steady_batches: int = 0
-    """Batches after the warm-up, over which the split and the rates below are measured."""
+    """Batches after the warm-up, over which the rates below are measured (a run's last batches after the last
+    synchronised one are left out on CUDA with `split_every_n_batches` > 1)."""
     steady_s: float = 0.0
     steady_samples: int = 0
     steady_tokens: int = 0
+    split_batches: int = 0
+    """Of the steady batches, those timed phase by phase (every one, or one in `split_every_n_batches`): the four
+    parts below are their shares, scaled to `steady_s`."""
     data_s: float = 0.0
     """Of steady_s: waiting for the next batch (previous batch end to this batch start)."""
     forward_s: float = 0.0
@@ -104,7 +108,10 @@ class BenchMonitor(Callback):
     Per training micro-batch after `warmup_batches`: the wait for data (previous batch end to this batch start),
     forward (batch start to backward), backward (all-reduce included where it does not overlap) and the optimizer
     part (after backward to batch end). On CUDA each boundary synchronises the device (`sync_cuda`), so the split
-    is real rather than launch time, at a small cost. It also records samples and tokens, FLOPs per batch (the
+    is real rather than launch time. A synchronisation stops the host from queueing the next kernels while the GPU
+    runs, which costs a fast step (a compiled bf16 GPT step of 25 ms) its host overhead; `split_every_n_batches=10`
+    times one batch in ten by phase and lets the others run unsynchronised, the rates then counted between
+    synchronised batch ends. It also records samples and tokens, FLOPs per batch (the
     model's `flops_per_batch(batch_size)` when it has one, else counted once with `torch.utils.flop_counter`),
     peak memory, the validation metric after each validation pass (and the time it first reached `target`), and
     GPU utilisation from a `GPUMonitor` in the same Trainer, and the energy of training (`telemetry.energy`: NVML on
@@ -119,6 +126,9 @@ class BenchMonitor(Callback):
         stop_at_target: stop the fit when the target is reached.
         warmup_batches: first batches left out of the split and the rates (allocation, caches, worker start-up).
         sync_cuda: synchronise the CUDA device at each phase boundary.
+        split_every_n_batches: on CUDA with `sync_cuda`, time one batch in this many by phase (synchronising around
+            it) and leave the rest unsynchronised; 1: every batch. The throughput and MFU count whole intervals
+            between synchronised batch ends, so queued work is never missed.
         count_flops: count the FLOPs of the first batch when the model declares none.
         validate_at_end: when the fit stops at `max_steps` after a batch that is not a validation batch, validate
             there too (through `trainer.should_stop`), so the final metric is the trained model's. Without it, a fit
@@ -126,7 +136,7 @@ class BenchMonitor(Callback):
             its last `val_check_interval` and report an earlier validation.
 
     Raises:
-        ValueError: for an unknown `mode` or a negative `warmup_batches`.
+        ValueError: for an unknown `mode`, a negative `warmup_batches` or `split_every_n_batches` below 1.
 
     Example::
 
@@ -142,6 +152,7 @@ class BenchMonitor(Callback):
         stop_at_target: bool = False,
         warmup_batches: int = 2,
         sync_cuda: bool = True,
+        split_every_n_batches: int = 1,
         count_flops: bool = True,
         validate_at_end: bool = True,
     ) -> None:
@@ -149,6 +160,9 @@ class BenchMonitor(Callback):
             raise ConfigError(f"`mode={mode!r}` must be 'min' (lower is better) or 'max' (higher is better).")
         if isinstance(warmup_batches, bool) or not isinstance(warmup_batches, int) or warmup_batches < 0:
             raise ConfigError(f"`warmup_batches={warmup_batches!r}` must be an integer >= 0.")
+        every = split_every_n_batches
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"`split_every_n_batches={every!r}` must be an integer >= 1 (1: every batch).")
         if stop_at_target and target is None:
             raise ConfigError("`stop_at_target=True` needs a `target` value of the metric.")
         self.output_path = None if output_path is None else str(output_path)
@@ -158,6 +172,7 @@ class BenchMonitor(Callback):
         self.stop_at_target = stop_at_target
         self.warmup_batches = warmup_batches
         self.sync_cuda = sync_cuda
+        self.split_every_n_batches = split_every_n_batches
         self.count_flops = count_flops
         self.validate_at_end = validate_at_end
         self._reset()
@@ -170,14 +185,28 @@ class BenchMonitor(Callback):
         self._validation_started: float | None = None
         self._last_end: float | None = None
         self._marks: dict[str, float] = {}
+        self._anchor: float | None = None  # the last synchronised batch end after the warm-up
+        self._pending = [0, 0, 0]  # batches, samples and tokens since the anchor
+        self._split_parts = [0.0, 0.0, 0.0, 0.0]  # data, forward, backward, optimizer of the batches timed by phase
+        self._split_s = 0.0
         self._flop_counter: Any = None
         self._flops_tried = False
         self._energy: Any = None
 
-    def _now(self) -> float:
-        if self._cuda and self.sync_cuda:
+    def _now(self, batch: int | None = None) -> float:
+        """The time, after synchronising the CUDA device when `batch` (1-based) is timed by phase (None: always)."""
+        if self._cuda and self.sync_cuda and (batch is None or self._timed(batch)):
             torch.cuda.synchronize()
         return time.perf_counter()
+
+    def _timed(self, batch: int) -> bool:
+        """Whether batch number `batch` (1-based) is timed by phase, synchronised at each of its boundaries."""
+        return batch % self.split_every_n_batches == 0
+
+    def _synced_end(self, batch: int) -> bool:
+        """Whether the end of batch `batch` is synchronised: a timed batch's, and the one before it (its data wait
+        starts there). Off CUDA, or without `sync_cuda`, every end counts as synchronised."""
+        return not (self._cuda and self.sync_cuda) or self._timed(batch) or self._timed(batch + 1)
 
     def _train_clock(self) -> float:
         assert self._start is not None
@@ -209,7 +238,7 @@ class BenchMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
-        self._last_end = None
+        self._last_end = self._anchor = None
         self.measurement.data_parallel_size = data_parallel_replicas(trainer)
         if trainer.is_global_zero:
             self._open_energy(trainer)
@@ -240,11 +269,11 @@ class BenchMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        now = self._now()
+        m = self.measurement
+        now = self._now(m.batches + 1)
         self._marks = {"start": now}
         if self._last_end is not None:
             self._marks["data"] = now - self._last_end
-        m = self.measurement
         if not self._flops_tried:
             self._flops_tried = True
             self._declared_flops(pl_module, batch)
@@ -270,18 +299,20 @@ class BenchMonitor(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._marks["forward_end"] = self._now()
+        self._marks["forward_end"] = self._now(self.measurement.batches + 1)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._marks["backward_end"] = self._now()
+        self._marks["backward_end"] = self._now(self.measurement.batches + 1)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        now = self._now()
         m = self.measurement
+        batch_number = m.batches + 1
+        synced = self._synced_end(batch_number)
+        now = self._now(None if synced else batch_number)
         if self._flop_counter is not None:
             counter, self._flop_counter = self._flop_counter, None
             try:
@@ -301,24 +332,43 @@ class BenchMonitor(Callback):
         last_validated = m.validations[-1]["step"] if m.validations else None
         if self.validate_at_end and 0 < trainer.max_steps <= trainer.global_step != last_validated:
             trainer.should_stop = True  # Lightning validates a fit that stops early (every rank does the same)
-        if m.batches <= self.warmup_batches or "data" not in marks:
+        if m.batches < self.warmup_batches:
             return
-        start = marks["start"]
-        forward_end = marks.get("forward_end", start)  # no backward: manual optimization or a skipped batch
-        backward_end = marks.get("backward_end", forward_end)
-        m.steady_batches += 1
+        if m.batches > self.warmup_batches and self._anchor is not None:
+            pending = self._pending
+            pending[0], pending[1], pending[2] = pending[0] + 1, pending[1] + samples, pending[2] + tokens
+            if self._timed(m.batches) and "data" in marks:
+                start = marks["start"]
+                forward_end = marks.get("forward_end", start)  # no backward: manual optimization or a skipped batch
+                backward_end = marks.get("backward_end", forward_end)
+                parts = (marks["data"], forward_end - start, backward_end - forward_end, now - backward_end)
+                self._split_parts = [a + b for a, b in zip(self._split_parts, parts, strict=True)]
+                self._split_s += marks["data"] + now - start
+                m.split_batches += 1
+        if synced:
+            self._close_interval(now)
+            self._anchor = now
+
+    def _close_interval(self, now: float) -> None:
+        """Count the batches since the anchor over the time since it, and rescale the split to `steady_s`."""
+        m, (batches, samples, tokens) = self.measurement, self._pending
+        if self._anchor is None or batches == 0:
+            return
+        m.steady_batches += batches
         m.steady_samples += samples
         m.steady_tokens += tokens
-        m.data_s += marks["data"]
-        m.forward_s += forward_end - start
-        m.backward_s += backward_end - forward_end
-        m.optimizer_s += now - backward_end
-        m.steady_s += marks["data"] + now - start
+        m.steady_s += now - self._anchor
+        self._pending = [0, 0, 0]
+        if self._split_s > 0:
+            scale = m.steady_s / self._split_s
+            m.data_s, m.forward_s, m.backward_s, m.optimizer_s = (part * scale for part in self._split_parts)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._start is not None and not trainer.sanity_checking:
-            self._validation_started = time.perf_counter()
+            self._validation_started = self._now()  # the training batches queued before it are training time
+            self._close_interval(self._validation_started)
+            self._anchor = None  # the next interval starts at the next synchronised batch end
             self._energy_step("pause")
 
     @override
@@ -345,6 +395,8 @@ class BenchMonitor(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         m = self.measurement
         if self._start is not None:
+            if self._cuda and self.sync_cuda:
+                torch.cuda.synchronize(self._cuda_index)  # the work queued by the last batches is training time
             m.train_s = self._train_clock()
         m.optimizer_steps = trainer.global_step
         if self._cuda:

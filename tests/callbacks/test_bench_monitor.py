@@ -179,3 +179,69 @@ def test_the_dataloader_tuners_decision_is_recorded(tmp_path) -> None:
         else:
             decision = tuner.decision
             assert decision is not None and loader == decision.as_dict() and loader["num_workers"] in (0, 1)
+
+
+class _QueuedWork:
+    """A scripted CUDA device: each training step queues `step_s` of device work without waiting for it, as kernel
+    launches do; `synchronize` waits for everything queued."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.queued_s, self.syncs = step_s, 0.0, 0
+
+    def synchronize(self, device: object = None) -> None:
+        import time
+
+        self.syncs += 1
+        time.sleep(self.queued_s)
+        self.queued_s = 0.0
+
+
+class _QueuingModel(_TokenModel):
+    def __init__(self, device: _QueuedWork) -> None:
+        super().__init__()
+        self.device_work = device
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.device_work.queued_s += self.device_work.step_s
+        return super().training_step(batch, batch_idx)
+
+
+class _CudaBenchMonitor(BenchMonitor):
+    """BenchMonitor on the scripted device: the CUDA branch of its timing, on a CPU fit."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._cuda = True
+
+
+@pytest.mark.parametrize("every", [1, 5])
+def test_split_every_n_batches_counts_the_queued_device_work_with_fewer_synchronisations(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, every: int
+) -> None:
+    """One batch in `every` is timed by phase; the rates count whole intervals between synchronised batch ends, so
+    the device work queued by the unsynchronised batches is in the step time (a launch-time clock would miss it)."""
+    device = _QueuedWork(step_s=0.02)
+    monkeypatch.setattr(torch.cuda, "synchronize", device.synchronize)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda index=None: 0)
+    monitor = _CudaBenchMonitor(None, metric="val/score", split_every_n_batches=every)
+    data = TensorDataset(torch.randint(0, 16, (160, 5), generator=torch.Generator().manual_seed(0)))
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=40, val_check_interval=20, limit_val_batches=1, num_sanity_val_steps=0,
+        callbacks=[monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(_QueuingModel(device), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    m = monitor.measurement
+    assert m.steady_s / m.steady_batches >= 0.9 * device.step_s  # the queued work is in every step's time
+    assert 30 <= m.steady_batches <= 37
+    assert m.split_batches == pytest.approx(m.steady_batches / every, abs=2)
+    assert m.data_s + m.forward_s + m.backward_s + m.optimizer_s == pytest.approx(m.steady_s)
+    assert m.forward_s >= 0.9 * device.step_s * m.steady_batches  # the device work shows where it was queued
+    syncs_per_batch = device.syncs / m.batches
+    assert syncs_per_batch >= 4 if every == 1 else syncs_per_batch <= 1.5
+
+
+def test_split_every_n_batches_must_be_a_positive_integer() -> None:
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="split_every_n_batches"):
+            BenchMonitor(split_every_n_batches=bad)  # type: ignore[arg-type]
