@@ -101,6 +101,9 @@ class GPTLanguageModel(pl.LightningModule):
         device_memory_samples: simulate a device that holds the activations of at most this many sequences per
             training forward: a larger batch raises `torch.OutOfMemoryError`, as CUDA would, so `micro_batch=auto`
             and accel-tune's memory moves can be tried on a CPU. None: no limit.
+        vocab_multiple_of: size the embedding and the logits to `vocab_size` rounded up to a multiple of this, as
+            nanoGPT pads GPT-2's 50,257 tokens to 50,304: tensor-core matmuls tile evenly. The extra ids never
+            occur in the data; their logits are trained down like any wrong token's. 1: no padding.
 
     Raises:
         ValueError: for a non-positive size, `n_embd` not divisible by `n_head`, or dropout outside [0, 1).
@@ -122,9 +125,11 @@ class GPTLanguageModel(pl.LightningModule):
         optimizer: Callable[..., Any] | None = None,
         lr_scheduler: Callable[..., Any] | None = None,
         device_memory_samples: int | None = None,
+        vocab_multiple_of: int = 1,
     ) -> None:
         super().__init__()
-        sizes = {"vocab_size": vocab_size, "block_size": block_size, "n_layer": n_layer, "n_head": n_head}
+        sizes = {"vocab_size": vocab_size, "block_size": block_size, "n_layer": n_layer, "n_head": n_head,
+                 "vocab_multiple_of": vocab_multiple_of}  # fmt: skip
         for name, value in {**sizes, "n_embd": n_embd}.items():
             if value < 1:
                 raise ValueError(f"`model.{name}={value}` must be >= 1.")
@@ -143,12 +148,13 @@ class GPTLanguageModel(pl.LightningModule):
         self.lr_scheduler = lr_scheduler
         self.block_size = block_size
 
-        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.padded_vocab_size = -(-vocab_size // vocab_multiple_of) * vocab_multiple_of
+        self.tok_emb = nn.Embedding(self.padded_vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList([Block(n_embd, n_head, dropout) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head = nn.Linear(n_embd, self.padded_vocab_size, bias=False)
         self.apply(self._init_weights)
         for name, param in self.named_parameters():  # GPT-2's scaled init of the residual projections
             if name.endswith(("attn.out_proj.weight", "mlp.proj.weight")):
@@ -167,7 +173,7 @@ class GPTLanguageModel(pl.LightningModule):
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits of shape `(batch, seq, vocab_size)` for token ids `idx` of shape `(batch, seq)`.
+        """Logits of shape `(batch, seq, padded_vocab_size)` for token ids `idx` of shape `(batch, seq)`.
 
         On a pipeline stage (`strategy=pipeline`) the modules of other stages are None: without `tok_emb` the input is
         the residual stream `(batch, seq, n_embd)`, and without `lm_head` the residual stream is returned.

@@ -37,6 +37,7 @@ __all__ = [
     "external_run_id",
     "hydra_safe_launch",
     "fused_resolver",
+    "on_cuda_resolver",
     "precision_resolver",
     "register_resolvers",
     "resolve_run_id",
@@ -271,17 +272,24 @@ def precision_resolver(requested: Any, accelerator: Any = "auto") -> str:
     return resolve_precision(str(requested), accelerator, setting="trainer.precision").value
 
 
-def fused_resolver(accelerator: Any = "auto") -> bool | None:
-    """`${accel_fused:${trainer.accelerator}}`: `fused=True` for the example models' AdamW when the run is on CUDA
-    (one kernel for the whole update), None elsewhere (torch's default, the foreach implementation)."""
+def on_cuda_resolver(accelerator: Any = "auto") -> bool:
+    """`${accel_on_cuda:${trainer.accelerator}}`: whether the run is on CUDA (`gpu`/`cuda`, or `auto` with a visible
+    CUDA device), e.g. `data.pin_memory` in the amp and ddp presets: pinned host batches, which Lightning copies to
+    the GPU with `non_blocking=True`, on CUDA only (pinning without a GPU only costs)."""
     name = str(accelerator) if accelerator is not None else "auto"
     if name in ("gpu", "cuda"):
         return True
     if name == "auto":
         from lightning_accel.presets import runs_on_cuda
 
-        return True if runs_on_cuda(OmegaConf.create({"trainer": {"accelerator": "auto"}})) else None
-    return None
+        return runs_on_cuda(OmegaConf.create({"trainer": {"accelerator": "auto"}}))
+    return False
+
+
+def fused_resolver(accelerator: Any = "auto") -> bool | None:
+    """`${accel_fused:${trainer.accelerator}}`: `fused=True` for the example models' AdamW when the run is on CUDA
+    (one kernel for the whole update), None elsewhere (torch's default, the foreach implementation)."""
+    return True if on_cuda_resolver(accelerator) else None
 
 
 def register_resolvers() -> None:
@@ -297,5 +305,7 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("accel_unique", unique_stamp, use_cache=True)
     if not OmegaConf.has_resolver("accel_fused"):
         OmegaConf.register_new_resolver("accel_fused", fused_resolver, use_cache=True)
+    if not OmegaConf.has_resolver("accel_on_cuda"):
+        OmegaConf.register_new_resolver("accel_on_cuda", on_cuda_resolver, use_cache=True)
     if not OmegaConf.has_resolver("accel_job_name"):
         OmegaConf.register_new_resolver("accel_job_name", lambda default: external_rank_job_name(str(default)))

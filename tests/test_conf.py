@@ -121,8 +121,9 @@ def test_option_composes_and_builds_a_cpu_trainer(compose_train, group: str, opt
     if group == "precision":
         assert cfg.trainer.precision == resolved and trainer.precision == resolved
         assert torch.get_float32_matmul_precision() == cfg.float32_matmul_precision
-        # One warning when a setting is changed (amp picking a mixed precision is a choice, not a change).
-        warns = resolved != composed and (composed != "amp" or resolved == "32-true")
+        # One warning when a setting is changed (amp picking a mixed precision is a choice, not a change; amp left at
+        # fp32 on a CPU without bf16 warns, although the composed value is already the resolved one).
+        warns = resolved == "32-true" if option == "amp" else resolved != composed
         assert len(ours) == int(warns), ours
     if group == "accumulation":
         schedulers = [cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler)]
@@ -250,3 +251,47 @@ def test_the_example_optimizers_fuse_on_cuda_only(compose_train, monkeypatch) ->
         cfg = compose_train([f"model={model}", "trainer.accelerator=cpu"])
         assert cfg.model.optimizer.fused is None
         assert OmegaConf.to_container(cfg.model.optimizer)["fused"].startswith("${accel_fused:")
+
+
+@pytest.mark.parametrize(("preset", "precision", "tf32"), [("baseline", "highest", False), ("amp", "high", True),
+                                                             ("ddp", "high", True)])  # fmt: skip
+def test_each_preset_sets_the_cuda_matmul_precision_explicitly(compose_train, preset: str, precision: str,
+                                                               tf32: bool) -> None:  # fmt: skip
+    """The fp32 baseline is true fp32 (TF32 off in cuBLAS), the amp rungs let CUDA's fp32 matmuls use TF32."""
+    cfg = compose_train([f"preset={preset}", "trainer.accelerator=cpu"])
+    assert cfg.float32_matmul_precision == precision
+    before = torch.get_float32_matmul_precision()
+    try:
+        apply_precision(cfg)
+        assert torch.backends.cuda.matmul.allow_tf32 is tf32
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_the_amp_and_ddp_presets_pin_host_batches_on_cuda_only(compose_train, monkeypatch) -> None:
+    from lightning_accel.launch import on_cuda_resolver
+
+    assert on_cuda_resolver("gpu") is True and on_cuda_resolver("cpu") is False
+    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: 0)
+    assert on_cuda_resolver("auto") is False
+    for preset in ("amp", "ddp"):
+        assert compose_train([f"preset={preset}", "trainer.accelerator=cpu"]).data.pin_memory is False
+        assert compose_train([f"preset={preset}", "trainer.accelerator=gpu"]).data.pin_memory is True
+    assert compose_train(["preset=baseline", "trainer.accelerator=gpu"]).data.pin_memory is False  # the article's
+
+
+def test_lightning_copies_batches_to_a_cuda_device_with_non_blocking() -> None:
+    """Pinned memory pays only with asynchronous copies: Lightning's batch transfer asks for `non_blocking=True` on
+    CUDA (checked with a tensor that records the call instead of copying)."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    calls = []
+
+    class _Recorder(torch.Tensor):
+        def to(self, *args, **kwargs):  # type: ignore[override]
+            calls.append(kwargs)
+            return self
+
+    batch = (torch.zeros(2, 3).as_subclass(_Recorder), torch.ones(2).as_subclass(_Recorder))
+    move_data_to_device(batch, torch.device("cuda", 0))
+    assert len(calls) == 2 and all(c.get("non_blocking") is True for c in calls)

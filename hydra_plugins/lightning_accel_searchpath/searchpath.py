@@ -30,6 +30,7 @@ def _lazy(name: str) -> Any:
 for _name, _function, _cached in (
     ("accel_precision", "precision_resolver", True),
     ("accel_fused", "fused_resolver", True),
+    ("accel_on_cuda", "on_cuda_resolver", True),
     ("accel_run_id", "resolve_run_id", True),
     ("accel_unique", "unique_stamp", True),
     ("accel_job_name", "external_rank_job_name", False),

@@ -181,3 +181,52 @@ def test_a_simulated_device_memory_limit_raises_oom_that_micro_batch_finder_size
                         callbacks=[finder])  # fmt: skip
     trainer.fit(GPTLanguageModel(block_size=16, n_layer=1, n_head=2, n_embd=16, device_memory_samples=2), loader)
     assert finder.found == 2 and trainer.global_step == 2
+
+
+def test_vocab_multiple_of_pads_the_embedding_and_the_logits() -> None:
+    model = GPTLanguageModel(**{**TINY, "vocab_size": 250}, vocab_multiple_of=64)
+    assert model.padded_vocab_size == 256 and model.tok_emb.num_embeddings == 256 and model.lm_head.out_features == 256
+    assert model(torch.randint(0, 250, (2, 16))).shape == (2, 16, 256)
+    assert GPTLanguageModel(**TINY, vocab_multiple_of=64).padded_vocab_size == 256  # already a multiple: unchanged
+    with pytest.raises(ValueError, match="vocab_multiple_of=0"):
+        GPTLanguageModel(**TINY, vocab_multiple_of=0)
+
+
+def test_attention_goes_through_scaled_dot_product_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flash / memory-efficient kernels on a GPU come from `F.scaled_dot_product_attention`, causal, no mask."""
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    GPTLanguageModel(**TINY)(torch.randint(0, 256, (2, 16)))
+    assert len(calls) == TINY["n_layer"] and all(c["is_causal"] and "attn_mask" not in c for c in calls)
+
+
+def test_gpt2_small_config_has_gpt2_small_shape(compose_train) -> None:
+    from hydra.utils import instantiate
+
+    cfg = compose_train(["model=gpt2_small"])
+    model = instantiate(cfg.model)
+    hp = model.hparams
+    assert (hp.n_layer, hp.n_head, hp.n_embd, hp.block_size) == (12, 12, 768, 1024)
+    assert model.padded_vocab_size % 64 == 0 and cfg.data.block_size == 1024
+    assert 84e6 < model.num_params_nonembedding < 86e6  # GPT-2 small's 85M outside the embeddings
+    assert hp.n_embd // hp.n_head == 64  # flash attention's head size
+
+
+def test_gpt2_small_trains_a_few_steps_on_cpu(run_cli, tmp_path: Path) -> None:
+    """The GPU-sized config runs end to end here at a short context and batch: 3 optimizer steps, validation, test."""
+    run_dir = tmp_path / "run"
+    result = run_cli(["model=gpt2_small", "trainer=smoke", "trainer.accelerator=cpu", "trainer.max_steps=3",
+                      "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+                      "data.batch_size=2", "data.block_size=128", "~callbacks.model_checkpoint",
+                      f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["train_samples"] == 3 * 2 and math.isfinite(summary["metrics"]["test/loss"])
