@@ -12,12 +12,7 @@ from pathlib import Path
 
 from lightning_accel.errors import ConfigError
 
-__all__ = ["QUICK_STEPS", "build_parser", "main"]
-
-QUICK_STEPS = 40
-"""--quick: optimizer steps of every stage (the default ladder finishes in a few minutes on 2 CPU cores)."""
-QUICK_REPEATS = 2
-"""--quick: rounds (the fewest that give an interval)."""
+__all__ = ["build_parser", "check_profile", "main"]
 
 
 def _positive(kind: type) -> object:
@@ -56,19 +51,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hydra overrides for every stage (model=..., data=..., trainer.x=...)",
     )
     parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"a few minutes on a CPU: {QUICK_STEPS} optimizer steps per stage (`--match steps`), {QUICK_REPEATS} "
-        "rounds, 2 validations, a smaller GPT example",
+        "--profile",
+        choices=("quick", "gpu"),
+        default=None,
+        help="size every stage for a kind of machine. quick: a few minutes on a CPU, 40 optimizer steps per stage "
+        "(`--match steps`), 2 rounds, 2 validations, a smaller GPT example. gpu: one CUDA GPU in a few minutes, "
+        "`model=gpt2_small` (unless you select a model), 64 baseline steps with every stage on the same samples, 2 "
+        "rounds, 10 warm-up batches (a compiled stage's compilation stays out of its rates), one batch in ten "
+        "synchronised for the split, the ladder baseline,amp,amp_compile,ddp,model_parallel (the last two need 2+ GPUs)",
     )
+    parser.add_argument("--quick", action="store_const", const="quick", dest="profile", help="`--profile quick`")
     parser.add_argument(
         "--repeats",
         type=_positive(int),
         default=None,
         metavar="N",
-        help=f"rounds: every stage runs once per round, round by round, from seed + round; figures are medians with "
-        f"an interval (min-max up to 5 runs, a 95%% bootstrap from 6) (default 3, --quick {QUICK_REPEATS}; --quick "
-        "needs 2 or more)",
+        help="rounds: every stage runs once per round, round by round, from seed + round; figures are medians with "
+        "an interval (min-max up to 5 runs, a 95%% bootstrap from 6) (default 3, a --profile 2; a --profile needs 2 "
+        "or more)",
     )
     parser.add_argument(
         "--max-reruns",
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(int),
         default=None,
         metavar="N",
-        help=f"optimizer steps of the first stage (default 300, --quick {QUICK_STEPS})",
+        help="optimizer steps of the first stage (default 300, --profile quick 40, --profile gpu 64)",
     )
     parser.add_argument(
         "--match",
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(int),
         default=None,
         metavar="N",
-        help="validation passes per stage (default 4, --quick 2)",
+        help="validation passes per stage (default 4, a --profile 2)",
     )
     parser.add_argument(
         "--peak-tflops",
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(float),
         default=None,
         metavar="SECONDS",
-        help="a stage running longer is stopped and shown as failed (default none, --quick 300)",
+        help="a stage running longer is stopped and shown as failed (default none, --profile quick 300, gpu 420)",
     )
     parser.add_argument(
         "--out",
@@ -178,9 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace) -> None:
     if not 0 <= args.tolerance < 1:
         raise ConfigError(f"`--tolerance={args.tolerance}` must be a fraction within [0, 1), e.g. 0.02 for 2%.")
-    if args.quick and args.repeats is not None and args.repeats < 2:
-        raise ConfigError(f"`--repeats={args.repeats}` with `--quick`: a quick table needs 2 rounds or more for an "
-                          "interval; pass `--repeats 2` or drop `--quick`.")  # fmt: skip
+    if args.profile and args.repeats is not None and args.repeats < 2:
+        raise ConfigError(f"`--repeats={args.repeats}` with `--profile {args.profile}`: a profile's table needs 2 "
+                          f"rounds or more for an interval; pass `--repeats 2` or drop `--profile`.")  # fmt: skip
     if args.max_reruns < 0:
         raise ConfigError(f"`--max-reruns={args.max_reruns}` must be >= 0 (0: never run a flagged stage again).")
     if not 0 < args.interference_threshold < 1:
@@ -203,6 +203,24 @@ def _check(args: argparse.Namespace) -> None:
                               "`--steps` instead.")  # fmt: skip
 
 
+def check_profile(profile: str | None, flag: str = "--profile") -> None:
+    """A profile that needs a CUDA GPU is refused on a machine without one, before anything runs.
+
+    Raises:
+        ConfigError: naming the profile, what torch sees, and the fix.
+    """
+    from lightning_accel.benchmark.plan import PROFILES
+
+    chosen = PROFILES.get(profile or "")
+    if chosen is None or not chosen.needs_cuda:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"`{flag} {profile}` needs a CUDA GPU, and torch sees none here (torch {torch.__version__}, "
+                          f"built for CUDA {torch.version.cuda}); use `{flag} quick` on a CPU.")  # fmt: skip
+
+
 def _check_writable(out: Path) -> None:
     """`--out` can be created and written, before any stage runs."""
     probe = out
@@ -216,29 +234,34 @@ def _check_writable(out: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `accel-bench` (also `python -m lightning_accel.bench`); returns the exit code."""
     from lightning_accel.benchmark import BenchSettings, default_ladder, higher_is_better, run_bench
+    from lightning_accel.benchmark.plan import PROFILES
     from lightning_accel.launch import unique_stamp
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    profile = PROFILES.get(args.profile or "")
     try:
         _check(args)
-        ladder = [s.strip() for s in args.ladder.split(",") if s.strip()] if args.ladder else default_ladder()
+        check_profile(args.profile)
+        ladder = [s.strip() for s in args.ladder.split(",") if s.strip()] if args.ladder else None
+        if ladder is None:
+            ladder = list(profile.ladder) if profile and profile.ladder else default_ladder()
         if not ladder:
             raise ConfigError(f"`--ladder={args.ladder!r}` names no stage; e.g. `--ladder baseline,amp`.")
         settings = BenchSettings(
-            steps=args.steps or (QUICK_STEPS if args.quick else 300),
-            match=args.match or ("steps" if args.quick else "samples"),
+            steps=args.steps or (profile.steps if profile else 300),
+            match=args.match or (profile.match if profile else "samples"),
             time_budget_s=args.time_budget,
             metric=args.metric,
             mode=args.mode or ("max" if higher_is_better(args.metric) else "min"),
             target=args.target,
             until_target=args.until_target,
             tolerance=args.tolerance,
-            val_checks=args.val_checks or (2 if args.quick else 4),
+            val_checks=args.val_checks or (profile.val_checks if profile else 4),
             seed=args.seed,
-            quick=args.quick,
-            stage_timeout_s=args.stage_timeout or (300.0 if args.quick else None),
-            repeats=args.repeats or (QUICK_REPEATS if args.quick else 3),
+            profile=args.profile,
+            stage_timeout_s=args.stage_timeout or (profile.stage_timeout_s if profile else None),
+            repeats=args.repeats or (profile.repeats if profile else 3),
             max_reruns=args.max_reruns,
             interference_threshold=args.interference_threshold,
         )

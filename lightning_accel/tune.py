@@ -34,9 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds for the whole search, the confirmation included: a generation starts only "
                         "when it and the confirmation, estimated from the runs so far, end inside it; the baseline's "
                         "runs always happen (default 600)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=40, metavar="N",
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="optimizer steps of the baseline's runs; every candidate trains the same samples "
-                        "(default 40)")  # fmt: skip
+                        "(default 40, --profile gpu 64)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2, metavar="N", help="rounds per generation (default 2)")
     parser.add_argument("--per-generation", type=int, default=2, metavar="N",
                         help="new candidates measured per generation (default 2)")  # fmt: skip
@@ -50,9 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the preset goes: <dir>/preset/tuned_<name>.yaml (default ./conf)")  # fmt: skip
     parser.add_argument("--name", default=None, help="the preset's name (default: the model config's target)")
     parser.add_argument("--out", type=Path, default=None, help="the run directory (default outputs/tune/<time>)")
-    parser.add_argument("--quick", action="store_true", help="the smaller GPT example and 2 validations per run")
-    parser.add_argument("--stage-timeout", type=float, default=300.0, metavar="S",
-                        help="a run that takes longer is ended and counts as failed (default 300)")  # fmt: skip
+    parser.add_argument("--profile", choices=("quick", "gpu"), default=None,
+                        help="size the runs as accel-bench's --profile does: quick, the smaller GPT example on a CPU; "
+                        "gpu, model=gpt2_small (unless you select a model) on one CUDA GPU, 10 warm-up batches")
+    parser.add_argument("--quick", action="store_const", const="quick", dest="profile", help="`--profile quick`")
+    parser.add_argument("--stage-timeout", type=float, default=None, metavar="S",
+                        help="a run that takes longer is ended and counts as failed (default 300, --profile gpu "
+                        "420)")  # fmt: skip
     return parser
 
 
@@ -87,15 +91,21 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `accel-tune` (also `python -m lightning_accel.tune`); returns the exit code."""
+    from lightning_accel.bench import check_profile
     from lightning_accel.benchmark import BenchSettings
     from lightning_accel.benchmark.autopilot import TuneSettings, tune
+    from lightning_accel.benchmark.plan import PROFILES, profile_overrides
     from lightning_accel.benchmark.preset_file import check_preset_name
     from lightning_accel.launch import unique_stamp
 
     started = time.monotonic()
     args = build_parser().parse_args(argv)
+    profile = PROFILES.get(args.profile or "")
+    steps = args.steps if args.steps is not None else (profile.steps if profile else 40)
+    timeout = args.stage_timeout if args.stage_timeout is not None else (profile.stage_timeout_s if profile else 300.0)
     try:
-        for flag, value in (("--steps", args.steps), ("--repeats", args.repeats),
+        check_profile(args.profile)
+        for flag, value in (("--steps", steps), ("--repeats", args.repeats),
                             ("--per-generation", args.per_generation)):  # fmt: skip
             if value < 1:
                 raise ConfigError(f"`{flag}={value}` must be >= 1.")
@@ -106,12 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         stamp = unique_stamp(dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
         out = (args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "tune" / stamp).resolve()
         out.mkdir(parents=True, exist_ok=True)
-        space, model_name = detect_space(args.overrides, out)
+        if timeout <= 0:
+            raise ConfigError(f"`--stage-timeout={timeout}` must be > 0 seconds.")
+        space, model_name = detect_space([*profile_overrides(args.profile, args.overrides), *args.overrides], out)
         # the same samples for every candidate (a DDP or accumulation candidate runs fewer steps): the quality gate
         # compares runs over the same data, and samples/s is the throughput
-        bench = BenchSettings(steps=args.steps, match="samples", repeats=args.repeats, metric=args.metric,
-                              tolerance=args.tolerance, quick=args.quick, val_checks=2,
-                              stage_timeout_s=args.stage_timeout)  # fmt: skip
+        bench = BenchSettings(steps=steps, match="samples", repeats=args.repeats, metric=args.metric,
+                              tolerance=args.tolerance, profile=args.profile, val_checks=2,
+                              stage_timeout_s=timeout)  # fmt: skip
         settings = TuneSettings(time_budget_s=args.time_budget, per_generation=args.per_generation, bench=bench,
                                 confirm_steps=args.confirm_steps, config_dir=args.config_dir.resolve(),
                                 name=args.name or model_name)  # fmt: skip

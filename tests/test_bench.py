@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _wait import wait_until
 
 from lightning_accel import bench
@@ -455,7 +456,7 @@ def test_your_own_model_from_your_own_config_directory(tmp_path: Path) -> None:
         "  _target_: lightning_accel.examples.DigitsClassifier\n  hidden_dim: 32\n"
     )
     overrides = [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=tiny_mlp", "trainer.accelerator=cpu"]
-    plans, _ = plan_stages(["baseline", "amp"], overrides, BenchSettings(steps=10, quick=True), tmp_path / "out",
+    plans, _ = plan_stages(["baseline", "amp"], overrides, BenchSettings(steps=10, profile="quick"), tmp_path / "out",
                            visible_cuda=0)  # fmt: skip
     assert [p.status for p in plans] == ["ok", "ok"], [p.reason for p in plans]
     assert [p.global_batch for p in plans] == [64, 64]  # data=digits' batch size
@@ -464,11 +465,48 @@ def test_your_own_model_from_your_own_config_directory(tmp_path: Path) -> None:
         assert "model=tiny_mlp" in command and not any(c.startswith("model.n_embd") for c in command)
 
 
+def test_gpu_profile_plans_gpt2_small_with_compile_kept_out_of_the_rates(tmp_path: Path, monkeypatch) -> None:
+    """`--profile gpu` on a one-GPU machine (planned here with one visible CUDA device): GPT-2 small on every stage,
+    amp + compile as a rung, the DDP rungs skipped with the reason, 10 warm-up batches and one batch in ten
+    synchronised in every run, the DataLoaderTuner bounded; a model the user selects is kept."""
+    from lightning_accel.benchmark.plan import PROFILES
+
+    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: 1)
+    monkeypatch.setattr("lightning_accel.precision._probe_cuda", lambda: ((9, 0), "NVIDIA H200"))
+    gpu = PROFILES["gpu"]
+    settings = BenchSettings(steps=gpu.steps, match=gpu.match, profile="gpu", val_checks=gpu.val_checks)
+    plans, _ = plan_stages(list(gpu.ladder), ["trainer.accelerator=gpu"], settings, tmp_path / "out", visible_cuda=1)
+    by_name = {p.name: p for p in plans}
+    assert [by_name[n].status for n in ("baseline", "amp", "amp_compile")] == ["ok"] * 3
+    assert by_name["ddp"].status == by_name["model_parallel"].status == "skipped"
+    assert "one device" in by_name["ddp"].reason
+    assert by_name["amp_compile"].settings["compile"] == "compile=default"
+    assert by_name["baseline"].precision == "32-true" and by_name["amp"].precision == "bf16-mixed"
+    for name in ("baseline", "amp", "amp_compile"):
+        command = by_name[name].command(tmp_path, 1)
+        assert "model=gpt2_small" in command and by_name[name].steps == 64
+        assert "++callbacks.bench_monitor.warmup_batches=10" in command
+        assert "++callbacks.bench_monitor.split_every_n_batches=10" in command
+    assert "++callbacks.dataloader_tuner.max_tuning_time_s=10" in by_name["amp"].command(tmp_path, 1)
+    mine, _ = plan_stages(["baseline"], ["model=classifier", "trainer.accelerator=gpu"], settings, tmp_path / "o2",
+                          visible_cuda=1)  # fmt: skip
+    assert "model=gpt2_small" not in mine[0].command(tmp_path, 1) and "model=classifier" in mine[0].overrides
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+@pytest.mark.parametrize("module", ["lightning_accel.bench", "lightning_accel.tune"])
+def test_gpu_profile_is_refused_without_a_gpu_before_anything_runs(run_cli, tmp_path: Path, module: str) -> None:
+    result = run_cli(["--profile", "gpu", "--out", str(tmp_path / "out")], cwd=tmp_path, module=module, timeout=120)
+    assert result.returncode == 2
+    assert "`--profile gpu` needs a CUDA GPU" in result.stderr and "--profile quick" in result.stderr
+    assert not (tmp_path / "out" / "stages").exists()
+
+
 def test_quick_bounds_a_dataloader_tuner_search() -> None:
     from lightning_accel.benchmark.plan import StagePlan, budget_overrides
 
     plan = StagePlan(name="amp", overrides=("preset=amp",), callbacks=("dataloader_tuner", "lr_monitor"))
-    _, quick = budget_overrides(plan, BenchSettings(quick=True), 32)
+    _, quick = budget_overrides(plan, BenchSettings(profile="quick"), 32)
     assert "++callbacks.dataloader_tuner.max_tuning_time_s=10" in quick  # ++: a tuner added by accel-tune too
     assert not any("dataloader_tuner" in o for o in budget_overrides(plan, BenchSettings(), 32)[1])
 

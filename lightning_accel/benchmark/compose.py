@@ -21,6 +21,7 @@ CONF_MODULE = "lightning_accel.conf"
 # OneCycleLR", built from the groups that exist (a preset of the same name, when one is added, wins).
 BUILTIN_STAGES: dict[str, list[str]] = {
     "model_parallel": ["preset=ddp", "strategy=model_parallel", "accumulation=fixed", "scheduler=onecycle"],
+    "amp_compile": ["preset=amp", "compile=default"],  # amp + torch.compile: the one-GPU rung (`--profile gpu`)
 }
 _MODEL_PARALLEL_PRESETS = ("model_parallel",)  # a preset of this name replaces the built-in stage
 

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_SEED",
+    "PROFILES",
     "BenchSettings",
+    "Profile",
     "PlanStatus",
     "StagePlan",
     "budget_overrides",
@@ -37,15 +39,51 @@ __all__ = [
     "override_key",
     "plan_stage",
     "plan_stages",
+    "profile_overrides",
 ]
 
 PlanStatus = Literal["ok", "skipped"]
 DEFAULT_SEED = 1234
 """The seed of the first round when neither `--seed` nor the config sets one (the config's default is 1234 too)."""
-# --quick on the default GPT example: a smaller corpus and model, short validation.
-QUICK_GPT = ["data.max_chars=300000", "model.n_embd=64", "trainer.limit_val_batches=4"]
-QUICK_TUNING_S = 10.0
-"""--quick bounds a DataLoaderTuner's search (at the start of the fit, outside the measured training time) to this."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    """How accel-bench and accel-tune size their runs for a kind of machine (`--profile`)."""
+
+    name: str
+    steps: int
+    """Optimizer steps of the first stage (the baseline)."""
+    repeats: int
+    """Rounds per stage: 2, the fewest that give an interval."""
+    val_checks: int
+    match: Literal["samples", "steps"]
+    stage_timeout_s: float
+    model: str | None = None
+    """The model config a stage runs when the user selects none (`model=gpt2_small`)."""
+    gpt_overrides: tuple[str, ...] = ()
+    """Overrides for the GPT example (`lightning_accel.examples.GPTLanguageModel`), when the user's model is it."""
+    tuning_s: float = 10.0
+    """Bound on a DataLoaderTuner's search (at the start of the fit, outside the measured training time)."""
+    monitor: tuple[tuple[str, str], ...] = ()
+    """BenchMonitor settings (`warmup_batches`, `split_every_n_batches`)."""
+    ladder: tuple[str, ...] = ()
+    """The default ladder under this profile; empty: accel-bench's own."""
+    needs_cuda: bool = False
+
+
+PROFILES: dict[str, Profile] = {
+    # a few minutes on 2 CPU cores: a smaller corpus and GPT, short validation
+    "quick": Profile(name="quick", steps=40, repeats=2, val_checks=2, match="steps", stage_timeout_s=300.0,
+                     gpt_overrides=("data.max_chars=300000", "model.n_embd=64", "trainer.limit_val_batches=4")),
+    # one GPU in a few minutes: GPT-2 small at a 1,024-byte context; 10 warm-up batches keep a compiled stage's
+    # compilation out of its rates, and one batch in ten is synchronised for the split, so the host's overhead hides
+    # behind the GPU's work as it does in training; 64 baseline steps of 16 x 1,024 bytes (1M tokens, 2 validations
+    # of 131,072 bytes) take the fp32 loss from 5.5 to about 2.5 nats, where a precision's damage would show
+    "gpu": Profile(name="gpu", steps=64, repeats=2, val_checks=2, match="samples", stage_timeout_s=420.0,
+                   model="gpt2_small", monitor=(("warmup_batches", "10"), ("split_every_n_batches", "10")),
+                   ladder=("baseline", "amp", "amp_compile", "ddp", "model_parallel"), needs_cuda=True),
+}  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -67,7 +105,8 @@ class BenchSettings:
     """Validation passes per stage (for the final metric and the time to target)."""
     seed: int | None = None
     """Seed of the first round; round k uses `seed + k`. None: the config's seed."""
-    quick: bool = False
+    profile: str | None = None
+    """A key of `PROFILES` (`quick`, `gpu`): its model, GPT sizing, warm-up and DataLoaderTuner bound apply."""
     stage_timeout_s: float | None = None
     repeats: int = 3
     """Rounds: every stage runs once per round, round by round (A B C, A B C, ...)."""
@@ -83,7 +122,7 @@ class StagePlan:
 
     name: str
     overrides: tuple[str, ...]
-    """The stage's own overrides (`preset=amp`), then --quick's, then the user's."""
+    """The stage's own overrides (`preset=amp`), then the profile's, then the user's."""
     status: PlanStatus = "ok"
     reason: str = ""
     world_size: int = 1
@@ -237,8 +276,9 @@ def budget_overrides(
 ) -> tuple[int | None, list[str]]:
     """(optimizer steps, overrides): steps (or time), validation cadence and the tuner's bound for one stage."""
     extra = ["test=false", "++trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false"]
-    if settings.quick and "dataloader_tuner" in plan.callbacks:  # its search (up to 60 s) would dwarf a quick stage
-        extra.append(f"++callbacks.dataloader_tuner.max_tuning_time_s={QUICK_TUNING_S:g}")  # set or add
+    profile = PROFILES.get(settings.profile or "")
+    if profile and "dataloader_tuner" in plan.callbacks:  # its search (up to 60 s) would dwarf a profile's stage
+        extra.append(f"++callbacks.dataloader_tuner.max_tuning_time_s={profile.tuning_s:g}")  # set or add
     if settings.time_budget_s is not None:
         seconds = int(math.ceil(settings.time_budget_s))
         days, rest = divmod(seconds, 86400)
@@ -261,6 +301,8 @@ def monitor_overrides(plan: StagePlan, settings: BenchSettings) -> list[str]:
     key = "++callbacks.bench_monitor"
     extra = [f"{key}._target_=lightning_accel.callbacks.BenchMonitor", f"{key}.metric={settings.metric}",
              f"{key}.mode={settings.mode}"]  # fmt: skip
+    profile = PROFILES.get(settings.profile or "")
+    extra += [f"{key}.{name}={value}" for name, value in (profile.monitor if profile else ())]
     if settings.target is not None:
         extra += [f"{key}.target={settings.target}", f"{key}.stop_at_target={str(settings.until_target).lower()}"]
     if plan.on_cuda:
@@ -283,6 +325,14 @@ def _selection(name: str, presets: Sequence[str], user_overrides: Sequence[str],
         except Exception:
             raise err from None
         return [f"preset={name}"]
+
+
+def profile_overrides(profile: str | None, user_overrides: Sequence[str]) -> list[str]:
+    """The profile's model selection (`model=gpt2_small` under `--profile gpu`) when the user selects no model."""
+    chosen = PROFILES.get(profile or "")
+    if chosen is None or chosen.model is None or any(override_key(o) == "model" for o in user_overrides):
+        return []
+    return [f"model={chosen.model}"]
 
 
 def override_key(override: str) -> str:
@@ -311,16 +361,18 @@ def plan_stages(
     """
     presets = available_presets()
     selections = [(name, _selection(name, presets, user_overrides, out_dir)) for name in ladder]
-    user_cfg = compose_user_config(list(user_overrides), str(out_dir / "check"))
-    quick = []
-    if settings.quick and str(user_cfg.model.get("_target_", "")).endswith("GPTLanguageModel"):
-        quick = [o for o in QUICK_GPT if not any(u.split("=")[0] == o.split("=")[0] for u in user_overrides)]
+    sizing = profile_overrides(settings.profile, user_overrides)
+    user_cfg = compose_user_config([*sizing, *user_overrides], str(out_dir / "check"))
+    profile = PROFILES.get(settings.profile or "")
+    if profile and str(user_cfg.model.get("_target_", "")).endswith("GPTLanguageModel"):
+        user_keys = {override_key(u) for u in user_overrides}
+        sizing += [o for o in profile.gpt_overrides if override_key(o) not in user_keys]
     extra = stage_extra or {}
 
     def stage_overrides_of(name: str, selection: list[str]) -> list[str]:
         own = list(extra.get(name, ()))
         keys = {override_key(o) for o in own}
-        return [*selection, *quick, *(o for o in user_overrides if override_key(o) not in keys), *own]
+        return [*selection, *sizing, *(o for o in user_overrides if override_key(o) not in keys), *own]
 
     plans = [plan_stage(name, stage_overrides_of(name, selection), str(out_dir / "stages" / f"{index}-{name}"),
                         visible_cuda) for index, (name, selection) in enumerate(selections)]  # fmt: skip
