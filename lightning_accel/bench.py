@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(`--match steps`), 2 rounds, 2 validations, a smaller GPT example. gpu: one CUDA GPU in a few minutes, "
         "`model=gpt2_small` (unless you select a model), 64 baseline steps with every stage on the same samples, 2 "
         "rounds, 10 warm-up batches (a compiled stage's compilation stays out of its rates), one batch in ten "
-        "synchronised for the split, the ladder baseline,amp,amp_compile,ddp,model_parallel (the last two need 2+ GPUs)",
+        "synchronised for the split, the ladder baseline,amp,amp_compile,ddp,model_parallel (the last two: 2+ GPUs)",
     )
     parser.add_argument("--quick", action="store_const", const="quick", dest="profile", help="`--profile quick`")
     parser.add_argument(
