@@ -1,8 +1,10 @@
-"""One-command check of the GPU paths on a real GPU: `python -m lightning_accel.gpu_check` writes one Markdown report.
+"""One-command check of the GPU paths on a real GPU: `python -m lightning_accel.gpu_check [--full]` writes one report.
 
 Each part runs where it can and otherwise says why it was skipped, so the same command runs on a CPU machine (every
-CUDA part skipped with its reason) and on a one-GPU machine (about a minute on an H200). It needs no network, works
-with torch >= 2.4 and does not import Hydra. Parts:
+CUDA part skipped with its reason) and on a one-GPU machine. It needs no network and works with torch >= 2.4; the
+check itself does not import Hydra (`--full` runs accel-bench and accel-tune, which need it, as subprocesses).
+`--out DIR` receives `gpu_check.md`, `gpu_check.json` and, when there are figures to draw and matplotlib is
+installed, `gpu_check.png`. Parts (about a minute on an H200):
 
 - `nvml_vs_torch`: NVML's name, UUID mapping and free memory against torch's; the total differs by the memory
   the driver reserves (reported);
@@ -10,7 +12,7 @@ with torch >= 2.4 and does not import Hydra. Parts:
   logger), step-time ratio over 3 alternating repeats;
 - `gpt_precision`: the GPT example at a GPU-sized configuration in fp32 and bf16-mixed: speedup, validation loss
   within 2%;
-- `mfu`: BenchMonitor's MFU is in (0, 1] and near the figure from a hand-timed bf16 matmul;
+- `mfu`: the peak-FLOP/s table against a hand-timed bf16 matmul (kept for `--full`'s MFU cross-check);
 - `doctor`: `accel-doctor` exits 0;
 - `fsdp` and `model_parallel`: one step under FSDPStrategy, 8 under ModelParallelStrategy with `Parallelize`
   (FSDP2 per block), on one GPU;
@@ -19,6 +21,18 @@ with torch >= 2.4 and does not import Hydra. Parts:
   example's batch of 128 does not fit, the search finds the largest micro-batch that does from real CUDA
   out-of-memory errors and measured peaks, a real allocator OOM injected at step 3 is recovered by halving, and the
   weights after 6 steps equal a run at a fixed micro-batch of 8 (1e-3).
+
+`--full` adds (about 8 minutes on an H200 in all):
+
+- `gpu_monitor`: GPUMonitor during a compiled bf16 fit of GPT-2 small: its GPM readings (SM activity, tensor-core
+  activity) are there and non-zero, and its step-time overhead against the same fit without it, over alternating
+  repeats, is within noise or at most 1%;
+- `tune`: `accel-tune --profile gpu --time-budget 180` on `model=gpt2_small`, writing `preset=tuned_gpt2_small`;
+- `ladder`: `accel-bench --profile gpu` over fp32 baseline, amp, amp + compile and the tuned preset: samples/s
+  with intervals, MFU (cross-checked against the `mfu` part's hand-timed matmul), J/sample and quality verdicts;
+  it passes when the tuned configuration (else the fastest stage) runs >= 6.53x the fp32 baseline's samples/s
+  (the article's 4-GPU table, on one card), amp + compile reaches >= 50% MFU, and every stage's validation loss
+  is within 2% of the baseline's over the same samples.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -35,17 +50,32 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 __all__ = [
+    "FULL_PARTS",
+    "PARTS",
+    "CheckContext",
     "Part",
+    "ladder_verdict",
     "main",
+    "plot",
     "render",
     "run_checks",
+    "to_json",
 ]
+
+ARTICLE_SPEEDUP = 6.53
+"""The article's last rung (4 GPUs, model parallel + accumulation + OneCycleLR): what the tuned stage must reach."""
+MFU_TARGET = 0.50
+"""What bf16 + compile must reach on one GPU (nanoGPT-class GPT-2 small training reaches 40-50% on an H100)."""
+QUALITY_TOLERANCE = 0.02
+"""Largest relative difference of a stage's validation loss from the fp32 baseline's over the same samples."""
+OVERHEAD_LIMIT = 0.01
+"""GPUMonitor's step-time overhead on the compiled run that still passes when the interval does not hold 1.0."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,6 +87,18 @@ class Part:
     """PASS, FAIL or SKIP."""
     detail: str = ""
     figures: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckContext:
+    """What the parts of one check share: where they write, and figures a later part reads (the hand-timed matmul's
+    TFLOP/s for the ladder's MFU cross-check, the preset accel-tune wrote)."""
+
+    out_dir: Path
+    facts: dict[str, object] = field(default_factory=dict)
+    timeout_scale: float = 1.0
+    """Multiplies the subprocess timeouts of `--full` (a slower GPU than an H200)."""
 
 
 class _Skip(Exception):
@@ -68,7 +110,7 @@ def _need_cuda() -> None:
         raise _Skip(f"no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda})")
 
 
-def _nvml_vs_torch() -> Part:
+def _nvml_vs_torch(ctx: CheckContext) -> Part:
     _need_cuda()
     from lightning_accel.telemetry import nvml
 
@@ -149,7 +191,7 @@ def _tiny_fit(
     return statistics.median(gaps)
 
 
-def _gpu_monitor_overhead() -> Part:
+def _gpu_monitor_overhead(ctx: CheckContext) -> Part:
     _need_cuda()
     from lightning.pytorch.callbacks import DeviceStatsMonitor
 
@@ -169,7 +211,7 @@ def _gpu_monitor_overhead() -> Part:
                 detail="GPUMonitor step time over DeviceStatsMonitor's", figures=figures)  # fmt: skip
 
 
-def _gpt_precision() -> Part:
+def _gpt_precision(ctx: CheckContext) -> Part:
     _need_cuda()
     if not torch.cuda.is_bf16_supported():
         raise _Skip("this GPU has no bf16")
@@ -194,7 +236,7 @@ def _gpt_precision() -> Part:
     return Part(name="gpt_precision", status="PASS" if drift <= 0.02 else "FAIL", figures=figures)
 
 
-def _mfu() -> Part:
+def _mfu(ctx: CheckContext) -> Part:
     _need_cuda()
     from lightning_accel.telemetry.peak_flops import lookup_peak_flops
 
@@ -209,6 +251,9 @@ def _mfu() -> Part:
     torch.cuda.synchronize()
     measured = 2 * n**3 * reps / (time.perf_counter() - start)
     peak = lookup_peak_flops(torch.cuda.get_device_name(0), "bf16" if dtype == torch.bfloat16 else "fp16")
+    ctx.facts["matmul_tflops"] = measured / 1e12
+    if peak.flops:
+        ctx.facts["table_peak_tflops"] = peak.flops / 1e12
     figures = {
         "hand-timed matmul": f"{measured / 1e12:.1f} TFLOP/s",
         "table peak": f"{peak.flops / 1e12:.1f} TFLOP/s ({peak.source})" if peak.flops else peak.reason,
@@ -221,7 +266,7 @@ def _mfu() -> Part:
                 detail="the table's peak against a hand-timed matmul (expected 0.6-0.9)", figures=figures)  # fmt: skip
 
 
-def _doctor() -> Part:
+def _doctor(ctx: CheckContext) -> Part:
     done = subprocess.run([sys.executable, "-m", "lightning_accel.doctor", "--json"], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     figures: dict[str, object] = {}
@@ -251,7 +296,7 @@ def _one_step(strategy: object) -> Part:
     return Part(name="", status="PASS", detail=f"1 step, global_step={trainer.global_step}")
 
 
-def _fsdp() -> Part:
+def _fsdp(ctx: CheckContext) -> Part:
     _need_cuda()
     from lightning.pytorch.strategies import FSDPStrategy
 
@@ -260,7 +305,7 @@ def _fsdp() -> Part:
     return part
 
 
-def _model_parallel() -> Part:
+def _model_parallel(ctx: CheckContext) -> Part:
     """One step under ModelParallelStrategy, parallelized the project's way: the `Parallelize` callback installs
     `configure_model` (FSDP2 per GPT block) on a module that has none of its own."""
     _need_cuda()
@@ -279,7 +324,7 @@ def _model_parallel() -> Part:
     )
 
 
-def _fp8() -> Part:
+def _fp8(ctx: CheckContext) -> Part:
     _need_cuda()
     capability = torch.cuda.get_device_capability(0)
     if capability < (8, 9):
@@ -293,7 +338,7 @@ def _fp8() -> Part:
     return Part(name="fp8", status="PASS", detail=resolved.describe())
 
 
-def _micro_batch() -> Part:
+def _micro_batch(ctx: CheckContext) -> Part:
     _need_cuda()
     import lightning.pytorch as pl
 
@@ -353,58 +398,349 @@ def _micro_batch() -> Part:
                          f"{seconds:.1f}, {runs['fixed 8'][1]:.1f}"})  # fmt: skip
 
 
-PARTS: dict[str, Callable[[], Part]] = {
+def _timed_fit(model: object, callbacks: list, steps: int, warmup: int, precision: str, batch_size: int) -> float:
+    """Seconds per training step of a CUDA fit, from the end of batch `warmup` to the end of training (the device
+    synchronised only there, so the host queues work as it does in training); no logger, no checkpoint."""
+    import lightning.pytorch as pl
+
+    class _Clock(pl.Callback):
+        def __init__(self) -> None:
+            self.start = self.end = 0.0
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            if trainer.global_step == warmup:
+                torch.cuda.synchronize()
+                self.start = time.perf_counter()
+
+        def on_train_end(self, *args: object) -> None:
+            torch.cuda.synchronize()
+            self.end = time.perf_counter()
+
+    clock = _Clock()
+    block = model.hparams["block_size"]  # type: ignore[attr-defined]
+    data = torch.randint(0, 256, (steps * batch_size, block + 1), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=batch_size,
+                                         pin_memory=True)  # fmt: skip
+    trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=steps, precision=precision,  # type: ignore[arg-type]
+                         callbacks=[*callbacks, clock], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(model, loader)  # type: ignore[arg-type]
+    return (clock.end - clock.start) / (steps - warmup)
+
+
+def _gpu_monitor(ctx: CheckContext) -> Part:
+    """GPUMonitor on a compiled bf16 fit of GPT-2 small: GPM readings present, overhead within noise or <= 1%."""
+    _need_cuda()
+    if not torch.cuda.is_bf16_supported():
+        raise _Skip("this GPU has no bf16")
+    from lightning_accel.system.software import compile_problem
+
+    problem = compile_problem(on_cuda=True)
+    if problem:
+        raise _Skip(problem)
+    from lightning_accel.callbacks import Compile, GPUMonitor
+    from lightning_accel.measure import ratio, verdict
+
+    import functools
+
+    adamw = functools.partial(torch.optim.AdamW, lr=6e-4, fused=True)
+    model = _gpt_class()(block_size=1024, n_layer=12, n_head=12, n_embd=768, optimizer=adamw)  # compiled once, reused
+    on, off, monitors = [], [], []
+    for _ in range(3):  # alternating: the same drift touches both
+        monitor = GPUMonitor(interval_s=0.5, print_report=False, report_dir=str(ctx.out_dir / "gpu_monitor"))
+        on.append(_timed_fit(model, [Compile(), monitor], steps=100, warmup=20, precision="bf16-mixed", batch_size=16))
+        monitors.append(monitor)
+        off.append(_timed_fit(model, [Compile()], steps=100, warmup=20, precision="bf16-mixed", batch_size=16))
+    overhead = ratio(on, off)
+    gpus = monitors[-1].report.gpus
+    readings = {name: max((run[name].mean for run in gpus.values() if name in run), default=math.nan)
+                for name in ("sm_activity_pct", "tensor_activity_pct", "utilization_pct", "power_w")}  # fmt: skip
+    figures = {
+        "s/step with GPUMonitor": " ".join(f"{t:.4f}" for t in on),
+        "s/step without": " ".join(f"{t:.4f}" for t in off),
+        "overhead (ratio, paired rounds)": f"{overhead.format('.4f')} ({verdict(overhead)})",
+        **{f"GPM {k}" if "activity" in k else k: f"{v:.1f}" for k, v in readings.items()},
+    }
+    problems = [f"no {name} reading" for name in ("sm_activity_pct", "tensor_activity_pct")
+                if not readings[name] > 0]  # fmt: skip
+    if not (overhead.contains(1.0) or overhead.median <= 1 + OVERHEAD_LIMIT):
+        problems.append(f"overhead {overhead.median - 1:.1%} is above {OVERHEAD_LIMIT:.0%} and outside the noise")
+    ctx.facts["gpm"] = readings
+    return Part(name="gpu_monitor", status="FAIL" if problems else "PASS",
+                detail="; ".join(problems) or "compiled bf16 GPT-2 small, 3 alternating pairs of 100 steps",
+                figures=figures)  # fmt: skip
+
+
+def _subprocess(command: list[str], log: Path, timeout: float) -> int:
+    """Run one of the project's commands, its output into `log`; the exit code (124 after `timeout` seconds)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        try:
+            return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+
+def _tail(log: Path, lines: int = 3) -> str:
+    text = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+    return " / ".join(text[-lines:])
+
+
+def _tune(ctx: CheckContext) -> Part:
+    """`accel-tune --profile gpu --time-budget 180` on GPT-2 small; its preset feeds the ladder's tuned stage."""
+    _need_cuda()
+    out, conf = ctx.out_dir / "tune", ctx.out_dir / "conf"
+    command = [sys.executable, "-m", "lightning_accel.tune", "--profile", "gpu", "--time-budget", "180", "--name",
+               "gpt2_small", "--config-dir", str(conf), "--out", str(out), "model=gpt2_small"]  # fmt: skip
+    code = _subprocess(command, ctx.out_dir / "tune.log", timeout=420 * ctx.timeout_scale)
+    preset = conf / "preset" / "tuned_gpt2_small.yaml"
+    figures = {"command": " ".join(command[1:]), "exit": str(code)}
+    try:
+        trace = json.loads((out / "tune.json").read_text())
+        figures.update({"pick": str(trace.get("pick")), "confirmed": str(trace.get("confirmed")),
+                        "seconds": f"{float(trace.get('total_s') or 0):.0f}", "stopped": str(trace.get("stop"))})
+    except (OSError, ValueError) as err:
+        figures["tune.json"] = f"unreadable: {err}"
+    if code == 0 and preset.is_file():
+        ctx.facts["tuned_preset"] = "tuned_gpt2_small"
+        return Part(name="tune", status="PASS", detail=f"preset {preset.name}", figures=figures)
+    return Part(name="tune", status="FAIL", detail=f"exit {code}: {_tail(ctx.out_dir / 'tune.log')}",
+                figures=figures)  # fmt: skip
+
+
+def ladder_verdict(stages: Sequence[dict], facts: dict[str, object]) -> tuple[list[str], dict[str, str]]:
+    """The ladder's problems (empty: PASS) and figures, from bench.json's stages (`StageResult` as dicts).
+
+    The tuned stage (else the fastest that ran) must reach `ARTICLE_SPEEDUP` over the first stage, `amp_compile`
+    `MFU_TARGET`, and every stage's metric stay within `QUALITY_TOLERANCE` of the first's.
+    """
+    figures: dict[str, str] = {}
+    problems = [f"{s['name']}: {s['status']} ({s.get('reason') or 'no reason given'})" for s in stages
+                if s["status"] != "ok"]  # fmt: skip
+    ran = [s for s in stages if s["status"] == "ok"]
+    if len(ran) < 2:
+        return [*problems, "fewer than two stages ran: no speedup to judge"], figures
+    matmul, peak = facts.get("matmul_tflops"), facts.get("table_peak_tflops")
+    for s in ran:
+        interval = s.get("samples_interval") or {}
+        speed = s.get("speedup_interval") or {}
+        cells = [f"{s['samples_per_s']:.1f} samples/s [{interval.get('low', math.nan):.1f}, "
+                 f"{interval.get('high', math.nan):.1f}]"]  # fmt: skip
+        if s.get("speedup") is not None:
+            cells.append(f"{s['speedup']:.2f}x [{speed.get('low', math.nan):.2f}, {speed.get('high', math.nan):.2f}]")
+        if s.get("mfu") is not None:
+            cells.append(f"MFU {s['mfu']:.1%}")
+            if isinstance(matmul, float) and isinstance(peak, float):
+                cells.append(f"{s['mfu'] * peak / matmul:.1%} of the hand-timed matmul")
+        if s.get("energy_j_per_sample") is not None:
+            cells.append(f"{s['energy_j_per_sample']:.3f} J/sample")
+        cells.append(f"{s.get('metric_value')} ({s.get('quality')}, {s.get('quality_delta_pct')}%)")
+        figures[s["name"]] = "; ".join(cells)
+        delta = s.get("quality_delta_pct")
+        if s is not ran[0] and (s.get("quality") == "FAIL" or (delta is not None and delta > 100 * QUALITY_TOLERANCE)):
+            problems.append(f"{s['name']}: validation loss {delta:+.2f}% from the baseline's (limit "
+                            f"{QUALITY_TOLERANCE:.0%})")  # fmt: skip
+    tuned = next((s for s in ran if s["name"].startswith("tuned")), None)
+    best = tuned or max(ran[1:], key=lambda s: s.get("speedup") or 0.0)
+    speedup = best.get("speedup") or 0.0
+    figures["verdict: speedup"] = f"{best['name']} {speedup:.2f}x against {ARTICLE_SPEEDUP}x"
+    if speedup < ARTICLE_SPEEDUP:
+        problems.append(f"{best['name']} runs {speedup:.2f}x the baseline's samples/s, below {ARTICLE_SPEEDUP}x")
+    compiled = next((s for s in ran if s["name"] == "amp_compile"), None)
+    if compiled is not None:
+        mfu = compiled.get("mfu")
+        figures["verdict: MFU"] = f"amp_compile {'n/a' if mfu is None else f'{mfu:.1%}'} against {MFU_TARGET:.0%}"
+        if mfu is None or mfu < MFU_TARGET:
+            problems.append(f"amp_compile MFU {'n/a' if mfu is None else f'{mfu:.1%}'} is below {MFU_TARGET:.0%}"
+                            + (f" ({compiled.get('mfu_note')})" if compiled.get("mfu_note") else ""))  # fmt: skip
+    return problems, figures
+
+
+def _ladder(ctx: CheckContext) -> Part:
+    """`accel-bench --profile gpu` over baseline, amp, amp + compile and the tuned preset."""
+    _need_cuda()
+    return _run_ladder(ctx, ["--profile", "gpu"], timeout=900)
+
+
+def _run_ladder(ctx: CheckContext, bench_args: list[str], timeout: float) -> Part:
+    ladder = ["baseline", "amp", "amp_compile"]
+    extra = []
+    if ctx.facts.get("tuned_preset"):
+        ladder.append(str(ctx.facts["tuned_preset"]))
+        extra.append(f"hydra.searchpath=[file://{(ctx.out_dir / 'conf').resolve()}]")
+    out = ctx.out_dir / "bench"
+    command = [sys.executable, "-m", "lightning_accel.bench", *bench_args, "--ladder", ",".join(ladder), "--out",
+               str(out), "--overwrite", *extra]  # fmt: skip
+    code = _subprocess(command, ctx.out_dir / "bench.log", timeout=timeout * ctx.timeout_scale)
+    try:
+        stages = json.loads((out / "bench.json").read_text())["stages"]
+    except (OSError, ValueError, KeyError) as err:
+        return Part(name="ladder", status="FAIL", detail=f"exit {code}, no bench.json ({err}): "
+                    f"{_tail(ctx.out_dir / 'bench.log')}")  # fmt: skip
+    ctx.facts["ladder"] = stages
+    problems, figures = ladder_verdict(stages, ctx.facts)
+    figures = {"command": " ".join(command[1:]), **figures}
+    if not ctx.facts.get("tuned_preset"):
+        figures["tuned stage"] = "none: the tune part wrote no preset; the fastest stage is judged instead"
+    return Part(name="ladder", status="FAIL" if problems or code not in (0, 1) else "PASS",
+                detail="; ".join(problems) or f"{len(stages)} stages, exit {code}", figures=figures)  # fmt: skip
+
+
+PARTS: dict[str, Callable[[CheckContext], Part]] = {
     "nvml_vs_torch": _nvml_vs_torch, "gpu_monitor_overhead": _gpu_monitor_overhead, "gpt_precision": _gpt_precision,
     "mfu": _mfu, "doctor": _doctor, "fsdp": _fsdp, "model_parallel": _model_parallel, "fp8": _fp8,
     "micro_batch": _micro_batch,
 }  # fmt: skip
+FULL_PARTS: dict[str, Callable[[CheckContext], Part]] = {"gpu_monitor": _gpu_monitor, "tune": _tune,
+                                                         "ladder": _ladder}  # fmt: skip
+"""`--full`'s parts, run after `PARTS` in this order (the ladder's tuned stage is the tune part's preset)."""
 
 
-def run_checks(names: Sequence[str] | None = None) -> list[Part]:
-    """Run the named parts (all by default); a part that cannot run is SKIP with the reason, one that breaks FAIL."""
+def run_checks(names: Sequence[str] | None = None, ctx: CheckContext | None = None) -> list[Part]:
+    """Run the named parts (default: `PARTS`); a part that cannot run is SKIP with the reason, one that breaks FAIL.
+
+    `ctx` carries the output folder and the figures one part leaves for another (default: a temporary folder).
+    """
+    ctx = ctx or CheckContext(out_dir=Path(tempfile.mkdtemp(prefix="gpu_check_")))
+    every = {**PARTS, **FULL_PARTS}
     parts = []
     for name in names or PARTS:
+        started = time.perf_counter()
         try:
-            part = PARTS[name]()
+            part = every[name](ctx)
             part.name = name
         except _Skip as why:
             part = Part(name=name, status="SKIP", detail=str(why))
         except Exception as err:  # one broken part must not hide the others
             part = Part(name=name, status="FAIL", detail=f"{type(err).__name__}: {err}",
                         figures={"traceback": traceback.format_exc().strip().splitlines()[-1]})  # fmt: skip
+        part.seconds = time.perf_counter() - started
         parts.append(part)
+        print(f"{part.status:4}  {part.name} ({part.seconds:.0f} s): {part.detail}", flush=True)
     return parts
 
 
-def render(parts: Sequence[Part]) -> str:
-    """The Markdown report: the machine, then one row per part and its figures."""
+def _machine() -> dict[str, str]:
+    """Date, device, driver, torch and Python: the header of the report and the README's table."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
-    lines = ["# lightning_accel GPU check", "",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-             f"- device: {device}", f"- torch: {torch.__version__} (CUDA {torch.version.cuda})",
-             f"- python: {platform.python_version()} on {platform.platform()}", "",
-             "| part | status | detail |", "|---|---|---|"]  # fmt: skip
-    lines += [f"| {p.name} | {p.status} | {p.detail.replace('|', '/')} |" for p in parts]
+    driver = "n/a"
+    if torch.cuda.is_available():
+        try:
+            from lightning_accel.telemetry import nvml
+
+            if nvml.init_nvml() is None:
+                try:
+                    raw = nvml.pynvml.nvmlSystemGetDriverVersion()
+                    driver = raw.decode() if isinstance(raw, bytes) else str(raw)
+                finally:
+                    nvml.shutdown_nvml()
+        except Exception as err:  # the header must not stop the check
+            driver = f"n/a ({type(err).__name__})"
+    return {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}", "device": device,
+            "driver": driver, "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
+            "python": f"{platform.python_version()} on {platform.platform()}"}  # fmt: skip
+
+
+def render(parts: Sequence[Part], machine: dict[str, str] | None = None) -> str:
+    """The Markdown report: the machine, then one row per part and its figures."""
+    machine = machine or _machine()
+    lines = ["# lightning_accel GPU check", "", *(f"- {key}: {value}" for key, value in machine.items()), "",
+             "| part | status | seconds | detail |", "|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {p.name} | {p.status} | {p.seconds:.0f} | {p.detail.replace('|', '/')} |" for p in parts]
     for part in parts:
         if part.figures:
             lines += ["", f"## {part.name}", ""] + [f"- {k}: {v}" for k, v in part.figures.items()]
     return "\n".join(lines) + "\n"
 
 
+def to_json(parts: Sequence[Part], machine: dict[str, str], facts: dict[str, object]) -> dict[str, object]:
+    """gpu_check.json: the machine, every part (status, detail, seconds, figures) and the ladder's stages."""
+    return {"schema_version": 1, **machine, "parts": [asdict(p) for p in parts],
+            "ladder": facts.get("ladder", []), "gpm": facts.get("gpm")}  # fmt: skip
+
+
+def plot(stages: Sequence[dict], path: Path) -> str | None:
+    """gpu_check.png: each ladder stage's samples/s with its interval and speedup, the article's 6.53x as a line;
+    returns why not (no stage ran, or no matplotlib)."""
+    ran = [s for s in stages if s.get("status") == "ok" and s.get("samples_per_s")]
+    if not ran:
+        return "no ladder stage ran: gpu_check.png not drawn"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'lightning_accel[plot]'): gpu_check.png not drawn"
+    values = [s["samples_per_s"] for s in ran]
+    intervals = [s.get("samples_interval") or {} for s in ran]
+    errors = [[v - i.get("low", v) for v, i in zip(values, intervals, strict=True)],
+              [i.get("high", v) - v for v, i in zip(values, intervals, strict=True)]]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(ran)), 4.0))
+    colors = ["tab:red" if s.get("quality") == "FAIL" else "tab:blue" for s in ran]
+    bars = ax.bar([s["name"] for s in ran], values, color=colors, yerr=errors, capsize=4, ecolor="black")
+    for bar, s in zip(bars, ran, strict=True):
+        label = f"{s['speedup']:.2f}x" if s.get("speedup") is not None else ""
+        if s.get("mfu") is not None:
+            label += f"\nMFU {s['mfu']:.0%}"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    fontsize=9, xytext=(0, 3), textcoords="offset points")  # fmt: skip
+    ax.axhline(values[0] * ARTICLE_SPEEDUP, color="tab:green", linestyle="--",
+               label=f"the article's 4-GPU table: {ARTICLE_SPEEDUP}x")  # fmt: skip
+    ax.set_ylabel("samples/s, median [interval]")
+    ax.set_title(f"GPU check ladder ({ran[0].get('device') or 'GPU'})", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def write_report(parts: Sequence[Part], ctx: CheckContext, machine: dict[str, str] | None = None) -> list[Path]:
+    """Write gpu_check.md, gpu_check.json and (when there is a ladder to draw) gpu_check.png into `ctx.out_dir`,
+    each written beside its target and then renamed; returns the files written."""
+    machine = machine or _machine()
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    note = plot(list(ctx.facts.get("ladder") or []), ctx.out_dir / ".gpu_check.png")  # type: ignore[arg-type]
+    text = render(parts, machine) + (f"\n{note}\n" if note else "\n![ladder](gpu_check.png)\n")
+    files = []
+    for name, content in (("gpu_check.md", text),
+                          ("gpu_check.json", json.dumps(to_json(parts, machine, ctx.facts), indent=2, default=str))):
+        tmp = ctx.out_dir / f".{name}.tmp"
+        tmp.write_text(content)
+        os.replace(tmp, ctx.out_dir / name)
+        files.append(ctx.out_dir / name)
+    if note is None:
+        os.replace(ctx.out_dir / ".gpu_check.png", ctx.out_dir / "gpu_check.png")
+        files.append(ctx.out_dir / "gpu_check.png")
+    return files
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_accel.gpu_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="gpu_check.md", help="the Markdown report to write (default: gpu_check.md)")
-    parser.add_argument("--parts", nargs="*", choices=list(PARTS), help="run only these parts (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check"),
+                        help="the folder for gpu_check.md, gpu_check.json and gpu_check.png (default ./gpu_check)")
+    parser.add_argument("--full", action="store_true",
+                        help="also the GPM monitor run, accel-tune --time-budget 180 and the gpt2_small ladder "
+                        "(about 8 minutes on an H200; needs Hydra, as accel-bench does)")  # fmt: skip
+    parser.add_argument("--parts", nargs="*", choices=[*PARTS, *FULL_PARTS], help="run only these parts")
+    parser.add_argument("--timeout-scale", type=float, default=1.0, metavar="X",
+                        help="multiply the subprocess timeouts of --full (a slower GPU than an H200; default 1)")
     args = parser.parse_args(argv)
+    if not (args.timeout_scale > 0 and math.isfinite(args.timeout_scale)):
+        parser.error(f"--timeout-scale must be a finite number > 0, got {args.timeout_scale}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file; pass a folder (the report is {args.out}/gpu_check.md)")
     root = str(Path(__file__).resolve().parent.parent)  # `examples` sits beside the package in a checkout
     if root not in sys.path:
         sys.path.insert(0, root)
     os.environ.setdefault("TMPDIR", tempfile.gettempdir())
-    parts = run_checks(args.parts)
-    Path(args.out).write_text(render(parts))
-    for part in parts:
-        print(f"{part.status:4}  {part.name}: {part.detail}")
-    print(f"report: {args.out}")
+    ctx = CheckContext(out_dir=args.out.resolve(), timeout_scale=args.timeout_scale)
+    names = args.parts or [*PARTS, *(FULL_PARTS if args.full else ())]
+    parts = run_checks(names, ctx)
+    files = write_report(parts, ctx)
+    print("report: " + ", ".join(str(f) for f in files))
     return 1 if any(p.status == "FAIL" for p in parts) else 0
 
 

@@ -1,7 +1,9 @@
-"""`python -m lightning_accel.gpu_check`: on a CPU machine every CUDA part is skipped with its reason, one report."""
+"""`python -m lightning_accel.gpu_check [--full]`: on a CPU machine every CUDA part is skipped with its reason, one
+report; the ladder's verdict, JSON and PNG from a bench.json of the real schema."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,8 @@ import pytest
 import torch
 
 from lightning_accel import gpu_check
+from lightning_accel.benchmark.report import to_json
+from lightning_accel.benchmark.results import StageResult
 
 CUDA_PARTS = (
     "nvml_vs_torch",
@@ -21,19 +25,30 @@ CUDA_PARTS = (
     "fp8",
     "micro_batch",
 )
+FULL_CUDA_PARTS = ("gpu_monitor", "tune", "ladder")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skips of a machine without CUDA")
-def test_on_a_cpu_machine_each_cuda_part_is_skipped_with_its_reason(tmp_path: Path) -> None:
-    report = tmp_path / "gpu_check.md"
-    done = subprocess.run([sys.executable, "-m", "lightning_accel.gpu_check", "--out", str(report)],
+def test_full_on_a_cpu_machine_skips_each_cuda_part_with_its_reason(tmp_path: Path) -> None:
+    out = tmp_path / "check"
+    done = subprocess.run([sys.executable, "-m", "lightning_accel.gpu_check", "--full", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
-    text = report.read_text()
-    assert text.startswith("# lightning_accel GPU check") and "- torch: " in text
-    for name in CUDA_PARTS:
-        assert f"| {name} | SKIP | no CUDA device (torch {torch.__version__}" in text, name
+    text = (out / "gpu_check.md").read_text()
+    assert text.startswith("# lightning_accel GPU check") and "- torch: " in text and "- driver: " in text
+    for name in (*CUDA_PARTS, *FULL_CUDA_PARTS):
+        assert f"| {name} | SKIP | 0 | no CUDA device (torch {torch.__version__}" in text, name
     assert "| doctor | " in text and done.returncode in (0, 1)
-    assert set(gpu_check.PARTS) == {*CUDA_PARTS, "doctor"}
+    assert "no ladder stage ran: gpu_check.png not drawn" in text and not (out / "gpu_check.png").exists()
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert [p["name"] for p in report["parts"]] == [*CUDA_PARTS[:4], "doctor", *CUDA_PARTS[4:], *FULL_CUDA_PARTS]
+    assert set(gpu_check.PARTS) == {*CUDA_PARTS, "doctor"} and set(gpu_check.FULL_PARTS) == set(FULL_CUDA_PARTS)
+
+
+def test_out_must_be_a_folder(tmp_path: Path) -> None:
+    (tmp_path / "file.md").write_text("")
+    done = subprocess.run([sys.executable, "-m", "lightning_accel.gpu_check", "--parts", "fp8", "--out",
+                           str(tmp_path / "file.md")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "--out" in done.stderr and "is a file" in done.stderr
 
 
 def test_the_check_imports_no_hydra() -> None:
@@ -43,14 +58,86 @@ def test_the_check_imports_no_hydra() -> None:
 
 
 def test_a_part_that_breaks_is_a_fail_and_the_others_still_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken() -> gpu_check.Part:
+    def broken(ctx: gpu_check.CheckContext) -> gpu_check.Part:
         raise RuntimeError("boom")
 
     monkeypatch.setitem(gpu_check.PARTS, "mfu", broken)
     parts = {p.name: p for p in gpu_check.run_checks(["mfu", "fp8"])}
     assert parts["mfu"].status == "FAIL" and "RuntimeError: boom" in parts["mfu"].detail
     assert parts["fp8"].status in ("SKIP", "PASS")
-    assert "| mfu | FAIL | RuntimeError: boom |" in gpu_check.render(list(parts.values()))
+    assert "| mfu | FAIL | 0 | RuntimeError: boom |" in gpu_check.render(list(parts.values()), {"device": "x"})
+
+
+def _stage(name: str, samples_per_s: float, speedup: float | None, *, mfu: float | None = None,
+           quality: str = "pass", delta: float | None = 0.3, status: str = "ok") -> StageResult:  # fmt: skip
+    return StageResult(name=name, status=status, samples_per_s=samples_per_s, speedup=speedup, mfu=mfu,  # type: ignore[arg-type]
+                       samples_interval={"low": 0.95 * samples_per_s, "high": 1.05 * samples_per_s},
+                       speedup_interval=None if speedup is None else {"low": 0.95 * speedup, "high": 1.05 * speedup},
+                       energy_j_per_sample=1.5 / max(samples_per_s, 1.0), metric_value=2.5, quality=quality,
+                       quality_delta_pct=delta, device="NVIDIA H200")  # fmt: skip
+
+
+def _bench_json(*stages: StageResult) -> list[dict]:
+    """The stages as accel-bench writes them into bench.json (the real schema, through its own writer)."""
+    return json.loads(json.dumps(to_json(list(stages), {}), default=str))["stages"]
+
+
+GOOD = (_stage("baseline", 50.0, None, mfu=0.05), _stage("amp", 300.0, 6.0, mfu=0.33),
+        _stage("amp_compile", 460.0, 9.2, mfu=0.52), _stage("tuned_gpt2_small", 470.0, 9.4, mfu=0.53))  # fmt: skip
+FACTS = {"matmul_tflops": 790.0, "table_peak_tflops": 989.4}
+
+
+def test_ladder_verdict_passes_the_article_table_mfu_and_quality() -> None:
+    problems, figures = gpu_check.ladder_verdict(_bench_json(*GOOD), FACTS)
+    assert problems == []
+    assert figures["verdict: speedup"] == "tuned_gpt2_small 9.40x against 6.53x"
+    assert "amp_compile 52.0% against 50%" == figures["verdict: MFU"]
+    assert "65.1% of the hand-timed matmul" in figures["amp_compile"]  # 0.52 x 989.4 / 790
+    assert "J/sample" in figures["baseline"] and "[47.5, 52.5]" in figures["baseline"]
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda s: _stage("tuned_gpt2_small", 250.0, 5.0, mfu=0.3), "tuned_gpt2_small runs 5.00x"),
+    (lambda s: _stage("amp_compile", 400.0, 8.0, mfu=0.41), "amp_compile MFU 41.0% is below 50%"),
+    (lambda s: _stage("amp", 300.0, 6.0, quality="FAIL", delta=3.1), "amp: validation loss +3.10%"),
+    (lambda s: _stage("amp_compile", 0.0, None, status="failed"), "amp_compile: failed"),
+])  # fmt: skip
+def test_ladder_verdict_names_what_falls_short(change, expected: str) -> None:
+    stages = [change(s) if s.name == change(s).name else s for s in GOOD]
+    problems, _ = gpu_check.ladder_verdict(_bench_json(*stages), FACTS)
+    assert any(expected in p for p in problems), problems
+
+
+def test_without_a_tuned_stage_the_fastest_is_judged() -> None:
+    problems, figures = gpu_check.ladder_verdict(_bench_json(*GOOD[:3]), {})
+    assert problems == [] and figures["verdict: speedup"].startswith("amp_compile 9.20x")
+    assert "hand-timed" not in figures["amp_compile"]  # no mfu part: no cross-check
+
+
+def test_report_writes_markdown_json_and_the_ladder_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    ctx = gpu_check.CheckContext(out_dir=tmp_path / "out", facts={"ladder": _bench_json(*GOOD)})
+    parts = [gpu_check.Part(name="ladder", detail="4 stages", figures={"baseline": "50.0 samples/s"})]
+    files = gpu_check.write_report(parts, ctx, {"date": "today", "device": "NVIDIA H200"})
+    assert [f.name for f in files] == ["gpu_check.md", "gpu_check.json", "gpu_check.png"]
+    assert (tmp_path / "out" / "gpu_check.png").read_bytes().startswith(b"\x89PNG")
+    assert "![ladder](gpu_check.png)" in (tmp_path / "out" / "gpu_check.md").read_text()
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["device"] == "NVIDIA H200" and [s["name"] for s in report["ladder"]][-1] == "tuned_gpt2_small"
+    assert not list((tmp_path / "out").glob(".*"))  # nothing left half-written
+
+
+@pytest.mark.slow
+def test_the_ladder_part_end_to_end_on_a_cpu(tmp_path: Path) -> None:
+    """The ladder part's machinery (accel-bench subprocess, bench.json, verdict) on the CPU profile; the verdict's
+    GPU targets are not met on a CPU, so the part fails naming them."""
+    ctx = gpu_check.CheckContext(out_dir=tmp_path)
+    part = gpu_check._run_ladder(ctx, ["--quick", "--steps", "4", "trainer.accelerator=cpu"], timeout=900)
+    stages = {s["name"]: s for s in ctx.facts["ladder"]}  # type: ignore[union-attr]
+    assert list(stages) == ["baseline", "amp", "amp_compile"], part.detail
+    assert all(s["status"] == "ok" for s in stages.values()), part.detail
+    assert part.status == "FAIL" and "below 6.53x" in part.detail
+    assert "samples/s" in part.figures["baseline"] and (tmp_path / "bench" / "bench.md").is_file()
 
 
 @pytest.mark.gpu
@@ -59,3 +146,11 @@ def test_micro_batch_finder_on_a_real_gpu_recovers_from_real_cuda_out_of_memory(
     recovered by halving, and the weights equal a fixed micro-batch of 8's (1e-3)."""
     (part,) = gpu_check.run_checks(["micro_batch"])
     assert part.status == "PASS", (part.detail, part.figures)
+
+
+@pytest.mark.gpu
+def test_full_check_on_a_real_gpu(tmp_path: Path) -> None:
+    """`--full` on the GPU machine: every part passes (the README's "Verified on a GPU" table comes from it)."""
+    done = subprocess.run([sys.executable, "-m", "lightning_accel.gpu_check", "--full", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert done.returncode == 0, (tmp_path / "gpu_check.md").read_text()
