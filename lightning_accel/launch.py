@@ -114,13 +114,25 @@ def child_rank_command(local_rank: int) -> tuple[list[str], str]:
 
 
 def _wait_for_children(trainer: pl.Trainer | None, timeout_s: float) -> None:
+    """Wait for the child ranks the Trainer's launcher started, killing those still running after `timeout_s`.
+
+    `ddp` starts them with `subprocess.Popen` (`wait`); `ddp_spawn`, `ddp_fork` and `ddp_notebook` with
+    `multiprocessing` (`join`; Lightning has already joined them when the launch returns).
+    """
     launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
-    for proc in getattr(launcher, "procs", ()):
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("Child rank process %d still runs %.0f s after the job ended; killing it.", proc.pid, timeout_s)
-            proc.kill()
+    for proc in getattr(launcher, "procs", None) or ():
+        if hasattr(proc, "wait"):  # subprocess.Popen
+            try:
+                proc.wait(timeout=timeout_s)
+                continue
+            except subprocess.TimeoutExpired:
+                pass
+        else:  # multiprocessing.Process
+            proc.join(timeout=timeout_s)
+            if not proc.is_alive():
+                continue
+        log.warning("Child rank process %d still runs %.0f s after the job ended; killing it.", proc.pid, timeout_s)
+        proc.kill()
 
 
 @contextmanager

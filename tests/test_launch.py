@@ -6,6 +6,7 @@ import importlib.machinery
 import os
 import sys
 
+import pytest
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
@@ -59,3 +60,37 @@ def test_launch_environment_is_restored_and_lightning_unpatched(monkeypatch) -> 
     assert "LOCAL_RANK" not in os.environ
     assert os.environ["MASTER_PORT"] == "1234"
     assert subprocess_script._hydra_subprocess_cmd is original
+
+
+def _sleeper(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+@pytest.mark.parametrize("kind", ["popen", "multiprocessing"])
+def test_waiting_for_child_ranks_takes_both_launchers_processes(kind: str) -> None:
+    """`ddp` starts child ranks with Popen (`wait`), `ddp_spawn`/`ddp_fork` with multiprocessing (`join`): the
+    template's `trainer=ddp_sim` (ddp_spawn) crashed after a finished fit with "'SpawnProcess' object has no attribute
+    'wait'". A child still running past the timeout is killed."""
+    import multiprocessing
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from lightning_accel.launch import _wait_for_children
+
+    if kind == "popen":
+        done, stuck = (subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({s})"]) for s in (0, 60))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        done, stuck = (ctx.Process(target=_sleeper, args=(s,)) for s in (0, 60))
+        done.start()
+        stuck.start()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(procs=[done, stuck])))
+    _wait_for_children(trainer, timeout_s=5.0)  # type: ignore[arg-type]
+    if kind == "popen":
+        assert done.returncode == 0 and stuck.wait(timeout=10) == -9
+    else:
+        stuck.join(timeout=10)
+        assert done.exitcode == 0 and stuck.exitcode == -9

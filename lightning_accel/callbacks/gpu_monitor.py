@@ -273,6 +273,14 @@ class GPUMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        from lightning_accel.callbacks.stop_on_signal import SignalExit
+
+        if isinstance(exception, SignalExit) and self._active:  # an agreed stop: the report is written as at the end
+            try:
+                self.on_train_end(trainer, pl_module)
+            except Exception as err:  # monitoring never stops the way out
+                rank_zero_warn(f"GPUMonitor: the report at the stop failed: {type(err).__name__}: {err}",
+                               category=LightningAccelWarning)
         self._stop_sampler()
 
     @override

@@ -95,8 +95,9 @@ class StopOnSignal(Callback):
        same step;
     3. then saves `last.ckpt` through the first `ModelCheckpoint` (atomically, see `AtomicCheckpointIO`), or, for the
        SLURM requeue signal, Lightning's `hpc_ckpt_<n>.ckpt` and `scontrol requeue` (the requeued job resumes from
-       it), and raises `SignalExit` on every rank: exit code 128 + N (143 for SIGTERM, 130 for SIGINT, 138 for
-       SIGUSR1);
+       it), lets Lightning log that step's metrics (it logs them after `on_train_batch_end`), flushes every logger,
+       and raises `SignalExit` on every rank at the next hook (the next batch's start, validation, the epoch's or the
+       fit's end): exit code 128 + N (143 for SIGTERM, 130 for SIGINT, 138 for SIGUSR1). No logged step is lost;
     4. on more than one rank, a watchdog thread (started with the stage) ends the process with that code if it still
        runs `grace_s` after the signal, or after the agreement (the save counts from there): a rank stuck in data
        loading, a collective with a dead peer, a long validation.
@@ -153,6 +154,7 @@ class StopOnSignal(Callback):
         self._deadline: float | None = None  # when the watchdog ends this rank (monotonic seconds)
         self._watchdog: threading.Thread | None = None
         self._stop_watchdog = threading.Event()
+        self._exit_with = 0  # the agreed stop's signal, raised at the next hook, once the step's metrics are logged
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -220,8 +222,8 @@ class StopOnSignal(Callback):
         if signum != signal.SIGINT:  # a terminal's Ctrl-C reaches every rank already; `kill` reaches one
             trainer = self._trainer
             launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
-            for proc in getattr(launcher, "procs", ()):  # the child ranks Lightning started (rank 0 only)
-                if proc.poll() is None:
+            for proc in getattr(launcher, "procs", None) or ():  # the child ranks Lightning started (rank 0 only)
+                if callable(getattr(proc, "poll", None)) and proc.poll() is None:  # ddp's Popen (spawn: none here)
                     proc.send_signal(signum)
         self._deadline = now + self.grace_s
 
@@ -241,10 +243,22 @@ class StopOnSignal(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit_if_agreed(trainer)
         self._uninstall("fit")
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._exit_if_agreed(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit_if_agreed(trainer)
+
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._exit_if_agreed(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             self._install("validate")
 
@@ -293,9 +307,11 @@ class StopOnSignal(Callback):
             return
         if trainer.world_size > 1:
             self._deadline = time.monotonic() + self.grace_s  # from here: the save, then the way out
-        self._stop(trainer, signum, requeue, save=self.save_checkpoint)
+        # Lightning logs this step's metrics after this hook: the exit waits for the next hook, so no row is lost
+        self._exit_with = self._save(trainer, signum, requeue, save=self.save_checkpoint)
 
-    def _stop(self, trainer: pl.Trainer, signum: int, requeue: bool, save: bool) -> None:
+    def _save(self, trainer: pl.Trainer, signum: int, requeue: bool, save: bool) -> int:
+        """The agreed stop's checkpoint (or the SLURM requeue's); returns the signal the process exits with."""
         _quiet_child_observer()  # the child ranks exit 128 + N too, by agreement, not as a failure
         if requeue:
             assert self._requeue_signal is not None
@@ -306,7 +322,19 @@ class StopOnSignal(Callback):
             _save_last(trainer)
         rank_zero_info(f"StopOnSignal: {signal.Signals(signum).name} received; every rank stops at global step "
                        f"{trainer.global_step} (exit {128 + signum})")  # fmt: skip
+        return signum
+
+    def _exit_if_agreed(self, trainer: pl.Trainer) -> None:
+        """Raise the agreed stop, after flushing every logger (a buffered row would be lost with the process)."""
+        if not self._exit_with:
+            return
+        signum, self._exit_with = self._exit_with, 0
+        _flush_loggers(trainer)
         raise SignalExit(signum)
+
+    def _stop(self, trainer: pl.Trainer, signum: int, requeue: bool, save: bool) -> None:
+        self._exit_with = self._save(trainer, signum, requeue, save)
+        self._exit_if_agreed(trainer)
 
     def _check_alone(self, trainer: pl.Trainer) -> None:
         """One process, outside a training batch: stop at once (the requeue still saves and requeues)."""
@@ -340,6 +368,16 @@ def _save_last(trainer: pl.Trainer) -> None:
         trainer.save_checkpoint(
             os.path.join(checkpoint.dirpath, f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}")
         )
+
+
+def _flush_loggers(trainer: pl.Trainer) -> None:
+    """Write what every logger still buffers (CSVLogger keeps rows in memory between saves); a logger that fails is
+    skipped: the stop goes on."""
+    for logger in trainer.loggers:
+        try:
+            logger.save()
+        except Exception as err:  # noqa: BLE001 - flushing must not stop the way out
+            rank_zero_info(f"StopOnSignal: {type(logger).__name__}.save() failed: {type(err).__name__}: {err}")
 
 
 def _quiet_child_observer() -> None:

@@ -135,3 +135,28 @@ def test_a_signal_mid_window_stops_when_the_window_closes(tmp_path) -> None:
     assert trainer.global_step == 2 and trainer.fit_loop.epoch_loop.batch_progress.current.processed == 8
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
     assert saved["global_step"] == 2
+
+
+class _Logged(_Tiny):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss if isinstance(loss, torch.Tensor) else loss["loss"])
+        return loss
+
+
+def test_a_stop_loses_no_logged_step(tmp_path) -> None:
+    """SIGTERM at step 5 of a plain script: the CSV holds the row of every step that ran (Lightning logs a step's
+    metrics after `on_train_batch_end`, where the stop is agreed; the exit waits for them and flushes the logger)."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path / "logs")
+    trainer = _trainer(tmp_path, StopOnSignal(), _SendAt(signal.SIGTERM, at=5), logger=logger, log_every_n_steps=1)
+    with pytest.raises(SignalExit):
+        trainer.fit(_Logged(), _loader())
+    ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
+    assert ckpt["global_step"] == trainer.global_step == 6
+    assert steps == list(range(ckpt["global_step"])), steps  # rows of steps 0..5: the six steps that ran
