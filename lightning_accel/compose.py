@@ -27,9 +27,10 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lightning_accel.app_config import check_app_config
 from lightning_accel.errors import ConfigError, ConfigTypeError
 from lightning_accel.launch import hydra_safe_launch
-from lightning_accel.presets import check_app_config, runs_on_cuda
+from lightning_accel.presets import runs_on_cuda
 
 if TYPE_CHECKING:
     from lightning_accel.precision import ResolvedPrecision

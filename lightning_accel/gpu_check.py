@@ -66,6 +66,7 @@ __all__ = [
     "render",
     "run_checks",
     "to_json",
+    "write_report",
 ]
 
 ARTICLE_SPEEDUP = 6.53
@@ -438,10 +439,10 @@ def _gpu_monitor(ctx: CheckContext) -> Part:
     problem = compile_problem(on_cuda=True)
     if problem:
         raise _Skip(problem)
+    import functools
+
     from lightning_accel.callbacks import Compile, GPUMonitor
     from lightning_accel.measure import ratio, verdict
-
-    import functools
 
     adamw = functools.partial(torch.optim.AdamW, lr=6e-4, fused=True)
     model = _gpt_class()(block_size=1024, n_layer=12, n_head=12, n_embd=768, optimizer=adamw)  # compiled once, reused

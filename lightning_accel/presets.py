@@ -22,7 +22,6 @@ __all__ = [
     "RunShape",
     "accumulation_callbacks",
     "apply_ddp_grad_compression",
-    "check_app_config",
     "check_combinations",
     "check_config",
     "count_devices",
@@ -94,47 +93,6 @@ def _check_example_data(model: DictConfig, data: DictConfig) -> None:
                 f"`model={model_name}` ({model_class}) trains on `data={name}`, but `data={mine}` ({data_class}) was "
                 f"chosen; drop the `data=` override (each example model brings its data) or use `data={name}`."
             )
-
-
-# Config groups of this package whose options add a callback; `callbacks: null` (lightning-hydra-template's debug
-# configs) drops it, and the run then trains differently from what the group says.
-_GROUP_CALLBACKS = {("accumulation", "schedule"): "accumulation", ("accumulation", "global_batch"): "accumulation",
-                    ("preset", "amp"): "dataloader_tuner", ("preset", "ddp"): "dataloader_tuner",
-                    ("micro_batch", "auto"): "micro_batch", ("compile", "default"): "compile",
-                    ("compile", "reduce-overhead"): "compile", ("compile", "max-autotune"): "compile"}  # fmt: skip
-
-
-def check_app_config(cfg: DictConfig) -> list[str]:
-    """For your own Hydra app (lightning-hydra-template's `train.py`, after composing): `check_config` where the
-    app's config has this package's shape, and a warning for each group option of this package whose callback the
-    composed config no longer holds (`debug=fdr` sets `callbacks: null`). Returns the warnings.
-
-    Raises:
-        ConfigError: what `check_config` raises, for configs with `trainer`, `model` and `data` targets.
-    """
-    from hydra.core.hydra_config import HydraConfig
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    from lightning_accel.errors import LightningAccelWarning
-
-    if all(
-        isinstance(cfg.get(node), DictConfig) and "_target_" in cfg.get(node) for node in ("trainer", "model", "data")
-    ):
-        check_config(cfg)
-    choices = dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
-    callbacks = cfg.get("callbacks") or {}
-    warnings = []
-    for (group, option), name in _GROUP_CALLBACKS.items():
-        if choices.get(group) == option and name not in callbacks:
-            warnings.append(
-                f"`{group}={option}` adds `callbacks.{name}`, but the composed config has no such callback (a "
-                "`callbacks: null` later in the defaults, as lightning-hydra-template's debug configs set, dropped "
-                f"it): the run does not do what `{group}={option}` says. Put `{group}: {option}` after the config "
-                "that empties `callbacks`, or add it back."
-            )
-    for message in warnings:
-        rank_zero_warn(message, category=LightningAccelWarning)
-    return warnings
 
 
 def _show(value: Any) -> str:

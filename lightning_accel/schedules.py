@@ -282,10 +282,14 @@ def configure_optimizers(
     optimizer: OptimizerFactory | None = None,
     lr_scheduler: SchedulerFactory | None = None,
     params: Iterable[Any] | None = None,
+    monitor: str = "val/loss",
 ) -> Any:
     """Build what `LightningModule.configure_optimizers` returns from Hydra partials.
 
-    The scheduler factory is called as `lr_scheduler(optimizer, total_steps=...)` and stepped every optimizer step.
+    A scheduler factory that takes `total_steps` (this package's `scheduler` group: cosine, OneCycle, warm-ups) is
+    called as `lr_scheduler(optimizer, total_steps=...)` with the fit's optimizer steps and stepped every optimizer
+    step; any other (`scheduler=plateau`: ReduceLROnPlateau, torch's StepLR, ...) as `lr_scheduler(optimizer)` and
+    stepped every epoch, ReduceLROnPlateau on `monitor`.
 
     Example::
 
@@ -296,5 +300,23 @@ def configure_optimizers(
     opt = make_optimizer(params if params is not None else module.parameters())
     if lr_scheduler is None:
         return opt
+    if not _takes_total_steps(lr_scheduler):
+        scheduler = lr_scheduler(opt)
+        config = {"scheduler": scheduler, "interval": "epoch", "frequency": 1}
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            config["monitor"] = monitor
+        return {"optimizer": opt, "lr_scheduler": config}
     scheduler = lr_scheduler(opt, total_steps=estimated_optimizer_steps(module.trainer))
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+def _takes_total_steps(factory: SchedulerFactory) -> bool:
+    """Whether a scheduler factory (a function or a `functools.partial` of one, or of a scheduler class) takes the
+    fit's length as `total_steps`."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no readable signature: this package's factories all have one
+        return True
+    return "total_steps" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

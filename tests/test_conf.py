@@ -173,6 +173,7 @@ def test_callbacks_are_a_dict_keyed_by_name(compose_train) -> None:
         "skipped_steps",
         "stop_on_signal",
         "early_stopping",
+        "matmul_precision",  # the precision group's: float32_matmul_precision on every rank
     }
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from lightning_accel import schedules
 from lightning_accel.schedules import cosine_schedule, linear_warmup_schedule, onecycle_schedule
 
 
@@ -141,3 +142,20 @@ def test_a_schedule_called_without_total_steps_says_how(name: str) -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(ConfigError, match=r"needs `total_steps`.*estimated_optimizer_steps\(self.trainer\)"):
         getattr(schedules, name)(optimizer=optimizer)
+
+
+def test_a_scheduler_without_total_steps_is_stepped_per_epoch_and_plateau_on_the_monitor() -> None:
+    """`scheduler=plateau` (ReduceLROnPlateau, lightning-hydra-template's own) and torch's StepLR take no fit length:
+    called with the optimizer alone and stepped every epoch; ReduceLROnPlateau follows `monitor`."""
+    import functools
+
+    import lightning.pytorch as pl
+
+    model = pl.LightningModule()
+    model.layer = torch.nn.Linear(2, 1)
+    plateau = functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, mode="min", factor=0.1, patience=10)
+    config = schedules.configure_optimizers(model, None, plateau, monitor="val/acc")
+    assert isinstance(config["lr_scheduler"]["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau)
+    assert config["lr_scheduler"]["interval"] == "epoch" and config["lr_scheduler"]["monitor"] == "val/acc"
+    step = schedules.configure_optimizers(model, None, functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2))
+    assert step["lr_scheduler"]["interval"] == "epoch" and "monitor" not in step["lr_scheduler"]

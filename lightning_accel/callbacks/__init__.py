@@ -9,6 +9,7 @@ from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.callbacks.float8 import Float8Training
 from lightning_accel.callbacks.gpu_monitor import GPUMonitor
 from lightning_accel.callbacks.lr_scaling import LRScaling
+from lightning_accel.callbacks.matmul_precision import MatmulPrecision
 from lightning_accel.callbacks.micro_batch import MicroBatchFinder
 from lightning_accel.callbacks.nonfinite import NonFiniteGuard
 from lightning_accel.callbacks.parallelize import Parallelize
@@ -25,6 +26,7 @@ __all__ = [
     "Float8Training",
     "GPUMonitor",
     "LRScaling",
+    "MatmulPrecision",
     "MicroBatchFinder",
     "NonFiniteGuard",
     "Parallelize",

@@ -376,7 +376,7 @@ def _flush_loggers(trainer: pl.Trainer) -> None:
     for logger in trainer.loggers:
         try:
             logger.save()
-        except Exception as err:  # noqa: BLE001 - flushing must not stop the way out
+        except Exception as err:  # flushing must not stop the way out
             rank_zero_info(f"StopOnSignal: {type(logger).__name__}.save() failed: {type(err).__name__}: {err}")
 
 

@@ -73,6 +73,10 @@ CASES: dict[str, Case] = {
         lambda mp: (FakeTorchao().install(mp), callbacks.Float8Training())[1],
         stateless="converts the model again at the start of every fit",
     ),
+    "MatmulPrecision": Case(
+        lambda mp: callbacks.MatmulPrecision("high", requested="amp"),
+        stateless="sets torch's matmul precision again in every stage's setup",
+    ),
     "GPUMonitor": Case(
         _gpu_monitor,
         helpers=lambda cb: [gpu_cases.Driver(callbacks.GPUMonitor._clock, cb)],  # the FakeClock `_gpu_monitor` set

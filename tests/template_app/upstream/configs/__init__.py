@@ -1,0 +1,1 @@
+# this file is needed here to include configs when building project as a package
