@@ -94,3 +94,48 @@ def test_cache_put_get_and_remove(tmp_path: Path) -> None:
     assert cache.get(KEY, max_workers=2) is None  # 4 workers is beyond what this search may try: a miss
     cache.remove(KEY)
     assert cache.get(KEY, max_workers=8) is None
+
+
+def _timed(workers: int, rate: float) -> Trial:
+    return Trial(settings=LoaderSettings(num_workers=workers, prefetch_factor=2 if workers else None), status="done",
+                 steps=10, seconds=10 * 8 / rate, samples_per_batch=8)  # fmt: skip
+
+
+def test_the_speedup_sets_the_chosen_median_against_the_loader_s_own_median() -> None:
+    """The loader's own settings (2 workers) timed three times, 100, 300 and 200 samples/s, the choice (1 worker) at
+    its median 180: the speedup is 180 / 200 = 0.9x, not 180 / 100 (the first run) = 1.8x. Under load the first run
+    is as likely a burst as not: the tuner logged 0.82x for its own choice that way."""
+    original = _timed(2, 100.0).settings
+    trials = [_timed(2, 100.0), _timed(1, 150.0), _timed(2, 300.0), _timed(1, 180.0), _timed(2, 200.0),
+              _timed(1, 190.0)]  # fmt: skip
+    chosen = trials[3]
+    decision = TunerDecision.from_trials(KEY, {}, chosen, trials, original)
+    assert decision.speedup == pytest.approx(180.0 / 200.0)
+
+
+def test_the_table_is_reported_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Where logging shows INFO on a console stream (Hydra's job logging), the rich copy is not printed as well (it
+    was, and the second copy carried raw colour codes into the log); a plain script without a handler gets it once,
+    from rich."""
+    import logging
+    import sys
+
+    from lightning_accel.tuning.dataloader.report import publish
+
+    trials = [_timed(0, 100.0), _timed(2, 300.0)]
+    decision = TunerDecision.from_trials(KEY, {}, trials[1], trials, trials[0].settings)
+    for with_handler in (True, False):
+        log = logging.getLogger(f"test.tuner.{with_handler}")
+        log.setLevel(logging.INFO)
+        log.propagate = False
+        handler = logging.StreamHandler(sys.stdout)
+        if with_handler:
+            log.addHandler(handler)
+        try:
+            publish(decision, trials[0].settings, trials, tuning_time_s=1.0, cache_hit=False, step_mode="training",
+                    print_table=True, loggers=(), step=0, log=log)  # fmt: skip
+        finally:
+            log.removeHandler(handler)
+        out = capsys.readouterr().out
+        assert out.count("train DataLoader settings timed on training steps") == 1, out
+        assert "\x1b[" not in out

@@ -45,7 +45,7 @@ class TunerDecision:
     def from_trials(cls, key: str, facts: Mapping[str, Any], chosen: Trial, trials: Sequence[Trial],
                     original: LoaderSettings, *, confident: bool = True, note: str = "") -> TunerDecision:  # fmt: skip
         """The decision for `chosen`, with its speedup over the loader's own settings `original` (when timed)."""
-        own = next((t for t in trials if t.settings == original and t.steps), None)  # a cut trial gives an estimate
+        own = _median_run(trials, original)
         speedup = chosen.samples_per_s / own.samples_per_s if own is not None and own.samples_per_s > 0 else None
         return cls(fingerprint=key, settings=chosen.settings, samples_per_s=chosen.samples_per_s,
                    wait_share=chosen.wait_share, speedup=speedup, confident=confident, note=note,
@@ -103,3 +103,12 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _median_run(trials: Sequence[Trial], settings: LoaderSettings) -> Trial | None:
+    """The median-throughput run of `settings` (the lower of the middle two for an even count), as `policy.medians`
+    judges the chosen one: finished runs, else the cut-short ones (a cut trial gives an estimate). The speedup then
+    sets a median against a median, not one run against another (it read 0.82x for the tuner's own choice)."""
+    runs = [t for t in trials if t.settings == settings and t.steps]
+    runs = [t for t in runs if t.status == "done"] or runs
+    return sorted(runs, key=lambda t: t.samples_per_s)[(len(runs) - 1) // 2] if runs else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -12,7 +13,8 @@ from lightning_accel.tuning.dataloader.decision import TunerDecision
 from lightning_accel.tuning.dataloader.policy import medians
 from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
 
-__all__ = ["COLUMNS", "decision_line", "decision_metrics", "publish", "rich_table", "table_rows", "table_text"]
+__all__ = ["COLUMNS", "decision_line", "decision_metrics", "publish", "rich_table", "shown_on_a_stream", "table_rows",
+           "table_text"]
 
 COLUMNS = ("workers", "prefetch", "pin", "samples/s", "data wait", "startup s", "steps", "interference", "note")
 
@@ -79,8 +81,10 @@ def decision_line(result: TunerDecision, original: LoaderSettings, source: str) 
 def publish(result: TunerDecision, original: LoaderSettings, trials: Sequence[Trial], *, tuning_time_s: float,
             cache_hit: bool, step_mode: str, print_table: bool, loggers: Iterable[Any], step: int,
             log: logging.Logger) -> None:  # fmt: skip
-    """Report a decision on rank zero: the table of `trials` and the decision line at INFO on `log` (and with rich
-    on the console when `print_table`), the `dataloader_tuner/...` metrics on every logger of `loggers`."""
+    """Report a decision on rank zero, once: the table of `trials` and the decision line at INFO on `log` (the run's
+    log file and console under Hydra); with `print_table`, also with rich on the console where no logging handler
+    shows `log`'s INFO on a terminal stream (a plain script), so the table never appears twice. The
+    `dataloader_tuner/...` metrics go to every logger of `loggers`."""
     chosen = next((t for t in medians(trials) if t.settings == result.settings), None)
     rows = table_rows(trials, chosen)
     source = "cache" if cache_hit else f"{len(trials)} trials in {tuning_time_s:.1f} s"
@@ -89,13 +93,29 @@ def publish(result: TunerDecision, original: LoaderSettings, trials: Sequence[Tr
     if rows:
         log.info("%s\n%s", title, table_text(rows))
     log.info(line)  # into the run's log file (accel-train) and wherever the application sends logging
-    if print_table:
+    if print_table and not shown_on_a_stream(log):
         from rich.console import Console
 
-        console = Console()
+        console = Console()  # colours only on a terminal: a redirected stdout gets plain text
         if rows:
             console.print(rich_table(rows, title))
         console.print(line, highlight=False)
     metrics = decision_metrics(result, trials, tuning_time_s, cache_hit)
     for logger in loggers:
         logger.log_metrics(metrics, step=step)
+
+
+def shown_on_a_stream(log: logging.Logger) -> bool:
+    """Whether `log`'s INFO records reach a console stream (stdout or stderr) through a handler of it or of a parent
+    it propagates to: Hydra's job logging, Lightning's own handler on its loggers. A file handler does not count."""
+    if not log.isEnabledFor(logging.INFO):
+        return False
+    logger: logging.Logger | None = log
+    while logger is not None:
+        for handler in logger.handlers:
+            stream = getattr(handler, "stream", None)
+            if (not isinstance(handler, logging.FileHandler) and stream in (sys.stdout, sys.stderr)
+                    and handler.level <= logging.INFO):  # fmt: skip
+                return True
+        logger = logger.parent if logger.propagate else None
+    return False
