@@ -145,8 +145,10 @@ def _keep_own_devices(cfg: DictConfig, task: list[str]) -> list[str]:
     if isinstance(mine, (ListConfig, list)) or mine == -1 or (count is not None and count > 1):
         with open_dict(cfg):
             cfg.trainer.devices = mine
-        log.info("`preset=%s` sets `trainer.devices=%s`; your trainer config's `trainer.devices=%s` is kept",
-                 preset, _plain(theirs), _plain(mine))  # fmt: skip
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(f"`preset={preset}` sets `trainer.devices={_plain(theirs)}`; your trainer config's "
+                       f"`trainer.devices={_plain(mine)}` is kept")  # fmt: skip
         return []
     return [f"`preset={preset}` sets `trainer.devices={_plain(theirs)}` over your trainer config's "
             f"`trainer.devices={_plain(mine)}`: {_devices_here(cfg, theirs)} here. Pass `trainer.devices=N` to choose."]
@@ -180,9 +182,15 @@ def _composed_without_preset() -> DictConfig | None:
         return None
     from hydra import compose
 
-    overrides = [o for o in hydra.overrides.task if _key(o) != "preset"] + ["preset=null"]
+    overrides = [o for o in hydra.overrides.task if _key(o) != "preset"]
     try:
-        return compose(config_name=hydra.job.config_name, overrides=overrides)
+        own = compose(config_name=hydra.job.config_name, overrides=overrides, return_hydra_config=True)
+        if own.hydra.runtime.choices.get("preset") not in (None, "null"):  # the app's defaults list chose it
+            own = compose(config_name=hydra.job.config_name, overrides=[*overrides, "~preset"],
+                          return_hydra_config=True)  # fmt: skip
     except Exception as err:  # a check that cannot run must not stop the app
         log.debug("could not compose the config without the preset: %s", err)
         return None
+    with open_dict(own):
+        del own["hydra"]
+    return own

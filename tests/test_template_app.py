@@ -43,8 +43,10 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return app
 
 
-def run_template(app: Path, tmp_path: Path, *overrides: str, timeout: float = 420,
-                 command: list[str] | None = None, env: dict[str, str] | None = None) -> tuple[dict[int, dict], str]:  # fmt: skip
+def run_template(
+    app: Path, tmp_path: Path, *overrides: str, timeout: float = 420, command: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[dict[int, dict], str]:
     """`python src/train.py data=digits trainer.max_epochs=2 <overrides>` in the app; the probe's record of every
     rank, and the output."""
     probe = tmp_path / "probe"
@@ -112,7 +114,10 @@ class TestEverySettingIsApplied:
     def test_accumulation_global_batch(self, template: Path, tmp_path: Path) -> None:
         records, output = run_template(template, tmp_path, "accumulation=global_batch",
                                        "callbacks.accumulation.global_batch_size=256", "trainer=ddp_sim")  # fmt: skip
-        assert set(samples_per_step(records)[:-1]) == {256}  # the last window of an epoch may be partial
+        steps, epochs = samples_per_step(records), [s["epoch"] for s in records[0]["steps"]]
+        last_of_epoch = {max(i for i, e in enumerate(epochs) if e == epoch) for epoch in set(epochs)}
+        assert {n for i, n in enumerate(steps) if i not in last_of_epoch} == {256}  # an epoch's last may be partial
+        assert len(set(epochs)) == 2
         assert "global batch 256 = 64 per device x 2 device(s) x 2 micro-batches" in output
 
     def test_micro_batch_auto(self, template: Path, tmp_path: Path) -> None:
@@ -125,8 +130,7 @@ class TestEverySettingIsApplied:
         assert "Compile" in records[0]["callbacks"] and records[0]["epochs"] == 2
 
 
-def test_debug_config_that_drops_our_callback_warns_and_removing_it_on_purpose_does_not(template: Path,
-                                                                                        tmp_path: Path) -> None:  # fmt: skip
+def test_a_dropped_callback_warns_and_one_removed_on_purpose_does_not(template: Path, tmp_path: Path) -> None:
     _, output = run_template(template, tmp_path / "a", "debug=default", "accumulation=schedule")
     assert "`accumulation=schedule` adds `callbacks.accumulation`, but the composed config has no such" in output
     assert "`debug=default` empties `callbacks` after it" in output
@@ -134,8 +138,7 @@ def test_debug_config_that_drops_our_callback_warns_and_removing_it_on_purpose_d
     assert "adds `callbacks.dataloader_tuner`" not in output  # removed on purpose: no warning
 
 
-def test_a_scheduler_nothing_reads_is_a_warning_naming_where_the_model_expected_it(template: Path,
-                                                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_a_scheduler_nothing_reads_warns_naming_where_the_model_expects_it(template: Path, tmp_path: Path) -> None:
     """The template's own model config (without the guide's step 2) reads `model.scheduler`: `scheduler=onecycle`
     writes a key nothing reads, and says so."""
     original = (APP / "upstream" / "configs" / "model" / "mnist.yaml").read_text()
@@ -143,3 +146,63 @@ def test_a_scheduler_nothing_reads_is_a_warning_naming_where_the_model_expected_
     _, output = run_template(template, tmp_path, "model=unpatched", "scheduler=onecycle", "trainer.max_epochs=1")
     assert "`scheduler=onecycle` sets the top-level `scheduler`, but nothing in your config reads it; your model " \
            "reads `model.scheduler` (torch.optim.lr_scheduler.ReduceLROnPlateau) instead" in output
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two_ranks(records: dict[int, dict]) -> None:
+    assert sorted(records) == [0, 1] and {r["world_size"] for r in records.values()} == {2}
+    assert len({r["pid"] for r in records.values()}) == 2 and {r["epochs"] for r in records.values()} == {2}
+    assert samples_per_step(records)[0] == 128
+
+
+def test_ddp_relaunches_its_child_rank_inside_the_hydra_job(template: Path, tmp_path: Path) -> None:
+    """`strategy=ddp` starts rank 1 by running the script again (Lightning issue #11300): through
+    `hydra_safe_launch` it joins this job's run directory, and the job exits 0."""
+    records, _ = run_template(template, tmp_path, "trainer=ddp_sim", "trainer.strategy=ddp")
+    _two_ranks(records)
+    assert not (tmp_path / "run" / "multirun.yaml").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_notebook"])
+def test_fork_launchers(template: Path, tmp_path: Path, strategy: str) -> None:
+    records, _ = run_template(template, tmp_path, "trainer=ddp_sim", f"trainer.strategy={strategy}")
+    _two_ranks(records)
+
+
+@pytest.mark.slow
+def test_torchrun(template: Path, tmp_path: Path) -> None:
+    """torchrun starts both ranks; Lightning joins them (no launching of its own), each runs the Hydra app."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    records, _ = run_template(template, tmp_path, "trainer=ddp_sim", "trainer.strategy=ddp", command=command)
+    _two_ranks(records)
+
+
+@pytest.mark.slow
+def test_slurm(template: Path, tmp_path: Path) -> None:
+    """Two tasks of a SLURM job step, as `srun --ntasks=2` starts them (the variables it sets): Lightning's
+    SLURMEnvironment joins them, each runs the Hydra app into the same run directory."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(rank),
+               "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
+               "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", "MASTER_PORT": port}  # fmt: skip
+        environment = clean_env(PYTHONPATH=os.pathsep.join([str(APP), os.environ.get("PYTHONPATH", "")]), **env)
+        args = ["data=digits", "trainer.max_epochs=2", "test=False", "trainer=ddp_sim", "trainer.strategy=ddp",
+                "+callbacks.probe._target_=probe.Probe", f"+callbacks.probe.path={tmp_path / 'probe'}",
+                f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+        log = (tmp_path / f"task{rank}.log").open("w")
+        procs.append(subprocess.Popen([sys.executable, "src/train.py", *args], cwd=template, env=environment,
+                                      stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+    codes = [p.wait(timeout=420) for p in procs]
+    assert codes == [0, 0], (tmp_path / "task0.log").read_text()[-3000:] + (tmp_path / "task1.log").read_text()[-3000:]
+    records = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in (tmp_path / "probe").glob("*.json")}
+    _two_ranks(records)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -71,7 +73,9 @@ class MatmulPrecision(Callback):
 
         accelerator = "cuda" if trainer.strategy.root_device.type == "cuda" else "cpu"
         try:
-            return f" ({self.requested}: {resolve_precision(self.requested, accelerator).describe()})"
+            with warnings.catch_warnings():  # the resolver warned once already, when the config was read
+                warnings.simplefilter("ignore")
+                return f" ({self.requested}: {resolve_precision(self.requested, accelerator).describe()})"
         except Exception as err:  # a log line must not stop the run
             return f" ({self.requested}; the reason could not be read: {type(err).__name__})"
 
