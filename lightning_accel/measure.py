@@ -12,8 +12,8 @@ they share one method (STYLE habit 15, after hyperfine and criterion.rs):
   conditions, so a slow round slows both. Its interval follows the same rule.
 - When an interval holds 1.0 (`verdict`), there is **no clear difference**: say so instead of printing a win.
 - **Interference** is measured, not assumed (`InterferenceProbe`): the CPU time that processes other than ours took
-  from the CPUs we may run on (`/proc/stat` minus our process tree's own time), steal time, the load average at the
-  start and the end, and on CUDA other processes on the GPUs. A measurement taken while others held more than
+  from the CPUs we may run on (psutil's per-CPU times minus our process tree's own time), steal time, the load average
+  at the start and the end, and on CUDA other processes on the GPUs. A measurement taken while others held more than
   `threshold` of our CPUs, and fewer CPUs than our budget (affinity, cgroup quota) stayed idle, is flagged with the
   reason.
 
@@ -25,17 +25,17 @@ from __future__ import annotations
 import math
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from lightning_accel.errors import ConfigError
 
 __all__ = [
     "BOOTSTRAP_MIN", "INTERFERENCE_THRESHOLD", "STEAL_THRESHOLD", "Interference", "InterferenceProbe", "Interval",
-    "Verdict", "interleaved", "nvml_compute_pids", "ratio", "read_cpu_jiffies", "summarize", "verdict",
+    "Verdict", "interleaved", "nvml_compute_pids", "ratio", "read_cpu_seconds", "summarize", "verdict",
 ]  # fmt: skip
 
 BOOTSTRAP_MIN = 6
@@ -80,12 +80,6 @@ class Interval:
         return {"median": self.median, "low": self.low, "high": self.high, "n": self.n, "method": self.method}
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def summarize(values: Iterable[float], *, confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> Interval:
     """The median of `values` and its interval (min-max below `BOOTSTRAP_MIN` values, else a percentile bootstrap).
 
@@ -97,13 +91,13 @@ def summarize(values: Iterable[float], *, confidence: float = 0.95, resamples: i
         raise ValueError("`values` holds no finite number to summarize.")
     if not 0.0 < confidence < 1.0:
         raise ConfigError(f"`confidence={confidence!r}` must be within (0, 1), e.g. 0.95.")
-    median = _median(finite)
+    median = statistics.median(finite)
     if len(finite) == 1:
         return Interval(median, median, median, 1, "single")
     if len(finite) < BOOTSTRAP_MIN:
         return Interval(median, min(finite), max(finite), len(finite), "min-max")
     rng = random.Random(seed)
-    medians = sorted(_median(rng.choices(finite, k=len(finite))) for _ in range(resamples))
+    medians = sorted(statistics.median(rng.choices(finite, k=len(finite))) for _ in range(resamples))
     tail = (1.0 - confidence) / 2
     low = medians[int(math.floor(tail * (resamples - 1)))]
     high = medians[int(math.ceil((1.0 - tail) * (resamples - 1)))]
@@ -167,23 +161,32 @@ def _allowed_cpus() -> set[int] | None:
         return None
 
 
-def read_cpu_jiffies(root: str | os.PathLike[str] = "/", cpus: Iterable[int] | None = None) -> tuple[int, int] | None:
-    """(busy, steal) clock ticks summed over `cpus` (the per-CPU lines of `/proc/stat`; all CPUs when None), or None
-    when the file cannot be read. Busy is user + nice + system + irq + softirq (guest time is within user)."""
-    try:
-        text = (Path(root) / "proc" / "stat").read_text()
-    except OSError:
-        return None
-    wanted = None if cpus is None else {f"cpu{c}" for c in cpus}
-    busy = steal = 0
+def read_cpu_seconds(
+    cpus: Iterable[int] | None = None, per_cpu: Sequence[Any] | None = None
+) -> tuple[float, float] | None:
+    """(busy, steal) CPU seconds since boot summed over `cpus` (all CPUs when None), from psutil's per-CPU times, or
+    None when they cannot be read. Busy is user + nice + system + irq + softirq (guest time is within user).
+
+    Args:
+        cpus: CPU numbers (this process's affinity).
+        per_cpu: `psutil.cpu_times(percpu=True)` as read (tests hand in their own); None reads it.
+    """
+    if per_cpu is None:
+        import psutil
+
+        try:
+            per_cpu = psutil.cpu_times(percpu=True)
+        except (OSError, RuntimeError):
+            return None
+    wanted = None if cpus is None else set(cpus)
+    busy = steal = 0.0
     found = False
-    for line in text.splitlines():
-        name, *fields = line.split()
-        if not name.startswith("cpu") or name == "cpu" or (wanted is not None and name not in wanted):
+    for index, t in enumerate(per_cpu):
+        if wanted is not None and index not in wanted:
             continue
-        values = [int(v) for v in fields[:8]] + [0] * max(0, 8 - len(fields))
-        user, nice, system, _idle, _iowait, irq, softirq, stolen = values[:8]
-        busy, steal, found = busy + user + nice + system + irq + softirq, steal + stolen, True
+        busy += t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+        steal += getattr(t, "steal", 0.0)
+        found = True
     return (busy, steal) if found else None
 
 
@@ -231,7 +234,7 @@ class Interference:
     cpus: int
     """CPUs this process may run on (its affinity)."""
     other_cpu_s: float | None
-    """CPU seconds other processes took on those CPUs; None when `/proc/stat` is unreadable."""
+    """CPU seconds other processes took on those CPUs; None when the CPU times are unreadable."""
     own_cpu_s: float
     steal_s: float | None
     load_start: float | None
@@ -251,7 +254,7 @@ class Interference:
         if self.flagged:
             return "; ".join(self.reasons)
         if self.other_cpus is None:
-            return "interference not measured (/proc/stat unreadable)"
+            return "interference not measured (the CPU times are unreadable)"
         return f"quiet: others used {self.other_cpus:.2f} of {self.cpus} CPU(s)"
 
     def as_dict(self) -> dict[str, object]:
@@ -277,7 +280,7 @@ class InterferenceProbe:
         steal_threshold: flag when steal time exceeds this share of our CPUs' time.
         gpu_pids: returns the PIDs on the GPUs we use (None when unknown); any one not ours that this process can see
             flags the window.
-        root: where `/proc` is read (tests hand in a fake tree).
+        cpu_times: the per-CPU times (`psutil.cpu_times(percpu=True)`; tests hand in scripted ones).
         clock: the wall clock.
         budget_cpus: the CPUs our work may use; None: `lightning_accel.system.read_cpu_budget().effective`
             (affinity and cgroup CPU quota).
@@ -287,11 +290,11 @@ class InterferenceProbe:
     threshold: float = INTERFERENCE_THRESHOLD
     steal_threshold: float = STEAL_THRESHOLD
     gpu_pids: Callable[[], Iterable[int] | None] | None = None
-    root: str | os.PathLike[str] = "/"
+    cpu_times: Callable[[], Sequence[Any]] | None = None
     clock: Callable[[], float] = time.perf_counter
     budget_cpus: float | None = None
     result: Interference | None = field(default=None, init=False)
-    _start: tuple[float, tuple[int, int] | None, float, float | None] | None = field(default=None, init=False)
+    _start: tuple[float, tuple[float, float] | None, float, float | None] | None = field(default=None, init=False)
     _gpu_seen: set[int] = field(default_factory=set, init=False)
 
     def _cpus(self) -> set[int] | None:
@@ -308,23 +311,28 @@ class InterferenceProbe:
         except Exception:  # facts that cannot be read: every CPU
             return float(len(self._cpus() or ()) or (os.cpu_count() or 1))
 
+    def _read(self, cpus: set[int] | None) -> tuple[float, float] | None:
+        try:
+            return read_cpu_seconds(cpus, self.cpu_times() if self.cpu_times is not None else None)
+        except Exception:  # a reading that fails: interference not measured
+            return None
+
     def start(self) -> None:
         self.result = None
         self._gpu_seen = set(self._gpu_others())
         cpus = self._cpus()
-        self._start = (self.clock(), read_cpu_jiffies(self.root, cpus), _family_cpu_s(self.pids()), _load_1m())
+        self._start = (self.clock(), self._read(cpus), _family_cpu_s(self.pids()), _load_1m())
 
     def stop(self) -> Interference:
         assert self._start is not None, "InterferenceProbe.stop() before start()"
-        own_end, jiffies_end, end = _family_cpu_s(self.pids()), read_cpu_jiffies(self.root, self._cpus()), self.clock()
-        started, jiffies_start, own_start, load_start = self._start
+        own_end, times_end, end = _family_cpu_s(self.pids()), self._read(self._cpus()), self.clock()
+        started, times_start, own_start, load_start = self._start
         wall, own = max(0.0, end - started), max(0.0, own_end - own_start)
         cpus = len(self._cpus() or ()) or (os.cpu_count() or 1)
         other = steal = None
-        if jiffies_start is not None and jiffies_end is not None:
-            tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
-            busy = (jiffies_end[0] - jiffies_start[0]) / tick
-            other, steal = max(0.0, busy - own), max(0.0, (jiffies_end[1] - jiffies_start[1]) / tick)
+        if times_start is not None and times_end is not None:
+            busy = times_end[0] - times_start[0]
+            other, steal = max(0.0, busy - own), max(0.0, times_end[1] - times_start[1])
         gpu = tuple(sorted(self._gpu_seen | set(self._gpu_others())))
         reasons = []
         # Others took CPU we could have used when fewer CPUs than our budget stayed idle. Average use hides the cost:

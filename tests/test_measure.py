@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,24 +52,35 @@ def test_interleaving_runs_every_item_once_per_round() -> None:
         list(interleaved("ab", 0))
 
 
-def _proc_stat(root: Path, busy: int, steal: int = 0) -> None:
-    (root / "proc").mkdir(parents=True, exist_ok=True)
-    lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
-    cpus = sorted(os.sched_getaffinity(0))
-    for cpu in cpus:  # the per-CPU lines are what counts; each CPU gets its share
-        lines.append(f"cpu{cpu} {busy // len(cpus)} 0 0 1000 0 0 0 {steal // len(cpus)} 0 0")
-    lines.append("cpu999 100000 0 0 0 0 0 0 0 0 0")  # a CPU this process may not run on: ignored
-    (root / "proc" / "stat").write_text("\n".join(lines) + "\n")
+class _CpuTimes:
+    """Scripted `psutil.cpu_times(percpu=True)`: `set(busy, steal)` spreads the seconds over the CPUs this process may
+    run on; one more CPU it may not run on is always busy and never counts."""
+
+    def __init__(self) -> None:
+        self.busy = self.steal = 0.0
+
+    def set(self, busy: float, steal: float = 0.0) -> None:
+        self.busy, self.steal = busy, steal
+
+    def __call__(self) -> list[Any]:
+        from types import SimpleNamespace
+
+        ours = sorted(os.sched_getaffinity(0))
+        times = []
+        for cpu in range(max(ours) + 2):
+            share = 1 / len(ours) if cpu in ours else 0.0
+            busy = self.busy * share if cpu in ours else 1e5  # the last one: not ours, busy, ignored
+            times.append(SimpleNamespace(user=busy, nice=0.0, system=0.0, idle=1000.0, irq=0.0, softirq=0.0,
+                                         steal=self.steal * share))  # fmt: skip
+        return times
 
 
 def test_interference_is_the_others_cpu_time_on_our_cpus(tmp_path: Path) -> None:
-    clock = iter([0.0, 1.0])
-    probe = InterferenceProbe(root=tmp_path, clock=lambda: next(clock))
-    _proc_stat(tmp_path, busy=0)
+    clock, times = iter([0.0, 1.0]), _CpuTimes()
+    probe = InterferenceProbe(cpu_times=times, clock=lambda: next(clock))
     probe.start()
-    tick = os.sysconf("SC_CLK_TCK")
     cpus = len(os.sched_getaffinity(0))
-    _proc_stat(tmp_path, busy=int(0.95 * cpus * tick), steal=0)  # 95% of our CPUs busy; we used ~0
+    times.set(busy=0.95 * cpus)  # 95% of our CPUs busy for the second; we used ~0
     result = probe.stop()
     assert result.flagged and "other processes used" in result.reasons[0], result
     assert result.other_cpus == pytest.approx(0.95 * cpus - result.own_cpu_s, abs=0.05)
@@ -78,32 +90,32 @@ def test_others_on_cpus_beyond_our_quota_took_nothing_from_us(tmp_path: Path) ->
     """A host's other tenants on cores our quota would leave idle anyway are no interference; the same load on the
     CPUs our budget spans is."""
     cpus = len(os.sched_getaffinity(0))
-    tick = os.sysconf("SC_CLK_TCK")
     results = []
     for budget in (0.25 * cpus, float(cpus)):  # a quota of a quarter of the CPUs, then all of them
-        clock = iter([0.0, 1.0])
-        probe = InterferenceProbe(root=tmp_path, clock=clock.__next__, budget_cpus=budget)
-        _proc_stat(tmp_path, busy=0)
+        clock, times = iter([0.0, 1.0]), _CpuTimes()
+        probe = InterferenceProbe(cpu_times=times, clock=clock.__next__, budget_cpus=budget)
         probe.start()
-        _proc_stat(tmp_path, busy=int(0.5 * cpus * tick))  # others keep half the CPUs busy
+        times.set(busy=0.5 * cpus)  # others keep half the CPUs busy
         results.append(probe.stop())
     assert not results[0].flagged, results[0]
     assert results[1].flagged and results[1].other_cpus == pytest.approx(0.5 * cpus - results[1].own_cpu_s, abs=0.05)
 
 
 def test_steal_time_flags_a_window(tmp_path: Path) -> None:
-    clock = iter([0.0, 1.0])
-    probe = InterferenceProbe(root=tmp_path, clock=lambda: next(clock))
-    _proc_stat(tmp_path, busy=0)
+    clock, times = iter([0.0, 1.0]), _CpuTimes()
+    probe = InterferenceProbe(cpu_times=times, clock=lambda: next(clock))
     probe.start()
     cpus = len(os.sched_getaffinity(0))
-    _proc_stat(tmp_path, busy=0, steal=int(0.2 * cpus * os.sysconf("SC_CLK_TCK")))
+    times.set(busy=0.0, steal=0.2 * cpus)
     result = probe.stop()
     assert result.flagged and any("stole" in r for r in result.reasons)
 
 
-def test_an_unreadable_proc_stat_is_not_measured_and_not_flagged(tmp_path: Path) -> None:
-    with InterferenceProbe(root=tmp_path / "missing") as probe:
+def test_unreadable_cpu_times_are_not_measured_and_not_flagged(tmp_path: Path) -> None:
+    def unreadable() -> list[Any]:
+        raise OSError("no /proc here")
+
+    with InterferenceProbe(cpu_times=unreadable) as probe:
         pass
     assert probe.result is not None and not probe.result.flagged and probe.result.other_cpu_s is None
     assert "not measured" in probe.result.describe()

@@ -2,7 +2,7 @@
 MNIST's 1x28x28 and normalised alike, so the template's model and configs run unchanged and offline. Like the
 template's, it divides `batch_size` by the world size and takes no `persistent_workers`."""
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import torch
 from lightning import LightningDataModule
@@ -13,22 +13,22 @@ class DigitsDataModule(LightningDataModule):
     def __init__(
         self,
         batch_size: int = 64,
-        train_val_test_split: Tuple[int, int, int] = (1_397, 200, 200),
+        train_val_test_split: tuple[int, int, int] = (1_397, 200, 200),
         num_workers: int = 0,
         pin_memory: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)
-        self.data_train: Optional[Dataset] = None
-        self.data_val: Optional[Dataset] = None
-        self.data_test: Optional[Dataset] = None
+        self.data_train: Dataset | None = None
+        self.data_val: Dataset | None = None
+        self.data_test: Dataset | None = None
         self.batch_size_per_device = batch_size
 
     @property
     def num_classes(self) -> int:
         return 10
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.trainer is not None:  # the template's division of the batch by the world size
             if self.hparams.batch_size % self.trainer.world_size != 0:
                 raise RuntimeError(f"Batch size ({self.hparams.batch_size}) is not divisible by the number of "
@@ -47,7 +47,7 @@ class DigitsDataModule(LightningDataModule):
                 generator=torch.Generator().manual_seed(42),
             )
 
-    def _loader(self, dataset: Optional[Dataset], shuffle: bool) -> DataLoader[Any]:
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader[Any]:
         return DataLoader(dataset=dataset, batch_size=self.batch_size_per_device,
                           num_workers=self.hparams.num_workers, pin_memory=self.hparams.pin_memory, shuffle=shuffle)
 
@@ -60,8 +60,8 @@ class DigitsDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader[Any]:
         return self._loader(self.data_test, shuffle=False)
 
-    def state_dict(self) -> Dict[Any, Any]:
+    def state_dict(self) -> dict[Any, Any]:
         return {}
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
