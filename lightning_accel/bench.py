@@ -12,7 +12,7 @@ from pathlib import Path
 
 from lightning_accel.errors import ConfigError
 
-__all__ = ["build_parser", "check_profile", "main"]
+__all__ = ["build_parser", "check_profile", "main", "print_plan"]
 
 
 def _positive(kind: type) -> object:
@@ -168,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         "unless --overwrite",
     )
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="compose and check every stage, print what each would run (or why it is skipped), and exit: nothing "
+        "trains and nothing is written",
+    )
+    parser.add_argument(
         "--overwrite",
         action="store_true",
         help="write into a non-empty --out (its earlier results are replaced, never read)",
@@ -231,6 +237,29 @@ def _check_writable(out: Path) -> None:
         raise ConfigError(f"`--out={out}` cannot be written: {probe} {what}; pass a writable directory.")
 
 
+def print_plan(ladder: Sequence[str], overrides: Sequence[str], settings: object, out: Path) -> None:
+    """`--dry-run`: every stage composed and checked, as a table: what it changes, its processes and steps, or why
+    it would be skipped.
+
+    Raises:
+        ConfigError: for an unknown stage or overrides that do not compose, as a real run would.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from lightning_accel.benchmark.plan import describe_changes, plan_stages
+
+    plans, seed = plan_stages(ladder, overrides, settings, out)  # type: ignore[arg-type]
+    changes = describe_changes(plans)
+    table = Table(title=f"accel-bench --dry-run: {len(plans)} stage(s), first seed {seed}; nothing ran")
+    for column in ("stage", "status", "what it changes", "processes", "optimizer steps", "reason"):
+        table.add_column(column)
+    for plan in plans:
+        table.add_row(plan.name, plan.status, changes[plan.name], str(plan.world_size),
+                      "-" if plan.steps is None else str(plan.steps), plan.reason)  # fmt: skip
+    Console(width=160).print(table)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `accel-bench` (also `python -m lightning_accel.bench`); returns the exit code."""
     from lightning_accel.benchmark import BenchSettings, default_ladder, higher_is_better, run_bench
@@ -267,6 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         stamp = unique_stamp(dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
         out = args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "bench" / stamp
+        if args.dry_run:
+            print_plan(ladder, args.overrides, settings, out.resolve())
+            return 0
         _check_writable(out)
         if out.is_dir() and any(out.iterdir()) and not args.overwrite:
             raise ConfigError(f"`--out={out}` already holds files (an earlier bench?); pass another `--out`, or "

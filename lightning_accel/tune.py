@@ -12,7 +12,7 @@ from pathlib import Path
 
 from lightning_accel.errors import ConfigError
 
-__all__ = ["build_parser", "detect_space", "main"]
+__all__ = ["build_parser", "detect_space", "main", "print_space"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="size the runs as accel-bench's --profile does: quick, the smaller GPT example on a CPU; "
                         "gpu, model=gpt2_small (unless you select a model) on one CUDA GPU, 10 warm-up batches")
     parser.add_argument("--quick", action="store_const", const="quick", dest="profile", help="`--profile quick`")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the run and print what this machine and model allow and the moves the search may "
+                        "try, then exit: nothing trains and nothing is written")  # fmt: skip
     parser.add_argument("--stage-timeout", type=float, default=None, metavar="S",
                         help="a run that takes longer is ended and counts as failed (default 300, --profile gpu "
                         "420)")  # fmt: skip
@@ -89,6 +92,21 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
     return space, "".join(ch if ch.isalnum() else "_" for ch in name).lower()
 
 
+def print_space(space: object, name: str, config_dir: Path) -> None:
+    """`--dry-run`: what this machine and model allow, every move and whether the search may try it, and where the
+    preset would go."""
+    from lightning_accel.benchmark.search import moves_here
+
+    print(f"accel-tune --dry-run: nothing ran. The space here: {space}")
+    for move, applies in moves_here(space):  # type: ignore[arg-type]
+        sets = ", ".join(f"{k}={v.format(devices=space.devices)}" for k, v in move.sets)  # type: ignore[attr-defined]
+        bound = ", ".join(a for a in move.addresses if a) + (" (or an unknown bottleneck)" if "" in move.addresses
+                                                             else "")  # fmt: skip
+        print(f"  {'may try' if applies else 'not here':9} {move.name} ({sets}) for {bound}"
+              + ("" if applies else f"; needs {', '.join(move.needs) or 'a different start'}"))  # fmt: skip
+    print(f"The pick would be written as {config_dir / 'preset' / f'tuned_{name}.yaml'}.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `accel-tune` (also `python -m lightning_accel.tune`); returns the exit code."""
     from lightning_accel.bench import check_profile
@@ -115,6 +133,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_preset_name(args.name)  # before the search, not when its preset is written
         stamp = unique_stamp(dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
         out = (args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "tune" / stamp).resolve()
+        if args.dry_run:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as scratch:
+                space, model_name = detect_space([*profile_overrides(args.profile, args.overrides),
+                                                  *args.overrides], Path(scratch))  # fmt: skip
+            print_space(space, args.name or model_name, args.config_dir)
+            return 0
         out.mkdir(parents=True, exist_ok=True)
         if timeout <= 0:
             raise ConfigError(f"`--stage-timeout={timeout}` must be > 0 seconds.")

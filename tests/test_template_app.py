@@ -17,7 +17,7 @@ import pytest
 from _env import clean_env
 
 APP = Path(__file__).parent / "template_app"
-GUIDE = Path(__file__).parents[1] / "README.md"
+GUIDE = Path(__file__).parents[1] / "examples" / "your_own_app.md"
 SECTION = "## From lightning-hydra-template"
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "clears",
     "compatible",
     "incumbent",
+    "moves_here",
     "next_candidates",
 ]
 
@@ -196,6 +197,11 @@ def _applies(move: Move, candidate: Candidate, space: Space) -> bool:
     if move.sets[0] == ("precision", "amp") and candidate.get("precision") == "bf16_true":
         return False
     return compatible(apply_move(candidate, move, space))
+
+
+def moves_here(space: Space) -> list[tuple[Move, bool]]:
+    """Every move, and whether it applies on top of the baseline here (what `accel-tune --dry-run` prints)."""
+    return [(move, _applies(move, baseline(), space)) for move in MOVES]
 
 
 def _out_of_memory(reason: str) -> bool:

@@ -32,6 +32,9 @@ class Compile(Callback):
     run. The first batches compile (and a new shape, such as a shorter last batch or eval mode, compiles again):
     `BenchMonitor` and accel-bench leave those batches out of throughput. The compile is undone at teardown.
 
+    Logs:
+        nothing; the compile is reported at INFO.
+
     Args:
         mode: `torch.compile(mode=...)`: "default", "reduce-overhead" (CUDA graphs), "max-autotune",
             "max-autotune-no-cudagraphs"; None: torch's default.

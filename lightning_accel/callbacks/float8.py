@@ -47,6 +47,9 @@ class Float8Training(Callback):
     `accel-train precision=fp8` adds it when torchao is the fp8 package installed. `torch.compile` makes float8
     fast; without it the casts can cost more than they save.
 
+    Logs:
+        nothing.
+
     Args:
         skip_modules: substrings of module names to keep in high precision, e.g. `["lm_head"]` for the output layer.
         recipe: a torchao recipe name for `Float8LinearConfig.from_recipe_name` (`tensorwise`, `rowwise`,

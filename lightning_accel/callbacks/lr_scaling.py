@@ -45,6 +45,9 @@ class LRScaling(Callback):
     A fit resumed from a checkpoint of a scaled fit is not scaled again (its optimizer state holds the scaled LRs).
     An accumulation schedule (AccumulationScheduler) counts at its first window.
 
+    Logs:
+        nothing; the scaled learning rate is reported at INFO.
+
     Args:
         rule: `none`, `linear` or `sqrt`.
         reference_global_batch: the global batch the configured LR was tuned for (one process, no accumulation: the

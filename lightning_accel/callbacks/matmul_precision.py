@@ -32,6 +32,9 @@ class MatmulPrecision(Callback):
     of ours. It acts in `setup`, in each rank's own process: a rank that `ddp_spawn` starts is a fresh interpreter,
     which a setting made in the launching process does not reach.
 
+    Logs:
+        nothing; the precision and the reason are reported at INFO.
+
     Args:
         float32_matmul_precision: `highest` (true fp32: TF32 off on CUDA), `high` (TF32), `medium` (bf16 passes);
             None leaves torch's setting alone.

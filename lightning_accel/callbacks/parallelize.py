@@ -38,6 +38,9 @@ class Parallelize(Callback):
     but each FSDP unit keeps unsharded gradients between micro-batches: more memory). `AccumulationScheduler`, when
     present, already does this, and this callback leaves the switching to it.
 
+    Logs:
+        nothing.
+
     Args:
         block_classes: the class(es) of the model's repeated blocks, by class or name (`["Block"]`); each becomes
             an FSDP2 unit. None or empty: the whole model is one unit (simple, but all parameters are gathered at

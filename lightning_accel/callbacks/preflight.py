@@ -33,6 +33,9 @@ class Preflight(Callback):
     anywhere raises `PreflightError` on all ranks (none is left waiting in a collective) with the node, rank, check
     and fix, before any training step; WARN results are warned once, on rank zero.
 
+    Logs:
+        nothing; its checks are reported at INFO and as warnings.
+
     Args:
         fail_on: "FAIL" stops on failures only; "WARN" stops on warnings too.
         checks: names of the checks to run (see `lightning_accel.system.CHECKS`); None runs them all.

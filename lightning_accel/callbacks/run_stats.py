@@ -16,7 +16,11 @@ __all__ = ["RunStats"]
 
 class RunStats(Callback):
     """Counts the training samples of the whole run (this rank's batches times the ranks that load their own, so
-    pipeline stages and tensor-parallel ranks that share a batch count it once) and times the fit."""
+    pipeline stages and tensor-parallel ranks that share a batch count it once) and times the fit.
+
+    Logs:
+        nothing; accel-train's summary reads it.
+    """
 
     def __init__(self) -> None:
         self.samples = 0

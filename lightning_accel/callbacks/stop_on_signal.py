@@ -107,6 +107,9 @@ class StopOnSignal(Callback):
     Not covered: a signal in the short time between Lightning registering its handlers and the first stage hook
     (data set-up when resuming without a sanity check), where Lightning's own handler still runs.
 
+    Logs:
+        nothing; the stop is reported at INFO.
+
     Args:
         signals: the signals that stop the run, by name or number.
         grace_s: seconds after the signal before the watchdog ends a rank of a multi-rank job.
