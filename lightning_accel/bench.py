@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import os
 import re
 import sys
@@ -21,8 +22,8 @@ def _positive(kind: type) -> object:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__} > 0, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} > 0, got {value}")
+        if not value > 0 or value == float("inf"):  # nan and inf too: a budget or a peak that never means anything
+            raise argparse.ArgumentTypeError(f"expected a finite {kind.__name__} > 0, got {value}")
         return value
 
     return parse
@@ -192,6 +193,8 @@ def _check(args: argparse.Namespace) -> None:
     if not 0 < args.interference_threshold < 1:
         raise ConfigError(f"`--interference-threshold={args.interference_threshold}` must be a fraction within (0, 1), "
                           "e.g. 0.10 for 10% of the CPUs.")  # fmt: skip
+    if args.target is not None and not math.isfinite(args.target):
+        raise ConfigError(f"`--target={args.target}` must be a finite value of the metric, e.g. `--target 2.2`.")
     if args.until_target and args.target is None:
         raise ConfigError("`--until-target` needs `--target VALUE`, the metric value to stop at.")
     if args.time_budget is not None and args.steps is not None:
@@ -264,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `accel-bench` (also `python -m lightning_accel.bench`); returns the exit code."""
     from lightning_accel.benchmark import BenchSettings, default_ladder, higher_is_better, run_bench
     from lightning_accel.benchmark.plan import PROFILES
-    from lightning_accel.launch import unique_stamp
+    from lightning_accel.launch import log_root, unique_stamp
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -295,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             interference_threshold=args.interference_threshold,
         )
         stamp = unique_stamp(dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
-        out = args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "bench" / stamp
+        out = args.out or Path(log_root()) / "bench" / stamp
         if args.dry_run:
             print_plan(ladder, args.overrides, settings, out.resolve())
             return 0

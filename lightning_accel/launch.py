@@ -37,6 +37,7 @@ __all__ = [
     "external_run_id",
     "hydra_safe_launch",
     "fused_resolver",
+    "log_root",
     "on_cuda_resolver",
     "precision_resolver",
     "register_resolvers",
@@ -242,6 +243,7 @@ def check_output_root(argv: Sequence[str], env: Mapping[str, str] | None = None)
         ConfigError: naming the setting, the directory and the error.
     """
     env = os.environ if env is None else env
+    log_root(env)
     if any(arg in _NO_RUN_FLAGS or arg.startswith("--cfg=") for arg in argv):
         return
     multirun = any(arg in ("-m", "--multirun") for arg in argv)
@@ -273,6 +275,21 @@ def check_output_root(argv: Sequence[str], env: Mapping[str, str] | None = None)
         shown = f"{key}={value}" if key != "ACCEL_LOG_DIR" else f"ACCEL_LOG_DIR={value}"
         raise ConfigError(f"`{shown}`: runs cannot be written under {root!r} ({err.strerror or err}); point "
                           "`paths.log_dir` (or ACCEL_LOG_DIR) at a writable directory.") from None  # fmt: skip
+
+
+def log_root(env: Mapping[str, str] | None = None) -> str:
+    """Where runs, benches and tunes go: `$ACCEL_LOG_DIR`, else `outputs` (relative to the working directory).
+
+    Raises:
+        ConfigError: for an `ACCEL_LOG_DIR` that is set but empty (`conf/paths` would read it as "" and write runs
+            under `/runs` at the file system's root).
+    """
+    env = os.environ if env is None else env
+    value = env.get("ACCEL_LOG_DIR")
+    if value is not None and not value.strip():
+        raise ConfigError(f"`ACCEL_LOG_DIR={value!r}` is set but empty: runs would be written under `/runs` at the "
+                          "file system's root; unset it (`unset ACCEL_LOG_DIR`) or set it to a directory.")
+    return value or "outputs"
 
 
 def precision_resolver(requested: Any, accelerator: Any = "auto") -> str:

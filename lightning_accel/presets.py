@@ -7,6 +7,7 @@ summary read those facts from it instead of working them out again.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -68,9 +69,16 @@ def check_config(cfg: DictConfig) -> None:
     _check_nccl(cfg.get("nccl"))
     if trainer.get("max_epochs") is not None:
         _check_int("trainer.max_epochs", trainer.max_epochs, minimum=-1)
+        if trainer.max_epochs == 0 and cfg.get("fit", True) and trainer.get("max_steps", -1) in (-1, None):
+            raise ConfigError("`trainer.max_epochs=0` trains nothing; use -1 (no epoch limit, `max_steps` decides) or "
+                              "a number of epochs >= 1 (or `fit=false` to skip training).")  # fmt: skip
+    _check_limit("trainer.limit_train_batches", trainer.get("limit_train_batches"), cfg.get("fit", True))
     seed = cfg.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ConfigError(f"`seed={seed!r}` must be an integer or null.")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
+        raise ConfigError(f"`seed={seed!r}` must be an integer within [0, {_MAX_SEED}] (what `seed_everything` "
+                          "takes), or null to leave the random generators alone.")  # fmt: skip
+    _check_loader_numbers(cfg.get("data"))
+    _check_optimizer(cfg.model.get("optimizer"))
     shape = run_shape(cfg)
     _check_accumulation(cfg, shape)
     _check_example_data(cfg.model, cfg.data)
@@ -85,6 +93,10 @@ _EXAMPLE_DATA = {"GPTLanguageModel": ("StdlibTextDataModule", "stdlib_text", "gp
 def _check_example_data(model: DictConfig, data: DictConfig) -> None:
     model_class = str(model.get("_target_", "")).rsplit(".", 1)[-1]
     data_class = str(data.get("_target_", "")).rsplit(".", 1)[-1]
+    vocab = model.get("vocab_size")
+    if data_class == "StdlibTextDataModule" and isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < 256:
+        raise ConfigError(f"`model.vocab_size={vocab}` is smaller than the 256 byte values `data=stdlib_text` "
+                          "produces; use `model.vocab_size=256`.")  # fmt: skip
     if model_class in _EXAMPLE_DATA and data_class.endswith("DataModule"):
         wanted, name, model_name = _EXAMPLE_DATA[model_class]
         mine = next((n for c, n, _ in _EXAMPLE_DATA.values() if c == data_class), None)
@@ -334,6 +346,57 @@ def _check_strategy(strategy: Any) -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     _check_choice("trainer.strategy", strategy, ("auto", *StrategyRegistry.keys()), hint="or pick `strategy=NAME`")
+
+
+_MAX_SEED = 2**32 - 1  # numpy's seed range, which `lightning.seed_everything` enforces
+
+
+def _check_limit(setting: str, value: Any, fit: bool) -> None:
+    """`trainer.limit_*_batches`: a fraction in [0, 1] or a count >= 0; none at all for training that should train."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (
+            isinstance(value, float) and value > 1.0):  # fmt: skip
+        raise ConfigError(f"`{setting}={_show(value)}` must be a fraction within [0, 1] or a number of batches >= 0.")
+    if value == 0 and fit and setting.endswith("train_batches"):
+        raise ConfigError(f"`{setting}={_show(value)}` trains on no batch at all; use a count >= 1 or a fraction "
+                          "above 0 (or `fit=false` to skip training).")  # fmt: skip
+
+
+def _check_loader_numbers(data: Any) -> None:
+    """`data.batch_size` (an integer >= 1) and `data.num_workers` (an integer >= 0), whatever the datamodule."""
+    if not isinstance(data, (DictConfig, Mapping)):
+        return
+    if data.get("batch_size") is not None:
+        _check_int("data.batch_size", data.get("batch_size"), minimum=1)
+    if data.get("num_workers") is not None:
+        _check_int("data.num_workers", data.get("num_workers"), minimum=0)
+
+
+# An optimizer partial's numeric settings: (smallest, largest) allowed, both inclusive; None: unbounded.
+_OPTIMIZER_NUMBERS = {"lr": (0.0, None), "weight_decay": (0.0, None), "eps": (0.0, None), "momentum": (0.0, 1.0)}
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """`model.optimizer.lr` & co: finite numbers in range, before anything is built (torch would raise inside
+    `configure_optimizers`, after the processes are launched); `betas` a pair within [0, 1)."""
+    if not isinstance(optimizer, (DictConfig, Mapping)):
+        return
+    for key, (low, high) in _OPTIMIZER_NUMBERS.items():
+        value = optimizer.get(key)
+        if value is None:
+            continue
+        bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        if bad or value < low or (high is not None and value > high):
+            bounds = f">= {low:g}" if high is None else f"within [{low:g}, {high:g}]"
+            raise ConfigError(f"`model.optimizer.{key}={_show(value)}` must be a finite number {bounds}.")
+    betas = optimizer.get("betas")
+    if betas is not None:
+        values = list(betas) if isinstance(betas, (ListConfig, list, tuple)) else []
+        if len(values) != 2 or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0
+                                   for b in values):  # fmt: skip
+            raise ConfigError(f"`model.optimizer.betas={_show(betas)}` must be two numbers within [0, 1), e.g. "
+                              "[0.9, 0.95].")  # fmt: skip
 
 
 def _check_int(setting: str, value: Any, minimum: int) -> None:

@@ -73,22 +73,26 @@ def config_digest(cfg: DictConfig) -> str:
     return hashlib.sha256(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()
 
 
-def check_ckpt_path(cfg: DictConfig) -> None:
-    """`ckpt_path` names a checkpoint this run can resume: `last` needs the run directory's `last.ckpt`; a path must
-    be a `torch.save` file (a zip archive) or a distributed checkpoint directory (with `.metadata`).
+def check_ckpt_path(cfg: DictConfig) -> str | None:
+    """`ckpt_path` names a checkpoint this run can load (to resume with `fit`, or to test with `fit=false`): `last`
+    needs the run directory's `last.ckpt`; a path must be a `torch.save` file (a zip archive) or a distributed
+    checkpoint directory (with `.metadata`), and nothing in it may need more than tensors and plain types.
+
+    Returns:
+        The checkpoint to load (`last` resolved to its file), `best`/`hpc`/`registry` as they are, or None.
 
     Raises:
         ConfigError: naming the path, what it is, and the fix.
     """
     path = cfg.get("ckpt_path")
-    if path is None or not cfg.get("fit", True) or str(path) in ("best", "hpc", "registry"):
-        return
+    if path is None or str(path) in ("best", "hpc", "registry"):
+        return None if path is None else str(path)
     from lightning_accel.strategies.checkpoint_io import recover_directory
 
     if str(path) == "last":
         dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
         if dirpath is None:
-            return
+            return "last"
         last = Path(str(dirpath)) / "last.ckpt"
         recover_directory(last)  # a directory checkpoint whose swap a kill interrupted
         if not last.exists():
@@ -104,6 +108,9 @@ def check_ckpt_path(cfg: DictConfig) -> None:
     if not file.exists():
         raise ConfigError(f"`ckpt_path={str(path)!r}` does not exist; pass a checkpoint file (`.../checkpoints/"
                           "last.ckpt`) or `ckpt_path=last` in the run directory to resume.")  # fmt: skip
+    if not (file.is_dir() or file.is_file()):  # a FIFO or a device would block the first read
+        raise ConfigError(f"`ckpt_path={str(path)!r}` is not a regular file or directory (a pipe, a socket or a "
+                          "device); pass a checkpoint file or directory.")  # fmt: skip
     if file.is_dir() and not (file / ".metadata").is_file():
         raise ConfigError(f"`ckpt_path={str(path)!r}` is a directory but not a distributed checkpoint (no "
                           "`.metadata`); pass a checkpoint file or a directory a PipelineStrategy or "
@@ -112,16 +119,15 @@ def check_ckpt_path(cfg: DictConfig) -> None:
         raise ConfigError(f"`ckpt_path={str(path)!r}` is not a checkpoint (not a torch.save archive: truncated, "
                           "corrupt or another kind of file); pass the run's `checkpoints/last.ckpt` or another "
                           "checkpoint.")  # fmt: skip
-    from lightning_accel.strategies.pipeline import check_dcp_metadata, load_metadata
+    from lightning_accel.strategies.dcp_checks import check_distributed_checkpoint, load_metadata
 
-    # no pickle payload runs: a file (or a distributed checkpoint's metadata) needing more than tensors and plain
-    # types is refused here, whatever torch's default `weights_only` is (False before torch 2.6)
+    # no pickle payload runs: a file (or any file of a distributed checkpoint: index, shards, meta.pt) needing more
+    # than tensors and plain types is refused here, whatever torch's default `weights_only` is (False before 2.6)
     if file.is_dir():
-        check_dcp_metadata(file)
-        if (file / "meta.pt").is_file():
-            load_metadata(file / "meta.pt")
+        check_distributed_checkpoint(file)
     else:
         load_metadata(file, mmap=True)  # mapped, not read: every rank checks, before launch
+    return str(file)
 
 
 def _weights_only(method: Any) -> dict[str, bool]:
@@ -227,8 +233,11 @@ def _fit_and_test(
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
         if cfg.get("test", True):
             best = getattr(trainer.checkpoint_callback, "best_model_path", "")
-            tested = "best" if best else "final"
-            results = trainer.test(model, datamodule=datamodule, ckpt_path="best" if best else None, verbose=False,
+            tested, ckpt = ("best", "best") if best else ("final", None)
+            if not cfg.get("fit", True) and cfg.get("ckpt_path") is not None:  # test the weights asked for
+                ckpt = check_ckpt_path(cfg)  # checked before launch: here `last` is resolved to its file again
+                tested = f"checkpoint {ckpt}"
+            results = trainer.test(model, datamodule=datamodule, ckpt_path=ckpt, verbose=False,
                                    **_weights_only(trainer.test))  # fmt: skip
             metrics.update({k: float(v) for k, v in (results[0] if results else {}).items()})
         log.info("rank %d finished: %s", trainer.global_rank, metrics)

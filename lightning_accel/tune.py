@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lightning_accel.benchmark.autopilot import TuneSettings, tune
     from lightning_accel.benchmark.plan import PROFILES, profile_overrides
     from lightning_accel.benchmark.preset_file import check_preset_name
-    from lightning_accel.launch import unique_stamp
+    from lightning_accel.launch import log_root, unique_stamp
 
     started = time.monotonic()
     args = build_parser().parse_args(argv)
@@ -127,12 +127,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                             ("--per-generation", args.per_generation)):  # fmt: skip
             if value < 1:
                 raise ConfigError(f"`{flag}={value}` must be >= 1.")
-        if args.time_budget <= 0:
-            raise ConfigError(f"`--time-budget={args.time_budget}` must be > 0 seconds.")
+        if not 0 < args.time_budget < math.inf:  # nan would never end the search
+            raise ConfigError(f"`--time-budget={args.time_budget}` must be a finite number of seconds > 0.")
+        if not 0 <= args.tolerance < 1:  # nan would switch the quality gate off
+            raise ConfigError(f"`--tolerance={args.tolerance}` must be a fraction within [0, 1), e.g. 0.02 for 2%.")
+        if args.confirm_steps is not None and args.confirm_steps < 0:
+            raise ConfigError(f"`--confirm-steps={args.confirm_steps}` must be >= 0 (0: no confirmation run).")
         if args.name is not None:
             check_preset_name(args.name)  # before the search, not when its preset is written
         stamp = unique_stamp(dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
-        out = (args.out or Path(os.environ.get("ACCEL_LOG_DIR", "outputs")) / "tune" / stamp).resolve()
+        out = (args.out or Path(log_root()) / "tune" / stamp).resolve()
         if args.dry_run:
             import tempfile
 
@@ -142,8 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print_space(space, args.name or model_name, args.config_dir)
             return 0
         out.mkdir(parents=True, exist_ok=True)
-        if timeout <= 0:
-            raise ConfigError(f"`--stage-timeout={timeout}` must be > 0 seconds.")
+        if not 0 < timeout < math.inf:
+            raise ConfigError(f"`--stage-timeout={timeout}` must be a finite number of seconds > 0.")
         space, model_name = detect_space([*profile_overrides(args.profile, args.overrides), *args.overrides], out)
         # the same samples for every candidate (a DDP or accumulation candidate runs fewer steps): the quality gate
         # compares runs over the same data, and samples/s is the throughput

@@ -62,6 +62,19 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         )
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load, after `check_distributed_checkpoint` on a checkpoint directory (unless the caller trusts
+        it with `weights_only=False`): torch would unpickle its index and its shards' non-tensor items unchecked."""
+        from pathlib import Path
+
+        from lightning_accel.strategies.dcp_checks import check_distributed_checkpoint
+
+        path = Path(self.broadcast(checkpoint_path))
+        if weights_only is not False and path.is_dir():
+            check_distributed_checkpoint(path)
+        return super().load_checkpoint(path, weights_only=weights_only)
+
+    @override
     def setup_environment(self) -> None:
         self._data_parallel_size = self._resolved_data_parallel_size()
         super().setup_environment()

@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 from lightning_accel.precision import PIPELINE_PRECISIONS  # owned by precision.py, exported here as before
-from lightning_accel.strategies.pipeline.checkpoint import check_dcp_metadata, consolidate_checkpoint, load_metadata
+from lightning_accel.strategies.dcp_checks import check_dcp_metadata, check_distributed_checkpoint, load_metadata
+from lightning_accel.strategies.pipeline.checkpoint import consolidate_checkpoint
 from lightning_accel.strategies.pipeline.runner import PipelineRunner, PipelineStepResult, split_batch
 from lightning_accel.strategies.pipeline.settings import (
     PipelineSettings,
@@ -39,6 +40,7 @@ __all__ = [
     "PipelineStrategy",
     "ScheduleSpec",
     "check_dcp_metadata",
+    "check_distributed_checkpoint",
     "check_microbatches",
     "check_pipeline_settings",
     "check_precision",

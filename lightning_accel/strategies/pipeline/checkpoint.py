@@ -19,14 +19,13 @@ from lightning_accel.strategies.checkpoint_io import (
     replace_directory,
     staging_path,
 )
+from lightning_accel.strategies.dcp_checks import check_distributed_checkpoint, load_metadata
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy
 
 __all__ = [
-    "check_dcp_metadata",
     "consolidate_checkpoint",
-    "load_metadata",
     "load_pipeline_checkpoint",
     "model_state_dict",
     "optimizer_state_dict",
@@ -99,9 +98,9 @@ def load_pipeline_checkpoint(
     strategy.barrier()
     if not path.is_dir():
         raise ConfigError(f"`ckpt_path={str(path)!r}` is not a PipelineStrategy checkpoint directory.")
-    meta = load_metadata(path / _METADATA_FILENAME, weights_only)  # before any state is touched
-    if weights_only is not False:  # the caller's explicit trust skips the index check too
-        check_dcp_metadata(path)
+    if weights_only is not False:  # the caller's explicit trust skips the checks
+        check_distributed_checkpoint(path)  # the index, every shard's non-tensor items, meta.pt: before any state
+    meta = load_metadata(path / _METADATA_FILENAME, weights_only)
     state: dict[str, Any] = {"state_dict": model_state_dict(model)}
     optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
     for i, optimizer in enumerate(optimizers):
@@ -111,76 +110,6 @@ def load_pipeline_checkpoint(
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"], options=_options())
     return meta
-
-
-def load_metadata(path: str | Path, weights_only: bool | None = None, mmap: bool = False) -> dict[str, Any]:
-    """A checkpoint's pickled metadata (`meta.pt`: loops, callbacks, hyper-parameters), loaded with
-    `weights_only=True` unless the caller passes `weights_only=False` for a file it trusts: a file that needs more than
-    tensors and plain types is refused before anything in it runs.
-
-    Raises:
-        ConfigError: naming the file and what it holds that is not allowed, with the way out.
-    """
-    import pickle
-
-    try:
-        # on the CPU: checked before launch, every rank would otherwise put the state on cuda:0
-        return torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only,
-                          mmap=mmap)  # fmt: skip
-    except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()
-        found = next((line.strip() for line in first if "GLOBAL" in line or "Unsupported" in line), first[0] if first
-                     else "an object that is not a tensor or a plain type")  # fmt: skip
-        raise ConfigError(
-            f"the checkpoint file {str(path)!r} holds more than tensors and plain types ({found}), so it is not "
-            "loaded: loading it could run code. If you made this checkpoint and trust it, resume with "
-            "`trainer.fit(..., weights_only=False)` (or register the class with "
-            "`torch.serialization.add_safe_globals`)."
-        ) from None
-
-
-_DCP_MODULES = ("torch.distributed.checkpoint.",)
-_PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
-
-
-def _allowed_in_dcp_metadata(module: str, name: str) -> bool:
-    """What a distributed checkpoint's `.metadata` pickle may name: torch's checkpoint metadata classes, dtypes,
-    layouts, memory formats, `torch.Size` and paths; nothing that runs code."""
-    if module.startswith(_DCP_MODULES):
-        import importlib
-
-        value = getattr(importlib.import_module(module), name, None)
-        return isinstance(value, type)  # classes (dataclasses, enums), not functions
-    if module == "torch":
-        value = getattr(torch, name, None)
-        return value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
-    return (module, name) == ("torch.serialization", "_get_layout") or (
-        module == "pathlib" and name in _PATH_CLASSES)  # fmt: skip
-
-
-def check_dcp_metadata(path: str | Path) -> None:
-    """Unpickle every `*.metadata` file of a distributed checkpoint directory with an allowlist
-    (`_allowed_in_dcp_metadata`): torch reads them with plain `pickle.load`, which would run a planted payload.
-
-    Raises:
-        ConfigError: naming the file and the global it refused.
-    """
-    import pickle
-
-    class Restricted(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            if not _allowed_in_dcp_metadata(module, name):
-                raise pickle.UnpicklingError(f"Unsupported global: {module}.{name}")
-            return super().find_class(module, name)
-
-    for file in sorted(Path(path).glob("*.metadata")) + sorted(Path(path).glob(".metadata")):
-        try:
-            with file.open("rb") as handle:
-                Restricted(handle).load()
-        except pickle.UnpicklingError as err:
-            raise ConfigError(f"the distributed checkpoint index {str(file)!r} names `{err}`, which torch's "
-                              "checkpoint metadata never holds, so the checkpoint is not loaded: loading it could "
-                              "run code.") from None  # fmt: skip
 
 
 def consolidate_checkpoint(path: str | Path, out: str | Path | None = None) -> dict[str, torch.Tensor]:
@@ -204,7 +133,7 @@ def consolidate_checkpoint(path: str | Path, out: str | Path | None = None) -> d
     if not (path / ".metadata").is_file():
         raise ConfigError(f"{str(path)!r} is not a distributed checkpoint directory (no .metadata); pass the "
                           "directory a PipelineStrategy run saved.")  # fmt: skip
-    check_dcp_metadata(path)  # before torch unpickles the index, and the metadata before Lightning loads it
+    check_distributed_checkpoint(path)  # before torch unpickles the index and the shards' non-tensor items
     meta = load_metadata(path / _METADATA_FILENAME) if (path / _METADATA_FILENAME).is_file() else {}
     state: dict[str, Any] = _load_distributed_checkpoint(path)
     model_state = {k: v for k, v in state["state_dict"].items() if isinstance(v, torch.Tensor)}

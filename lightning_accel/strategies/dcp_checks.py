@@ -1,0 +1,154 @@
+"""Distributed checkpoints (torch.distributed.checkpoint directories) checked before anything in them is unpickled.
+
+torch reads a directory's `.metadata` index with plain `pickle.load`, and the non-tensor items of its `.distcp`
+shards with `torch.load(weights_only=False)` (`DefaultLoadPlanner.load_bytes`): a planted payload in either runs on
+resume, in `consolidate_checkpoint` and in `accel-train check=true`. `check_distributed_checkpoint` reads every one
+of them first: the index with an allowlist of torch's own metadata classes, every non-tensor item (and `meta.pt`)
+with `weights_only=True`. A directory that needs more is refused, naming the file, before any state is touched.
+Tensor items are read by torch with `weights_only=True` already.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_accel.errors import ConfigError
+
+__all__ = ["check_dcp_metadata", "check_distributed_checkpoint", "load_metadata"]
+
+_DCP_MODULES = ("torch.distributed.checkpoint.",)
+_PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
+_META_FILENAME = "meta.pt"  # Lightning's `_METADATA_FILENAME`: loops, callbacks, hyper-parameters
+
+
+def load_metadata(path: str | Path, weights_only: bool | None = None, mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint's pickled metadata (`meta.pt`, or a whole `torch.save` checkpoint), loaded with
+    `weights_only=True` unless the caller passes `weights_only=False` for a file it trusts: a file that needs more than
+    tensors and plain types is refused before anything in it runs.
+
+    Raises:
+        ConfigError: naming the file and what it holds that is not allowed, with the way out.
+    """
+    try:
+        # on the CPU: checked before launch, every rank would otherwise put the state on cuda:0
+        return torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only,
+                          mmap=mmap)  # fmt: skip
+    except pickle.UnpicklingError as err:
+        raise ConfigError(
+            f"the checkpoint file {str(path)!r} holds more than tensors and plain types ({_first_global(err)}), so it "
+            "is not loaded: loading it could run code. If you made this checkpoint and trust it, resume with "
+            "`trainer.fit(..., weights_only=False)` (or register the class with "
+            "`torch.serialization.add_safe_globals`)."
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # a zip that is not torch's, truncated
+        detail = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no detail'}"
+        raise ConfigError(f"the checkpoint file {str(path)!r} is not a readable torch checkpoint ({detail}): "
+                          "truncated, corrupt or another kind of archive; pass the run's `checkpoints/last.ckpt` or "
+                          "another checkpoint.") from None  # fmt: skip
+
+
+def _first_global(err: Exception) -> str:
+    lines = str(err).strip().splitlines()
+    return next((line.strip() for line in lines if "GLOBAL" in line or "Unsupported" in line),
+                lines[0] if lines else "an object that is not a tensor or a plain type")  # fmt: skip
+
+
+def _allowed_in_dcp_metadata(module: str, name: str) -> bool:
+    """What a distributed checkpoint's `.metadata` pickle may name: torch's checkpoint metadata classes, dtypes,
+    layouts, memory formats, `torch.Size` and paths; nothing that runs code."""
+    if module.startswith(_DCP_MODULES):
+        import importlib
+
+        value = getattr(importlib.import_module(module), name, None)
+        return isinstance(value, type)  # classes (dataclasses, enums), not functions
+    if module == "torch":
+        value = getattr(torch, name, None)
+        return value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+    return (module, name) == ("torch.serialization", "_get_layout") or (
+        module == "pathlib" and name in _PATH_CLASSES)  # fmt: skip
+
+
+def check_dcp_metadata(path: str | Path) -> list[Any]:
+    """Unpickle every `*.metadata` file of a distributed checkpoint directory with an allowlist
+    (`_allowed_in_dcp_metadata`); return what they hold (torch's `Metadata`).
+
+    Raises:
+        ConfigError: naming the file and the global it refused, or a file that is not a pickle.
+    """
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if not _allowed_in_dcp_metadata(module, name):
+                raise pickle.UnpicklingError(f"Unsupported global: {module}.{name}")
+            return super().find_class(module, name)
+
+    found = []
+    for file in sorted(Path(path).glob("*.metadata")) + sorted(Path(path).glob(".metadata")):
+        try:
+            with file.open("rb") as handle:
+                found.append(Restricted(handle).load())
+        except pickle.UnpicklingError as err:
+            raise ConfigError(f"the distributed checkpoint index {str(file)!r} names `{err}`, which torch's "
+                              "checkpoint metadata never holds, so the checkpoint is not loaded: loading it could "
+                              "run code.") from None  # fmt: skip
+        except (EOFError, ValueError, TypeError, AttributeError, IndexError) as err:
+            raise ConfigError(f"the distributed checkpoint index {str(file)!r} cannot be read ({type(err).__name__}: "
+                              f"{err}): truncated or not a checkpoint; pass another checkpoint.") from None  # fmt: skip
+    return found
+
+
+def check_distributed_checkpoint(path: str | Path) -> None:
+    """Check a distributed checkpoint directory before torch or Lightning unpickles anything in it: the index
+    (`check_dcp_metadata`), every non-tensor item of every `.distcp` shard read with `weights_only=True` (torch would
+    read them with `weights_only=False`), and `meta.pt` with `weights_only=True`.
+
+    Raises:
+        ConfigError: naming the file (and item) that holds more than tensors and plain types, an item the index
+            names in a shard that is missing or short, or a transformed (compressed) item that cannot be checked.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    path = Path(path)
+    for metadata in check_dcp_metadata(path):
+        if not isinstance(metadata, Metadata):
+            raise ConfigError(f"{str(path / '.metadata')!r} is not a torch.distributed.checkpoint index.")
+        byte_items = {fqn for fqn, meta in metadata.state_dict_metadata.items()
+                      if isinstance(meta, BytesStorageMetadata)}  # fmt: skip
+        sizes: dict[str, int] = {}
+        for index, info in (metadata.storage_data or {}).items():
+            shard = path / info.relative_path
+            if info.relative_path not in sizes:
+                sizes[info.relative_path] = shard.stat().st_size if shard.is_file() else -1
+            if sizes[info.relative_path] < info.offset + info.length:
+                state = "missing" if sizes[info.relative_path] < 0 else "shorter than its index says (truncated)"
+                raise ConfigError(f"the shard {str(shard)!r} of the checkpoint {str(path)!r} is {state}: the "
+                                  "checkpoint is incomplete; pass another checkpoint.")  # fmt: skip
+            if index.fqn not in byte_items:
+                continue
+            if getattr(info, "transform_descriptors", None):
+                raise ConfigError(f"the item `{index.fqn}` of {str(shard)!r} is stored transformed "
+                                  f"({list(info.transform_descriptors)}), so it cannot be checked before it is "
+                                  "unpickled; the checkpoint is not loaded.")  # fmt: skip
+            try:
+                with shard.open("rb") as handle:
+                    handle.seek(info.offset)
+                    data = handle.read(info.length)
+            except OSError as err:
+                raise ConfigError(f"the shard {str(shard)!r} of the checkpoint {str(path)!r} cannot be read: "
+                                  f"{err}.") from None  # fmt: skip
+            if len(data) != info.length:
+                raise ConfigError(f"the shard {str(shard)!r} is shorter than its index says (truncated): the "
+                                  "checkpoint is incomplete; pass another checkpoint.")  # fmt: skip
+            try:
+                torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise ConfigError(f"the item `{index.fqn}` of the checkpoint shard {str(shard)!r} holds more than "
+                                  f"tensors and plain types ({_first_global(err)}), so the checkpoint is not loaded: "
+                                  "torch would unpickle it with weights_only=False, which could run code.") from None
+    if (path / _META_FILENAME).is_file():
+        load_metadata(path / _META_FILENAME)
