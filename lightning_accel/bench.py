@@ -267,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `accel-bench` (also `python -m lightning_accel.bench`); returns the exit code."""
     from lightning_accel.benchmark import BenchSettings, default_ladder, higher_is_better, run_bench
     from lightning_accel.benchmark.plan import PROFILES
+    from lightning_accel.benchmark.process import terminate_as_interrupt
     from lightning_accel.launch import log_root, unique_stamp
 
     parser = build_parser()
@@ -306,15 +307,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if out.is_dir() and any(out.iterdir()) and not args.overwrite:
             raise ConfigError(f"`--out={out}` already holds files (an earlier bench?); pass another `--out`, or "
                               "`--overwrite` to replace them.")  # fmt: skip
-        run = run_bench(ladder, args.overrides, settings, out.resolve(), peak_tflops=args.peak_tflops,
-                        argv=sys.argv if argv is None else ["accel-bench", *argv])  # fmt: skip
+        with terminate_as_interrupt() as received:  # SIGTERM as Ctrl-C: the stage ended, the finished runs written
+            run = run_bench(ladder, args.overrides, settings, out.resolve(), peak_tflops=args.peak_tflops,
+                            argv=sys.argv if argv is None else ["accel-bench", *argv])  # fmt: skip
     except ConfigError as err:
         print(f"accel-bench: error: {err}", file=sys.stderr)
         return 2
     if run.interrupted:
-        return 130
+        return 128 + received[0] if received else 130
     bad = [r for r in run.results if r.status == "failed" or r.quality == "FAIL"]
-    return 1 if bad else 0
+    return 1 if bad or run.write_error else 0
 
 
 if __name__ == "__main__":

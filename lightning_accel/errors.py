@@ -16,6 +16,7 @@ __all__ = [
     "LightningAccelError",
     "LightningAccelWarning",
     "NonFiniteLossError",
+    "NothingLearnedError",
     "PreflightError",
 ]
 
@@ -68,3 +69,8 @@ class PreflightError(LightningAccelError):
 
 class LightningAccelWarning(UserWarning):
     """Warnings of lightning_accel (filter them with `warnings.filterwarnings("ignore", category=...)`)."""
+
+
+class NothingLearnedError(LightningAccelError):
+    """A run that finished without learning: every `training_step` returned None, or the loss it ended on is NaN/inf.
+    accel-train exits 1 with its message instead of 0."""

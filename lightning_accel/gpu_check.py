@@ -660,19 +660,29 @@ def to_json(parts: Sequence[Part], machine: dict[str, str], facts: dict[str, obj
             "ladder": facts.get("ladder", []), "gpm": facts.get("gpm")}  # fmt: skip
 
 
+def _no_plot(stages: Sequence[dict]) -> str | None:
+    """Why gpu_check.png cannot be drawn (no stage ran, or no matplotlib), or None."""
+    if not any(s.get("status") == "ok" and s.get("samples_per_s") for s in stages):
+        return "no ladder stage ran: gpu_check.png not drawn"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "matplotlib is not installed (pip install 'lightning_accel[plot]'): gpu_check.png not drawn"
+    return None
+
+
 def plot(stages: Sequence[dict], path: Path) -> str | None:
     """gpu_check.png: each ladder stage's samples/s with its interval and speedup, the article's 6.53x as a line;
     returns why not (no stage ran, or no matplotlib)."""
-    ran = [s for s in stages if s.get("status") == "ok" and s.get("samples_per_s")]
-    if not ran:
-        return "no ladder stage ran: gpu_check.png not drawn"
-    try:
-        import matplotlib
+    note = _no_plot(stages)
+    if note is not None:
+        return note
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'lightning_accel[plot]'): gpu_check.png not drawn"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [s for s in stages if s.get("status") == "ok" and s.get("samples_per_s")]
     values = [s["samples_per_s"] for s in ran]
     intervals = [s.get("samples_interval") or {} for s in ran]
     errors = [[v - i.get("low", v) for v, i in zip(values, intervals, strict=True)],
@@ -693,7 +703,7 @@ def plot(stages: Sequence[dict], path: Path) -> str | None:
     ax.legend(fontsize=8, loc="upper left")
     ax.margins(y=0.2)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
     return None
 
@@ -701,21 +711,20 @@ def plot(stages: Sequence[dict], path: Path) -> str | None:
 def write_report(parts: Sequence[Part], ctx: CheckContext, machine: dict[str, str] | None = None) -> list[Path]:
     """Write gpu_check.md, gpu_check.json and (when there is a ladder to draw) gpu_check.png into `ctx.out_dir`,
     each written beside its target and then renamed; returns the files written."""
+    from lightning_accel.files import atomic_path, atomic_write
+
     machine = machine or _machine()
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
-    note = plot(list(ctx.facts.get("ladder") or []), ctx.out_dir / ".gpu_check.png")  # type: ignore[arg-type]
-    text = render(parts, machine) + (f"\n{note}\n" if note else "\n![ladder](gpu_check.png)\n")
-    files = []
-    for name, content in (("gpu_check.md", text),
-                          ("gpu_check.json", json.dumps(to_json(parts, machine, ctx.facts), indent=2, default=str))):
-        tmp = ctx.out_dir / f".{name}.tmp"
-        tmp.write_text(content)
-        os.replace(tmp, ctx.out_dir / name)
-        files.append(ctx.out_dir / name)
+    png, stages = ctx.out_dir / "gpu_check.png", list(ctx.facts.get("ladder") or [])  # type: ignore[call-overload]
+    note = _no_plot(stages)
     if note is None:
-        os.replace(ctx.out_dir / ".gpu_check.png", ctx.out_dir / "gpu_check.png")
-        files.append(ctx.out_dir / "gpu_check.png")
-    return files
+        with atomic_path(png) as tmp:
+            plot(stages, tmp)
+    text = render(parts, machine) + (f"\n{note}\n" if note else "\n![ladder](gpu_check.png)\n")
+    files = [atomic_write(ctx.out_dir / "gpu_check.md", text),
+             atomic_write(ctx.out_dir / "gpu_check.json", json.dumps(to_json(parts, machine, ctx.facts), indent=2,
+                                                                      default=str))]  # fmt: skip
+    return [*files, png] if note is None else files
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -306,8 +306,24 @@ def configure_optimizers(
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             config["monitor"] = monitor
         return {"optimizer": opt, "lr_scheduler": config}
-    scheduler = lr_scheduler(opt, total_steps=estimated_optimizer_steps(module.trainer))
+    total = estimated_optimizer_steps(module.trainer)
+    if total <= 0:
+        why = _why_no_steps(module.trainer)
+        raise ConfigError(f"the fit takes no optimizer step, so there is no schedule to size: {why}")
+    scheduler = lr_scheduler(opt, total_steps=total)
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+
+def _why_no_steps(trainer: pl.Trainer) -> str:
+    """Which setting leaves a fit without an optimizer step, in words."""
+    if trainer.limit_train_batches == 0:
+        return "`trainer.limit_train_batches=0`; use a count >= 1 or a fraction above 0."
+    if trainer.max_epochs == 0:
+        return "`trainer.max_epochs=0`; use -1 or a number of epochs >= 1."
+    if trainer.max_steps == 0:
+        return "`trainer.max_steps=0`; use -1 or a number of steps >= 1."
+    return (f"the train DataLoader has {trainer.num_training_batches} batches (an empty training set, or fewer "
+            "samples than one batch with `drop_last`); give the data more samples, or lower `data.batch_size`.")
 
 
 def _takes_total_steps(factory: SchedulerFactory) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import sys
 import time
 from contextlib import ExitStack
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_accel import compose
 from lightning_accel.callbacks.run_stats import RunStats
 from lightning_accel.compose import config_paths, instantiate_datamodule, split_data_config
-from lightning_accel.errors import ConfigError, LightningAccelWarning
+from lightning_accel.errors import ConfigError, LightningAccelWarning, NothingLearnedError
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.presets import (
     RunShape,
@@ -34,7 +35,11 @@ if TYPE_CHECKING:
     from lightning_accel.precision import ResolvedPrecision
 
 __all__ = [
+    "check_checkpoint_dir",
+    "check_checkpoint_fits",
     "check_ckpt_path",
+    "check_learned",
+    "check_master_port",
     "config_digest",
     "main",
     "print_check",
@@ -130,6 +135,104 @@ def check_ckpt_path(cfg: DictConfig) -> str | None:
     return str(file)
 
 
+def check_checkpoint_dir(cfg: DictConfig) -> None:
+    """The checkpoint directory can be written, before anything trains (a read-only one failed at the first save,
+    after training); what killed saves left in it is removed.
+
+    Raises:
+        ConfigError: naming `callbacks.model_checkpoint.dirpath` and the error.
+    """
+    import tempfile
+
+    from lightning_accel.strategies.checkpoint_io import remove_stale_temporaries
+
+    dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
+    if dirpath is None or "://" in str(dirpath) or not cfg.get("fit", True):
+        return
+    try:
+        Path(str(dirpath)).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=str(dirpath), prefix=".accel-write-check-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"`callbacks.model_checkpoint.dirpath={dirpath}` cannot be written ({err.strerror or err}); "
+                          "make it writable or point it elsewhere.") from None  # fmt: skip
+    removed = remove_stale_temporaries(str(dirpath))
+    if removed:
+        log.info("removed what killed saves left in %s: %s", dirpath, ", ".join(p.name for p in removed))
+
+
+def check_master_port(env: Any = None) -> None:
+    """A `MASTER_PORT` of ours that another process holds is refused before launch (the ranks waited 125 s for a
+    rendezvous that could not happen, then blamed it). Only for jobs this process launches: under torchrun or SLURM
+    the launcher owns the port.
+
+    Raises:
+        ConfigError: naming `MASTER_PORT`, the port and the fix.
+    """
+    import os
+    import socket
+
+    env = os.environ if env is None else env
+    port = env.get("MASTER_PORT")
+    if not port or any(k in env for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID")):
+        return
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"`MASTER_PORT={port}` is not a port number; unset it or use one within 1-65535.")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", int(port)))  # one node: the store listens here
+        except OSError:
+            raise ConfigError(f"`MASTER_PORT={port}` is taken by another process, so the ranks could not meet; unset "
+                              "it (Lightning picks a free port) or choose a free one.") from None  # fmt: skip
+
+
+def _trainer_setting_error(err: Exception, cfg: DictConfig, trainer: Any) -> ConfigError | None:
+    """Lightning's own refusal of a Trainer setting before the first step (`val_check_interval` beyond the epoch,
+    ...), as a ConfigError naming the config path and value, or None for any other error."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    if trainer.global_step > 0 or not isinstance(err, (ValueError, MisconfigurationException)):
+        return None
+    text = str(err).strip()
+    for name in re.findall(r"`(\w+)`", text):
+        if name in cfg.trainer:
+            return ConfigError(f"`trainer.{name}={cfg.trainer.get(name)}`: {text.splitlines()[0]}")
+    return None
+
+
+def check_checkpoint_fits(model: Any, path: str | None) -> None:
+    """The checkpoint to load holds the model's own parameters and shapes, checked before launch (another model
+    configuration failed inside Lightning's load, with a traceback of key lists). A model with `strict_loading=False`
+    is not checked.
+
+    Raises:
+        ConfigError: naming the checkpoint, what differs (a few names and shapes) and the fix.
+    """
+    if path is None or path in ("best", "last", "hpc", "registry") or not getattr(model, "strict_loading", True):
+        return
+    from lightning_accel.strategies.dcp_checks import checkpoint_shapes
+
+    theirs = checkpoint_shapes(path)
+    if theirs is None:  # a format whose parameters cannot be read without loading it
+        return
+    mine = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    missing = sorted(set(mine) - set(theirs))
+    unexpected = sorted(set(theirs) - set(mine))
+    different = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])
+    if not (missing or unexpected or different):
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of the model's parameters are not in it ({', '.join(missing[:3])}, ...)")
+    if unexpected:
+        parts.append(f"it holds {len(unexpected)} the model lacks ({', '.join(unexpected[:3])}, ...)")
+    if different:
+        shown = ", ".join(f"{n} {theirs[n]} vs the model's {mine[n]}" for n in different[:3])
+        parts.append(f"{len(different)} differ in shape ({shown})")
+    raise ConfigError(f"`ckpt_path={path}` was saved by another model configuration: {'; '.join(parts)}. Resume with "
+                      "the `model.*` settings it was trained with, or start a new run.")  # fmt: skip
+
+
 def _weights_only(method: Any) -> dict[str, bool]:
     """`weights_only=True` for Lightning's checkpoint loads where it takes the argument (Lightning >= 2.5): every
     checkpoint a run resumes or tests (`last`, `best`, SLURM's `hpc`) is loaded without running pickled code."""
@@ -175,7 +278,16 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     if compression:
         log.info(compression)
     compose.apply_nccl(cfg, job_env)
-    check_ckpt_path(cfg)
+    ckpt = check_ckpt_path(cfg)
+    if ckpt is not None and Path(ckpt).is_dir() and shape.family not in ("pipeline", "model_parallel", "fsdp",
+                                                                         "deepspeed"):  # fmt: skip
+        raise ConfigError(f"`ckpt_path={ckpt}` is a distributed checkpoint directory (saved by a pipeline or model-"
+                          f"parallel run), which `strategy={shape.family}` cannot load; resume it with the strategy "
+                          "that saved it (e.g. `preset=pipeline trainer.devices=2`), or join it into one file with "
+                          "`lightning_accel.strategies.consolidate_checkpoint(path, out)` and pass `out`.")
+    check_checkpoint_dir(cfg)
+    if (shape.distributed or (shape.world_size or 1) > 1) and shape.num_nodes == 1:
+        check_master_port()
     callbacks = compose.instantiate_callbacks(cfg)  # their own argument checks, before anything is built or spawned
     split_data_config(OmegaConf.to_container(cfg.data, resolve=True))  # a data setting its target does not take
     if cfg.get("check", False):
@@ -187,6 +299,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate_datamodule(cfg.data)  # loader settings it does not take go to its DataLoaders
     model = instantiate(cfg.model)
+    check_checkpoint_fits(model, check_ckpt_path(cfg))
     loggers = compose.instantiate_named(cfg.get("logger"))
     if not loggers:
         callbacks = _drop_logger_callbacks(callbacks)
@@ -200,9 +313,12 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     try:
         with config_paths(cfg):
             summary = _fit_and_test(cfg, trainer, model, datamodule, stats, shape, started, run_dir)
-    except ConfigError:
+    except (ConfigError, NothingLearnedError):
         raise
     except Exception as err:  # name the rank: under DDP the other ranks only see a closed connection
+        named = _trainer_setting_error(err, cfg, trainer)
+        if named is not None:
+            raise named from None
         message = f"rank {trainer.global_rank} failed at global step {trainer.global_step}: {type(err).__name__}: {err}"
         log.error(message)
         print(f"accel-train: error: {message}", file=sys.stderr, flush=True)
@@ -212,6 +328,35 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     write_summary(summary, Path(run_dir) / "summary.json")
     print_summary(summary)
     return summary
+
+
+def check_learned(trainer: Any, stats: RunStats) -> None:
+    """A fit that finished without learning is an error, not a result: every `training_step` returned None, every
+    loss was NaN/inf (so NonFiniteGuard dropped every update), or the loss it ended on is NaN/inf.
+
+    Raises:
+        NothingLearnedError: saying which, with the numbers and the usual causes.
+    """
+    import math
+
+    from lightning_accel.callbacks import NonFiniteGuard
+
+    if stats.batches and stats.batches_without_loss == stats.batches:
+        raise NothingLearnedError(f"every one of the {stats.batches} training batches ran a `training_step` that "
+                                  "returned None, so nothing was trained (Lightning skips the backward of a step "
+                                  "without a loss); return the loss from `training_step`.")  # fmt: skip
+    guard = next((cb for cb in trainer.callbacks if isinstance(cb, NonFiniteGuard)), None)
+    if guard is not None and stats.batches and guard.nonfinite_losses >= stats.batches:
+        raise NothingLearnedError(f"all {stats.batches} training batches had a non-finite loss and NonFiniteGuard "
+                                  "dropped every update: the weights are the initial ones. Lower "
+                                  "`model.optimizer.lr`, check the data for NaN/inf, or try `precision=fp32`.")
+    losses = {key: float(value) for key, value in trainer.callback_metrics.items() if "loss" in key}
+    bad = {key: value for key, value in losses.items() if not math.isfinite(value)}
+    if bad:
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(bad.items()))
+        raise NothingLearnedError(f"the fit ended with a non-finite loss ({shown}): the weights are NaN/inf or the "
+                                  "data is. Lower `model.optimizer.lr` or use `gradient_clip_val`, check the data for "
+                                  "NaN/inf, or try `precision=fp32`.")  # fmt: skip
 
 
 def _fit_and_test(
@@ -231,6 +376,7 @@ def _fit_and_test(
         if cfg.get("fit", True):
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), **_weights_only(trainer.fit))
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")})
+            check_learned(trainer, stats)
         if cfg.get("test", True):
             best = getattr(trainer.checkpoint_callback, "best_model_path", "")
             tested, ckpt = ("best", "best") if best else ("final", None)
@@ -255,6 +401,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except NothingLearnedError as err:
+        print(f"accel-train: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def main() -> None:

@@ -114,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lightning_accel.benchmark.autopilot import TuneSettings, tune
     from lightning_accel.benchmark.plan import PROFILES, profile_overrides
     from lightning_accel.benchmark.preset_file import check_preset_name
+    from lightning_accel.benchmark.process import terminate_as_interrupt
     from lightning_accel.launch import log_root, unique_stamp
 
     started = time.monotonic()
@@ -157,12 +158,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = TuneSettings(time_budget_s=args.time_budget, per_generation=args.per_generation, bench=bench,
                                 confirm_steps=args.confirm_steps, config_dir=args.config_dir.resolve(),
                                 name=args.name or model_name)  # fmt: skip
-        result = tune(args.overrides, space, settings, out, started=started)  # type: ignore[arg-type]
+        with terminate_as_interrupt() as received:  # SIGTERM as Ctrl-C: the best so far is written
+            result = tune(args.overrides, space, settings, out, started=started)  # type: ignore[arg-type]
     except ConfigError as err:
         print(f"accel-tune: error: {err}", file=sys.stderr)
         return 2
     if result.interrupted:
-        return 130
+        return 128 + received[0] if received else 130
     return 0 if result.pick is not None else 1
 
 

@@ -1,7 +1,7 @@
 """The layering of ARCHITECTURE.md, enforced: each module is imported in a fresh interpreter, and what it brought
 into `sys.modules` may hold nothing of a higher layer (this package's modules, Lightning, Hydra/OmegaConf).
 
-    facts        system/, telemetry/, measure, errors, patching, batches   ->  plain Python, torch, pynvml, psutil
+    facts        system/, telemetry/, measure, errors, patching, batches, files, signals  -> Python, torch, pynvml
     behaviour    callbacks/, strategies/, parallel/, tuning/, schedules, precision, summary, gpu_check  -> + lightning
     composition  presets, app_config, compose, launch, benchmark/, train, doctor, bench   ->  + hydra, omegaconf
 """
@@ -17,7 +17,7 @@ import pytest
 
 import lightning_accel
 
-FACTS = ("system", "telemetry", "measure", "errors", "patching", "batches")
+FACTS = ("system", "telemetry", "measure", "errors", "patching", "batches", "files", "signals")
 BEHAVIOUR = ("callbacks", "strategies", "parallel", "tuning", "schedules", "precision", "summary", "gpu_check")
 COMPOSITION = (
     "presets",

@@ -11,7 +11,6 @@ goes on; Ctrl-C stops it and the best result so far is still written.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -24,6 +23,7 @@ from lightning_accel.benchmark.process import Launcher, launch
 from lightning_accel.benchmark.results import StageResult
 from lightning_accel.benchmark.run import run_bench
 from lightning_accel.benchmark.search import Candidate, Outcome, Space, baseline, clears, incumbent, next_candidates
+from lightning_accel.files import atomic_path, atomic_write
 
 __all__ = ["TuneResult", "TuneSettings", "outcome_of", "tune"]
 
@@ -361,21 +361,14 @@ def _write_report(history: Sequence[Outcome], pick: Outcome | None, confirmed: b
         *rows, "",
         f"Preset: `preset=tuned_{settings.name}` (with `'hydra.searchpath=[file://{settings.config_dir}]'`).", "",
     ])  # fmt: skip
-    files = [_atomic(out_dir / "tune.md", text),
-             _atomic(out_dir / "tune.json", json.dumps({"stop": stop, "total_s": total_s, "confirmed": confirmed,
+    files = [atomic_write(out_dir / "tune.md", text),
+             atomic_write(out_dir / "tune.json", json.dumps({"stop": stop, "total_s": total_s, "confirmed": confirmed,
                                                         "pick": pick.candidate.name if pick else None,
                                                         "trace": trace}, indent=2, default=str) + "\n")]  # fmt: skip
     plot = _plot(history, out_dir / "tune.png")
     if plot is not None:
         files.append(plot)
     return files
-
-
-def _atomic(path: Path, text: str) -> Path:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
 
 
 def _plot(history: Sequence[Outcome], path: Path) -> Path | None:
@@ -396,8 +389,7 @@ def _plot(history: Sequence[Outcome], path: Path) -> Path | None:
     ax.barh([o.candidate.name for o in measured], values, xerr=errors, capsize=3)
     ax.set_xlabel("samples/s (median, interval)")
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
     return path

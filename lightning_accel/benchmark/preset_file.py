@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +12,7 @@ from omegaconf import OmegaConf
 
 from lightning_accel.benchmark.search import GROUPS, Candidate, Outcome
 from lightning_accel.errors import ConfigError
+from lightning_accel.files import atomic_write
 
 __all__ = ["check_preset_name", "pinned", "preset_yaml", "settled_of", "write_preset"]
 
@@ -96,7 +96,4 @@ def write_preset(config_dir: str | os.PathLike[str], name: str, candidate: Candi
     folder = Path(config_dir) / "preset"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"tuned_{name}.yaml"
-    with tempfile.NamedTemporaryFile("w", dir=folder, prefix=f".{path.name}.", delete=False) as tmp:
-        tmp.write(preset_yaml(candidate, comment))
-    os.replace(tmp.name, path)
-    return path
+    return atomic_write(path, preset_yaml(candidate, comment))

@@ -8,13 +8,14 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from lightning_accel.benchmark.results import StageRun
 from lightning_accel.measure import InterferenceProbe
 
-__all__ = ["DISTRIBUTED_ENV", "Launcher", "failure_reason", "launch", "run_once"]
+__all__ = ["DISTRIBUTED_ENV", "Launcher", "failure_reason", "launch", "run_once", "terminate_as_interrupt"]
 
 # Variables an in-process distributed run leaves behind; a child that inherits LOCAL_RANK waits for ranks forever.
 DISTRIBUTED_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -43,6 +44,23 @@ def launch(command: list[str], stage_dir: Path, timeout: float | None) -> subpro
             raise
     stderr = (stage_dir / "stderr.log").read_text() + (f"\n{note}" if note else "")
     return subprocess.CompletedProcess(command, returncode, (stage_dir / "stdout.log").read_text(), stderr)
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[list[int]]:
+    """SIGTERM handled as Ctrl-C while the block runs: the running stage's session is ended (`launch`), the runs
+    that finished are written, and the caller exits 128 + N. Yields the signals received (empty: none)."""
+    received: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _kill_group(pgid: int) -> None:

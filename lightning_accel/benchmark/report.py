@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import math
 from collections.abc import Sequence
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_accel.benchmark.results import StageResult, counted_runs
+from lightning_accel.files import atomic_path, atomic_write
 
 __all__ = [
     "CSV_COLUMNS",
@@ -187,7 +190,7 @@ def plot(results: Sequence[StageResult], path: Path, title: str, by: str = "time
     ax.set_title(title, fontsize=10)
     ax.margins(y=0.25)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
     return None
 
@@ -195,16 +198,31 @@ def plot(results: Sequence[StageResult], path: Path, title: str, by: str = "time
 def write_outputs(
     results: Sequence[StageResult], out_dir: Path, header: dict[str, Any], table: str, title: str
 ) -> tuple[list[Path], str | None]:
-    """Write bench.md, bench.csv, bench.json and bench.png into `out_dir`; returns the files and a note (no PNG)."""
+    """Write bench.md, bench.csv, bench.json and bench.png into `out_dir`, each whole or not at all (written beside
+    its target, then renamed: a full disk leaves the earlier file, never a truncated one); returns the files and a
+    note (no PNG).
+
+    Raises:
+        OSError: of the first file that could not be written; the ones before it are written.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = [out_dir / "bench.md", out_dir / "bench.csv", out_dir / "bench.json"]
-    files[0].write_text(f"# {title}\n\n{table}\n")
-    with files[1].open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(_csv_row(r) for r in results)
-    files[2].write_text(json.dumps(to_json(results, header), indent=2, default=str) + "\n")
-    note = plot(results, out_dir / "bench.png", title, by=header.get("settings", {}).get("speedup_by", "time"))
+    rows = io.StringIO(newline="")
+    writer = csv.DictWriter(rows, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    writer.writerows(_csv_row(r) for r in results)
+    files = [atomic_write(out_dir / "bench.md", f"# {title}\n\n{table}\n"),
+             atomic_write(out_dir / "bench.csv", rows.getvalue()),
+             atomic_write(out_dir / "bench.json", json.dumps(to_json(results, header), indent=2, default=str) + "\n")]
+    by = header.get("settings", {}).get("speedup_by", "time")
+    note: str | None = None
+    with contextlib.suppress(_NotDrawn), atomic_path(out_dir / "bench.png") as tmp:
+        note = plot(results, tmp, title, by=by)
+        if note is not None:
+            raise _NotDrawn  # the temporary file is removed; an earlier bench.png stays
     if note is None:
         files.append(out_dir / "bench.png")
     return files, note
+
+
+class _NotDrawn(Exception):
+    """Raised inside `atomic_path` to drop a picture that could not be drawn."""

@@ -17,6 +17,7 @@ from lightning_accel.benchmark.plan import BenchSettings, StagePlan, describe_ch
 from lightning_accel.benchmark.process import Launcher, launch, run_once
 from lightning_accel.benchmark.report import markdown_table, write_outputs
 from lightning_accel.benchmark.results import StageResult, StageRun, finalize
+from lightning_accel.files import remove_stale_temporaries
 from lightning_accel.measure import InterferenceProbe, nvml_compute_pids
 
 __all__ = ["BenchRun", "busy_note", "run_bench"]
@@ -33,7 +34,9 @@ class BenchRun:
     total_s: float = 0.0
     header: dict[str, Any] = field(default_factory=dict)
     interrupted: bool = False
-    """Ctrl-C stopped the bench: the outputs hold the runs that finished."""
+    """Ctrl-C or SIGTERM stopped the bench: the outputs hold the runs that finished."""
+    write_error: str = ""
+    """Why the report files could not be written (a full disk), or empty."""
 
 
 def _machine() -> dict[str, Any]:
@@ -139,6 +142,7 @@ def run_bench(
         ConfigError: for an unknown stage or overrides that do not compose, before any stage runs.
     """
     started = time.perf_counter()
+    remove_stale_temporaries(out_dir)  # what a killed earlier bench left half-written here
     machine = _machine()  # before any stage: the load average is the others' load, not ours
     plans, seed = plan_stages(ladder, overrides, settings, out_dir, stage_extra=stage_extra)
     changes = describe_changes(plans)
@@ -187,10 +191,16 @@ def run_bench(
         "total_s": total_s,
         "interrupted": interrupted,
     }
-    files, note = write_outputs(results, out_dir, header, table, title)
     footer = (f"Speedup over `{reference.name}`" if reference else "No stage ran") + \
         f"; {settings.repeats} round(s), medians [interval]; total {total_s:.1f} s."  # fmt: skip
-    echo(f"\n{title}\n\n{table}\n\n{footer}")
+    echo(f"\n{title}\n\n{table}\n\n{footer}")  # first: a report that cannot be written still shows the table
+    try:
+        files, note = write_outputs(results, out_dir, header, table, title)
+        write_error = ""
+    except OSError as err:  # a full disk: each file is whole or absent, never truncated
+        files, note = [p for p in (out_dir / f"bench.{x}" for x in ("md", "csv", "json", "png")) if p.is_file()], None
+        write_error = f"the report could not be written into {out_dir} ({err.strerror or err}); the table above is it"
+        echo(f"accel-bench: error: {write_error}")
     flagged = [r.name for r in results if r.interference]
     lines = [note, busy_note(machine)]
     if flagged:
@@ -200,6 +210,5 @@ def run_bench(
         if line:
             echo(f"accel-bench: note: {line}")
     echo(f"accel-bench: wrote {', '.join(str(f) for f in files)}")
-    return BenchRun(
-        results=results, table=table, files=files, note=note, total_s=total_s, header=header, interrupted=interrupted
-    )
+    return BenchRun(results=results, table=table, files=files, note=note, total_s=total_s, header=header,
+                    interrupted=interrupted, write_error=write_error)  # fmt: skip

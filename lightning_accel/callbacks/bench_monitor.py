@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,6 +17,7 @@ from typing_extensions import override
 
 from lightning_accel.batches import data_parallel_replicas, samples_in
 from lightning_accel.errors import ConfigError
+from lightning_accel.files import atomic_write
 
 __all__ = ["BenchMonitor", "StageMeasurement"]
 
@@ -412,11 +412,7 @@ class BenchMonitor(Callback):
             self._energy_step("close")
             self._energy = None
         if self.output_path and trainer.is_global_zero:
-            path = Path(self.output_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_text(json.dumps(asdict(m), indent=2, sort_keys=True) + "\n")
-            os.replace(tmp, path)
+            atomic_write(self.output_path, json.dumps(asdict(m), indent=2, sort_keys=True) + "\n")
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

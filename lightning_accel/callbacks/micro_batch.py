@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_accel.batches import loader_batch_size, samples_in
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.patching import patch_attribute
+from lightning_accel.signals import raise_if_signalled
 from lightning_accel.tuning.micro_batch import (
     MicroBatchSearch,
     MicroBatchTooLargeError,
@@ -201,6 +202,7 @@ class MicroBatchFinder(Callback):
         cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
 
         def try_size(size: int) -> int | None:
+            raise_if_signalled("MicroBatchFinder's search")  # a stop signal ends the search at its next trial
             part = batch if size >= n else split_batch(batch, [size, n - size])[0]
             if cuda:
                 torch.cuda.synchronize(device)

@@ -19,24 +19,18 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_accel.errors import ConfigError
+from lightning_accel.signals import SignalExit, clear_signal, note_signal, pending_signal
 
 __all__ = [
     "SignalExit",
     "StopOnSignal",
     "agree",
     "parse_signals",
+    "pending_signal",
 ]
 
 _DUPLICATE_S = 1.0  # a second signal this soon after the first is the same event (a terminal's Ctrl-C reaches every
 # rank, and rank 0 forwards it too), not a user insisting
-
-
-class SignalExit(SystemExit):
-    """Raised on every rank at the step where the ranks agreed to stop; the process exits with 128 + the signal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(128 + signum)
-        self.signum = signum
 
 
 def parse_signals(names: Sequence[str | int]) -> list[int]:
@@ -102,10 +96,13 @@ class StopOnSignal(Callback):
        runs `grace_s` after the signal, or after the agreement (the save counts from there): a rank stuck in data
        loading, a collective with a dead peer, a long validation.
 
-    Under one process a signal during validation, test or predict stops at the next batch (without a new checkpoint:
-    the last one stays); under several, training stops at the next closed window and other stages by the watchdog.
-    Not covered: a signal in the short time between Lightning registering its handlers and the first stage hook
-    (data set-up when resuming without a sanity check), where Lightning's own handler still runs.
+    The handler is installed in `setup`, before anything slow runs (the DataLoaderTuner's trials in `on_fit_start`,
+    MicroBatchFinder's search, compiling at the first forward, the sanity check), and Lightning's own SIGTERM handler
+    is never registered while it runs (its registration is patched to leave ours in place). A signal before the
+    training loop ends the tuner's or the search's work at its next step (`pending_signal`), and on more than one
+    rank the watchdog bounds anything else (a compile). Under one process a signal during validation, test or predict
+    stops at the next batch (without a new checkpoint: the last one stays); under several, training stops at the next
+    closed window and other stages by the watchdog.
 
     Logs:
         nothing; the stop is reported at INFO.
@@ -157,11 +154,13 @@ class StopOnSignal(Callback):
         self._deadline: float | None = None  # when the watchdog ends this rank (monotonic seconds)
         self._watchdog: threading.Thread | None = None
         self._stop_watchdog = threading.Event()
+        self._patches: ExitStack | None = None  # the undo of the patch of Lightning's signal registration
         self._exit_with = 0  # the agreed stop's signal, raised at the next hook, once the step's metrics are logged
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_handlers=None, _trainer=None, _group=None, _watchdog=None, _stage=None, _stop_watchdog=None)
+        state.update(_handlers=None, _trainer=None, _group=None, _watchdog=None, _stage=None, _stop_watchdog=None,
+                     _patches=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -182,6 +181,38 @@ class StopOnSignal(Callback):
         self._requeue_signal = None
         if self.requeue_on_slurm and getattr(environment, "auto_requeue", False):
             self._requeue_signal = int(environment.requeue_signal)  # type: ignore[attr-defined]
+        self._install(stage)  # before on_fit_start: the tuner's trials, a search, compiling, the sanity check
+        self._keep_lightning_off(trainer)
+
+    def _keep_lightning_off(self, trainer: pl.Trainer) -> None:
+        """Lightning registers its SIGTERM handler after `on_fit_start` (it would broadcast inside the handler and
+        exit 0): its registration is patched to leave ours in place (and to register only SLURM's requeue handler
+        when this callback leaves requeueing to Lightning). Undone at teardown and on an exception."""
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is None or self._patches is not None:
+            return
+        from lightning_accel.patching import patch_attribute
+
+        original = connector.register_signal_handlers
+
+        def register() -> None:
+            connector.received_sigterm = False
+            if not self.requeue_on_slurm:  # Lightning's SIGUSR1 requeue, then ours back on SIGTERM
+                original()
+                connector._original_handlers.pop(signal.SIGTERM, None)
+            self._reassert()
+
+        self._patches = ExitStack()
+        self._patches.callback(patch_attribute(connector, "register_signal_handlers", register,
+                                               why="StopOnSignal's handler for the whole run"))  # fmt: skip
+
+    def _reassert(self) -> None:
+        """Our handler on every signal we took over, where something replaced it since `_install`."""
+        if self._handlers is None or threading.current_thread() is not threading.main_thread():
+            return
+        for number in dict.fromkeys([*self.signals, *([self._requeue_signal] if self._requeue_signal else [])]):
+            if signal.getsignal(number) != self._on_signal:
+                signal.signal(number, self._on_signal)
 
     def _install(self, stage: str) -> None:
         if self._handlers is not None or threading.current_thread() is not threading.main_thread():
@@ -206,9 +237,14 @@ class StopOnSignal(Callback):
         if self._handlers is not None and (stage is None or stage == self._stage):
             self._handlers.close()
             self._handlers, self._stage = None, None
+            if not self.received:
+                clear_signal()
             if not self.received and self._watchdog is not None:  # after a signal it guards the way out
                 self._stop_watchdog.set()
                 self._watchdog = None
+        if stage is None and self._patches is not None:
+            self._patches.close()
+            self._patches = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """Only notes the signal: no collective, no I/O, no lock (it runs between two bytecodes of the main thread)."""
@@ -222,6 +258,7 @@ class StopOnSignal(Callback):
                 raise KeyboardInterrupt
             return  # a repeat (rank 0's forwarded copy, a scheduler's reminder) changes nothing
         self.received, self._received_at = signum, now
+        note_signal(signum)
         if signum != signal.SIGINT:  # a terminal's Ctrl-C reaches every rank already; `kill` reaches one
             trainer = self._trainer
             launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
@@ -332,6 +369,7 @@ class StopOnSignal(Callback):
         if not self._exit_with:
             return
         signum, self._exit_with = self._exit_with, 0
+        clear_signal()
         _flush_loggers(trainer)
         raise SignalExit(signum)
 

@@ -7,7 +7,6 @@ import errno
 import os
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -18,12 +17,15 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_accel.files import atomic_path
+
 __all__ = [
     "AtomicCheckpointIO",
     "atomic_torch_save",
     "hidden_name",
     "recover_directory",
     "remove_stale_staging",
+    "remove_stale_temporaries",
     "replace_directory",
     "staging_path",
 ]
@@ -40,27 +42,8 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
     `path`: a reader sees the old file or the new one, never a part. On any failure (a full disk, a signal) the
     temporary file is removed and `path` is as it was."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f"{hidden_name(target.name)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # the rename itself survives a power loss once the directory entry is on disk
-        dir_fd = os.open(target.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+    with atomic_path(target, prefix=hidden_name(target.name), fsync=True) as tmp:
+        torch.save(obj, tmp)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -154,6 +137,19 @@ def remove_stale_staging(path: Path) -> None:
         stale += path.parent.glob(f"{hidden_name(path.name)}.old-*")
     for leftover in stale:
         shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(directory: _PATH) -> list[Path]:
+    """Remove what killed saves left in a checkpoint directory: `atomic_torch_save`'s hidden `.<name>.<id>.tmp` files
+    and `.<name>.saving-<id>` staging directories. Call it before a run starts saving there (no save of its own is
+    under way); returns what it removed."""
+    from lightning_accel.files import remove_stale_temporaries as remove_files
+
+    folder = Path(directory)
+    stale = [p for p in folder.glob(".*.saving-*") if p.is_dir()] if folder.is_dir() else []
+    for leftover in stale:
+        shutil.rmtree(leftover, ignore_errors=True)
+    return [*remove_files(folder), *stale]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

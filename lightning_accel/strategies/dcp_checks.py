@@ -19,7 +19,7 @@ import torch
 
 from lightning_accel.errors import ConfigError
 
-__all__ = ["check_dcp_metadata", "check_distributed_checkpoint", "load_metadata"]
+__all__ = ["check_dcp_metadata", "check_distributed_checkpoint", "checkpoint_shapes", "load_metadata"]
 
 _DCP_MODULES = ("torch.distributed.checkpoint.",)
 _PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
@@ -152,3 +152,24 @@ def check_distributed_checkpoint(path: str | Path) -> None:
                                   "torch would unpickle it with weights_only=False, which could run code.") from None
     if (path / _META_FILENAME).is_file():
         load_metadata(path / _META_FILENAME)
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]] | None:
+    """Parameter name -> shape of the model a checkpoint holds, read without unpickling anything unchecked: a
+    `torch.save` file memory-mapped with `weights_only=True`, or a distributed checkpoint's index (its
+    `state_dict.<name>` entries, whose sizes are the full tensors' whatever the sharding). None when it holds no
+    `state_dict`."""
+    path = Path(path)
+    if path.is_dir():
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        shapes = {}
+        for metadata in check_dcp_metadata(path):
+            for fqn, meta in getattr(metadata, "state_dict_metadata", {}).items():
+                if fqn.startswith("state_dict.") and isinstance(meta, TensorStorageMetadata):
+                    shapes[fqn.removeprefix("state_dict.")] = tuple(meta.size)
+        return shapes or None
+    state = load_metadata(path, mmap=True).get("state_dict")
+    if not isinstance(state, dict):
+        return None
+    return {name: tuple(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}

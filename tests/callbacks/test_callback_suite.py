@@ -95,7 +95,7 @@ CASES: dict[str, Case] = {
         stateless="parallelizes the model again in every fit's `configure_model`",
     ),
     "Preflight": Case(lambda mp: callbacks.Preflight(), stateless="checks the machine again before every fit"),
-    "RunStats": Case(lambda mp: callbacks.RunStats(), stateless="counts and times one fit for its summary"),
+    "RunStats": Case(lambda mp: callbacks.RunStats(), observe=lambda cb: cb.state_dict()),  # the accumulation
     "SkippedStepGuard": Case(
         lambda mp: callbacks.SkippedStepGuard(),
         model=lambda: InfGradModel(inf_batches=(1,)),

@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_accel.files import atomic_write
 from lightning_accel.tuning.dataloader.decision import TunerDecision
 
 __all__ = ["DecisionCache", "default_cache_dir", "fingerprint"]
@@ -56,12 +56,4 @@ class DecisionCache:
             self._write(entries)
 
     def _write(self, entries: Mapping[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"version": 1, "entries": dict(entries)}, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(self.path, json.dumps({"version": 1, "entries": dict(entries)}, indent=1, sort_keys=True))

@@ -14,6 +14,8 @@ import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_accel.signals import pending_signal
+
 __all__ = ["LoaderSettings", "Status", "Sync", "Trial", "TrialError", "batch_nbytes", "frozen_rng", "loader_settings",
            "rebuild_loader", "run_trial", "trial_window"]  # fmt: skip
 
@@ -184,6 +186,15 @@ def _shutdown(iterator: Any) -> None:
         shutdown()
 
 
+def _stop_if_signalled(signum: float) -> None:
+    """`SignalExit` on every rank when any rank has a stop signal pending (the value came through `sync`)."""
+    if signum:
+        from lightning_accel.signals import SignalExit, clear_signal
+
+        clear_signal()
+        raise SignalExit(int(signum))
+
+
 def trial_window(workers: int, warmup_steps: int, steps_per_trial: int, batches: int) -> tuple[int, int]:
     """(warm-up, timed) steps of a trial with `workers` on a loader of `batches` batches.
 
@@ -220,7 +231,9 @@ def run_trial(
         TrialError: on every rank, when building, iterating or stepping failed on any rank.
     """
     trial = Trial(settings=settings, samples_per_batch=samples_per_batch)
-    if sync([float(clock() >= deadline)])[0]:
+    late, signalled = sync([float(clock() >= deadline), float(pending_signal())])
+    _stop_if_signalled(signalled)
+    if late:
         trial.status, trial.note = "time", "out of time"
         return trial
     error: BaseException | None = None
@@ -257,9 +270,9 @@ def run_trial(
                     error = err
             if (index + 1) % check and index + 1 < steps:
                 continue
-            slowest, late, failed, ended = sync([timed, float(clock() >= deadline), float(error is not None),
-                                                 float(exhausted)])  # fmt: skip
-            if failed or ended or index + 1 == steps:
+            slowest, late, failed, ended, signalled = sync([timed, float(clock() >= deadline), float(error is not None),
+                                                            float(exhausted), float(pending_signal())])  # fmt: skip
+            if failed or ended or signalled or index + 1 == steps:
                 break
             if cut_s_per_step is not None and slowest > (index + 1) * cut_s_per_step:
                 trial.status, trial.note = "cut", "cut"
@@ -273,8 +286,9 @@ def run_trial(
         except Exception as err:  # reported to every rank by the collective below, like a failed step
             error = error or err
     median = sorted(computes)[len(computes) // 2] if computes else 0.0
-    seconds, wait_s, startup_s, fewest, step_s, failed = sync([timed, wait, trial.startup_s, -done, median,
-                                                               float(error is not None)])  # fmt: skip
+    seconds, wait_s, startup_s, fewest, step_s, failed, signalled = sync([
+        timed, wait, trial.startup_s, -done, median, float(error is not None), float(pending_signal())])  # fmt: skip
+    _stop_if_signalled(signalled)  # every rank together: a stop signal on any of them ends the trials
     if failed:
         raise TrialError(f"DataLoader trial {settings} failed: {error!r}" if error else
                          f"DataLoader trial {settings} failed on another rank") from error  # fmt: skip
