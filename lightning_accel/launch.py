@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = [
+    "MAX_RUN_ID",
     "check_output_root",
     "child_rank_command",
     "external_rank_job_name",
@@ -45,6 +46,8 @@ __all__ = [
     "unique_stamp",
 ]
 
+MAX_RUN_ID = 200
+"""The longest run id (`ACCEL_RUN_ID` & co) a run directory is named after."""
 _PROCESS_TOKEN = secrets.token_hex(3)  # one per process: two runs started in the same second get two directories
 
 log = logging.getLogger(__name__)
@@ -205,6 +208,9 @@ def external_run_id(default: str, env: Mapping[str, str] | None = None) -> str:
     for key, value in candidates:
         if value and value != "none":
             safe = re.sub(r"[^A-Za-z0-9._-]", "_", value)
+            if len(safe) > MAX_RUN_ID:  # a file name is at most 255 bytes; the run directory adds a stamp and more
+                raise ConfigError(f"`{key}` is {len(safe)} characters long; a run id names one directory, so keep it "
+                                  f"to {MAX_RUN_ID} (e.g. the job id).")  # fmt: skip
             if not safe.strip("."):
                 raise ConfigError(f"`{key}={value!r}` cannot name a run directory; use letters, digits, `.`, `_` or "
                                   "`-` (e.g. the job id).")  # fmt: skip
@@ -244,6 +250,7 @@ def check_output_root(argv: Sequence[str], env: Mapping[str, str] | None = None)
     """
     env = os.environ if env is None else env
     log_root(env)
+    external_run_id("check", env)  # ACCEL_RUN_ID & co: refused here, before Hydra resolves the run directory
     if any(arg in _NO_RUN_FLAGS or arg.startswith("--cfg=") for arg in argv):
         return
     multirun = any(arg in ("-m", "--multirun") for arg in argv)

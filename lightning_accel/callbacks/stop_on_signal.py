@@ -99,10 +99,11 @@ class StopOnSignal(Callback):
     The handler is installed in `setup`, before anything slow runs (the DataLoaderTuner's trials in `on_fit_start`,
     MicroBatchFinder's search, compiling at the first forward, the sanity check), and Lightning's own SIGTERM handler
     is never registered while it runs (its registration is patched to leave ours in place). A signal before the
-    training loop ends the tuner's or the search's work at its next step (`pending_signal`), and on more than one
-    rank the watchdog bounds anything else (a compile). Under one process a signal during validation, test or predict
-    stops at the next batch (without a new checkpoint: the last one stays); under several, training stops at the next
-    closed window and other stages by the watchdog.
+    first training batch of a new fit has ended, when there is nothing to save, ends the process at once with
+    `SignalExit` (from the handler: a compile or a tuner's trial does not hold it; rank 0 forwards the signal, so
+    every rank ends); the tuner's trials and the search also check `pending_signal` between steps. Under one process
+    a signal during validation, test or predict stops at the next batch (without a new checkpoint: the last one
+    stays); under several, training stops at the next closed window and other stages by the watchdog.
 
     Logs:
         nothing; the stop is reported at INFO.
@@ -155,6 +156,7 @@ class StopOnSignal(Callback):
         self._watchdog: threading.Thread | None = None
         self._stop_watchdog = threading.Event()
         self._patches: ExitStack | None = None  # the undo of the patch of Lightning's signal registration
+        self._before_training = False  # from setup to the first training batch's end of a fit: nothing to save
         self._exit_with = 0  # the agreed stop's signal, raised at the next hook, once the step's metrics are logged
 
     def __getstate__(self) -> dict[str, Any]:
@@ -181,6 +183,7 @@ class StopOnSignal(Callback):
         self._requeue_signal = None
         if self.requeue_on_slurm and getattr(environment, "auto_requeue", False):
             self._requeue_signal = int(environment.requeue_signal)  # type: ignore[attr-defined]
+        self._before_training = stage == "fit" and trainer.global_step == 0 and not self.received
         self._install(stage)  # before on_fit_start: the tuner's trials, a search, compiling, the sanity check
         self._keep_lightning_off(trainer)
 
@@ -266,6 +269,9 @@ class StopOnSignal(Callback):
                 if callable(getattr(proc, "poll", None)) and proc.poll() is None:  # ddp's Popen (spawn: none here)
                     proc.send_signal(signum)
         self._deadline = now + self.grace_s
+        if self._before_training:  # nothing trained yet, so nothing to save: end now (a compile would hold it)
+            self._uninstall()
+            raise SignalExit(signum)
 
     def _watch(self) -> None:
         while not self._stop_watchdog.wait(0.25):
@@ -338,6 +344,7 @@ class StopOnSignal(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._before_training = False  # from here a stop saves a checkpoint at a step all ranks agree on
         if not _window_closed(trainer):  # stopping mid-accumulation would resume with a part of the window's gradients
             return
         signum, requeue = self.received, self._requeue

@@ -5,10 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+import stat
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from lightning_accel.errors import LightningAccelWarning
 from lightning_accel.files import atomic_write
 from lightning_accel.tuning.dataloader.decision import TunerDecision
 
@@ -26,18 +30,61 @@ def fingerprint(facts: Mapping[str, Any]) -> str:
 
 
 class DecisionCache:
-    """Decisions in one JSON file, keyed by fingerprint; written atomically (a temporary file, then a rename)."""
+    """Decisions in one JSON file, keyed by fingerprint; written atomically (a temporary file, then a rename), each
+    read-modify-write under an exclusive lock on `<file>.lock` (concurrent runs each keep their entries). Entries are
+    checked like user input (`TunerDecision.from_dict`). A cache file (or its folder) that other users may write, or
+    that another user owns, is not used: a warning says so once, and the tuner tunes as without a cache."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._refused: str | None = None
+
+    def _unsafe(self) -> str | None:
+        """Why the cache file must not be trusted (writable by others, owned by someone else), or None."""
+        if not hasattr(os, "getuid"):
+            return None
+        for target in (self.path, self.path.parent):
+            try:
+                info = target.stat()
+            except OSError:
+                continue
+            if info.st_mode & stat.S_IWOTH and not (target.is_dir() and info.st_mode & stat.S_ISVTX):
+                return f"{target} is writable by every user"
+            if info.st_uid not in (os.getuid(), 0) and target == self.path:
+                return f"{target} belongs to another user (uid {info.st_uid})"
+        return None
 
     def _entries(self) -> dict[str, Any]:
+        why = self._unsafe()
+        if why is not None:
+            if self._refused != why:
+                self._refused = why
+                warnings.warn(f"DataLoaderTuner: the decision cache is not used: {why}, so any entry in it could have "
+                              "been planted; fix its permissions (chmod go-w) or set `cache_dir` to a folder of your "
+                              "own.", LightningAccelWarning, stacklevel=3)  # fmt: skip
+            return {}
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}
         entries = data.get("entries") if isinstance(data, dict) else None
         return entries if isinstance(entries, dict) else {}  # a file of another shape counts as empty
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive lock on `<file>.lock` for a read-modify-write (none where fcntl is missing)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            import fcntl
+        except ImportError:  # Windows
+            yield
+            return
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
     def get(self, key: str, max_workers: int) -> TunerDecision | None:
         """The valid decision under `key` (`TunerDecision.from_dict`), or None: a miss, tuned again."""
@@ -47,13 +94,16 @@ class DecisionCache:
         return TunerDecision.from_dict(entry, fingerprint=key, max_workers=max_workers)
 
     def put(self, decision: TunerDecision) -> None:
-        self._write({**self._entries(), decision.fingerprint: decision.as_dict()})
+        with self._locked():
+            if self._unsafe() is None:
+                self._write({**self._entries(), decision.fingerprint: decision.as_dict()})
 
     def remove(self, key: str) -> None:
         """Drop the entry under `key` (a decision that failed its verification), if there is one."""
-        entries = self._entries()
-        if entries.pop(key, None) is not None:
-            self._write(entries)
+        with self._locked():
+            entries = self._entries()
+            if entries.pop(key, None) is not None:
+                self._write(entries)
 
     def _write(self, entries: Mapping[str, Any]) -> None:
         atomic_write(self.path, json.dumps({"version": 1, "entries": dict(entries)}, indent=1, sort_keys=True))

@@ -10,7 +10,10 @@ from typing import Any
 
 from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
 
-__all__ = ["TunerDecision"]
+MAX_PREFETCH_FACTOR = 64
+"""The most batches per worker a cached decision may keep in flight (the tuner tries at most a few)."""
+
+__all__ = ["MAX_PREFETCH_FACTOR", "TunerDecision"]
 
 _KEYS = ("fingerprint", "settings", "samples_per_s", "wait_share")
 
@@ -62,9 +65,10 @@ class TunerDecision:
     def from_dict(cls, entry: object, *, fingerprint: str, max_workers: int) -> TunerDecision | None:
         """The decision an entry holds, or None when it is not one for `fingerprint` with valid fields.
 
-        Checked: the keys are there; `num_workers` is an int in 0..`max_workers`; `prefetch_factor` is an int >= 1
-        with workers and None without; `pin_memory`/`persistent_workers` are bools (persistent only with workers);
-        `samples_per_s` is a finite number >= 0, `wait_share` within 0..1, `speedup` None or a finite number > 0.
+        Checked: the keys are there; `num_workers` is an int in 0..`max_workers`; `prefetch_factor` is an int in
+        1..`MAX_PREFETCH_FACTOR` with workers and None without; `pin_memory`/`persistent_workers` are bools
+        (persistent only with workers); `samples_per_s` is a finite number >= 0, `wait_share` within 0..1, `speedup`
+        None or a finite number > 0.
         """
         if not isinstance(entry, Mapping) or any(k not in entry for k in _KEYS) or entry["fingerprint"] != fingerprint:
             return None
@@ -74,8 +78,9 @@ class TunerDecision:
         workers, prefetch = raw["num_workers"], raw["prefetch_factor"]
         if not _is_int(workers) or not 0 <= workers <= max_workers:
             return None
-        if (workers == 0 and prefetch is not None) or (workers > 0 and not (_is_int(prefetch) and prefetch >= 1)):
-            return None
+        if (workers == 0 and prefetch is not None) or (workers > 0 and not (_is_int(prefetch) and
+                                                                              1 <= prefetch <= MAX_PREFETCH_FACTOR)):
+            return None  # bounded like a setting a user writes: 10**9 batches in flight hung a run for 12 minutes
         if not all(isinstance(raw[k], bool) for k in ("pin_memory", "persistent_workers")):
             return None
         if raw["persistent_workers"] and workers == 0:
