@@ -124,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     timeout = args.stage_timeout if args.stage_timeout is not None else (profile.stage_timeout_s if profile else 300.0)
     try:
         check_profile(args.profile)
+        if not 0 < timeout < math.inf:
+            raise ConfigError(f"`--stage-timeout={timeout}` must be a finite number of seconds > 0.")
         for flag, value in (("--steps", steps), ("--repeats", args.repeats),
                             ("--per-generation", args.per_generation)):  # fmt: skip
             if value < 1:
@@ -147,8 +149,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print_space(space, args.name or model_name, args.config_dir)
             return 0
         out.mkdir(parents=True, exist_ok=True)
-        if not 0 < timeout < math.inf:
-            raise ConfigError(f"`--stage-timeout={timeout}` must be a finite number of seconds > 0.")
         space, model_name = detect_space([*profile_overrides(args.profile, args.overrides), *args.overrides], out)
         # the same samples for every candidate (a DDP or accumulation candidate runs fewer steps): the quality gate
         # compares runs over the same data, and samples/s is the throughput

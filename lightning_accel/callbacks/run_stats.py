@@ -90,7 +90,7 @@ class RunStats(Callback):
     ) -> None:
         self.samples += samples_in(batch) * data_parallel_replicas(trainer)
         self.batches += 1
-        self.batches_without_loss += outputs is None
+        self.batches_without_loss += not outputs  # None, or Lightning's empty result of a step without a loss
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
