@@ -72,5 +72,5 @@ class LightningAccelWarning(UserWarning):
 
 
 class NothingLearnedError(LightningAccelError):
-    """A run that finished without learning: every `training_step` returned None, or the loss it ended on is NaN/inf.
-    accel-train exits 1 with its message instead of 0."""
+    """A run that ended without a result to keep: every `training_step` returned None, the loss it ended on is
+    NaN/inf, or its run directory was removed under it. accel-train exits 1 with the message (no traceback)."""

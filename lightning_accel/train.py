@@ -319,6 +319,10 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
         named = _trainer_setting_error(err, cfg, trainer)
         if named is not None:
             raise named from None
+        if isinstance(err, FileNotFoundError) and not Path(run_dir).exists():
+            raise NothingLearnedError(f"the run directory {run_dir} was removed while the run was going (at global "
+                                      f"step {trainer.global_step}: {err}); its checkpoints and logs went with it. "
+                                      "Start the run again in a directory that stays.") from None  # fmt: skip
         message = f"rank {trainer.global_rank} failed at global step {trainer.global_step}: {type(err).__name__}: {err}"
         log.error(message)
         print(f"accel-train: error: {message}", file=sys.stderr, flush=True)

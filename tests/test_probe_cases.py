@@ -475,3 +475,29 @@ def test_unit_resuming_with_another_accumulation_warns(tmp_path: Path) -> None:
     with pytest.warns(LightningAccelWarning, match="accumulated accumulate_grad_batches=1 and now accumulates "
                                                    "accumulate_grad_batches=2"):  # fmt: skip
         second.fit(TinyRegression(), tiny_loader(64), ckpt_path=tmp_path / "a.ckpt", weights_only=True)
+
+
+_DELETE = """
+import shutil
+
+import lightning.pytorch as pl
+
+
+class Delete(pl.Callback):
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 3:
+            shutil.rmtree(self.path, ignore_errors=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_run_directory_removed_under_the_run_is_named(tmp_path: Path) -> None:
+    (tmp_path / "delmod.py").write_text(_DELETE)
+    run = tmp_path / "run"
+    done = _train([*SMOKE, "+callbacks.del._target_=delmod.Delete", f"+callbacks.del.path={run}",
+                   f"hydra.run.dir={run}"], tmp_path, env={"PYTHONPATH": str(tmp_path)})  # fmt: skip
+    assert done.returncode == 1 and f"the run directory {run} was removed while the run was going" in done.stderr
+    assert "Traceback" not in done.stderr
