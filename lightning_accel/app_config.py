@@ -19,7 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from lightning_accel.presets import check_config, count_devices
+from lightning_accel.checks import check_config
+from lightning_accel.run_plan import count_devices
 
 __all__ = ["GROUP_CALLBACKS", "UNREAD_KEYS", "check_app_config"]
 
@@ -40,8 +41,8 @@ from what the option says."""
 UNREAD_KEYS: dict[str, tuple[str, str]] = {
     "scheduler": ("model.scheduler", "write `scheduler: ${oc.select:scheduler,null}` in your model config (README, "
                   "\"From lightning-hydra-template\", step 2), so the model builds the schedule the group chose"),
-    "ddp_grad_compression": ("", "call `lightning_accel.presets.apply_ddp_grad_compression(cfg)` before you "
-                             "instantiate `cfg.trainer` (accel-train does), or leave it at `none`"),
+    "ddp_grad_compression": ("", "instantiate the Trainer with `**lightning_accel.run_plan.build_run_plan(cfg)."
+                             "trainer_kwargs(cfg)` (accel-train does), or leave it at `none`"),
 }  # fmt: skip
 """Top-level keys this package's groups write -> (where an app's model usually expects it, how to read it). A chosen
 value that no interpolation in the app's config reads is a warning."""
@@ -160,7 +161,7 @@ def _plain(value: Any) -> Any:
 
 def _devices_here(cfg: DictConfig, devices: Any) -> str:
     """How many processes `devices` means on this machine, in words."""
-    from lightning_accel.presets import run_shape
+    from lightning_accel.run_plan import run_shape
 
     count = count_devices(devices)
     if count is None:

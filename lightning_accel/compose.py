@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
@@ -30,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lightning_accel.app_config import check_app_config
 from lightning_accel.errors import ConfigError, ConfigTypeError
 from lightning_accel.launch import hydra_safe_launch
-from lightning_accel.presets import runs_on_cuda
+from lightning_accel.run_plan import runs_on_cuda
 
 if TYPE_CHECKING:
     from lightning_accel.precision import ResolvedPrecision
@@ -167,19 +166,10 @@ def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
     """
     import torch
 
-    from lightning_accel.precision import apply_float32_matmul_precision, resolve_precision
+    from lightning_accel.precision import apply_float32_matmul_precision
+    from lightning_accel.run_plan import resolve_config_precision
 
-    accelerator = cfg.trainer.get("accelerator", "auto")
-    raw = OmegaConf.to_container(cfg.trainer, resolve=False).get("precision", "32-true")  # type: ignore[union-attr]
-    requested = re.match(r"\$\{accel_precision:([^,}]+)", str(raw))  # conf/precision/amp.yaml: resolved already
-    try:
-        resolved = resolve_precision(
-            requested.group(1) if requested else cfg.trainer.get("precision", "32-true"),
-            accelerator if isinstance(accelerator, str) else "auto",
-            setting="trainer.precision",
-        )
-    except ConfigError as err:  # `accelerator=...` is the Trainer's
-        raise err.at("trainer") from None
+    resolved = resolve_config_precision(cfg)
     apply_float32_matmul_precision(cfg.get("float32_matmul_precision"))
     with open_dict(cfg):
         cfg.trainer.precision = resolved.value

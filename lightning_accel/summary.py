@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_accel.callbacks.run_stats import RunStats
-    from lightning_accel.presets import RunShape
+    from lightning_accel.run_plan import RunShape
 
 __all__ = ["RunSummary", "collect_summary", "print_summary", "write_summary"]
 
@@ -106,16 +106,3 @@ def print_summary(summary: RunSummary) -> None:
         table.add_row("logs", log_dir)
     table.add_row("run directory", summary.run_dir)
     Console().print(table)
-
-
-def __getattr__(name: str) -> Any:
-    """`RunStats` moved to `lightning_accel.callbacks` (every Callback lives there); the old name still resolves."""
-    if name == "RunStats":
-        import warnings
-
-        from lightning_accel.callbacks.run_stats import RunStats
-
-        warnings.warn("`lightning_accel.summary.RunStats` moved to `lightning_accel.callbacks.RunStats`.",
-                      DeprecationWarning, stacklevel=2)  # fmt: skip
-        return RunStats
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import sys
 import time
 from contextlib import ExitStack
@@ -18,30 +17,29 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_accel import compose
 from lightning_accel.callbacks.run_stats import RunStats
+from lightning_accel.checks import (
+    check_checkpoint_dir,
+    check_checkpoint_fits,
+    check_ckpt_path,
+    check_master_port,
+    trainer_setting_error,
+)
 from lightning_accel.compose import config_paths, instantiate_datamodule, split_data_config
 from lightning_accel.errors import ConfigError, LightningAccelWarning, NothingLearnedError
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
-from lightning_accel.presets import (
-    RunShape,
-    apply_ddp_grad_compression,
-    check_combinations,
-    check_config,
-    effective_trainer_settings,
-    run_shape,
-)
+from lightning_accel.precision import apply_float32_matmul_precision
+from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
 
 if TYPE_CHECKING:
-    from lightning_accel.precision import ResolvedPrecision
+    from lightning_accel.run_plan import RunShape
 
 __all__ = [
-    "check_checkpoint_dir",
-    "check_checkpoint_fits",
-    "check_ckpt_path",
+    "build",
     "check_learned",
-    "check_master_port",
     "config_digest",
     "main",
+    "plan_run",
     "print_check",
     "run",
 ]
@@ -54,7 +52,7 @@ log = logging.getLogger("lightning_accel.train")
 register_resolvers()
 
 
-def print_check(cfg: DictConfig, resolved: ResolvedPrecision) -> None:
+def print_check(cfg: DictConfig, plan: RunPlan) -> None:
     """What `accel-train check=true` prints: the Trainer arguments that differ from Lightning's defaults."""
     from rich.console import Console
     from rich.table import Table
@@ -67,7 +65,7 @@ def print_check(cfg: DictConfig, resolved: ResolvedPrecision) -> None:
         table.add_row(key, repr(value), repr(default))
     console = Console()
     console.print(table)
-    console.print(f"{resolved.describe()}; float32_matmul_precision={cfg.get('float32_matmul_precision')}")
+    console.print(f"{plan.precision.describe()}; float32_matmul_precision={plan.float32_matmul_precision}")
     callbacks = sorted(name for name, node in (cfg.get("callbacks") or {}).items() if node is not None)
     loggers = sorted(name for name, node in (cfg.get("logger") or {}).items() if node is not None)
     console.print(f"callbacks: {', '.join(callbacks) or 'none'}; loggers: {', '.join(loggers) or 'none'}")
@@ -76,161 +74,6 @@ def print_check(cfg: DictConfig, resolved: ResolvedPrecision) -> None:
 def config_digest(cfg: DictConfig) -> str:
     """sha256 of the resolved config: every rank of a run logs it, so equal configs can be checked."""
     return hashlib.sha256(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()
-
-
-def check_ckpt_path(cfg: DictConfig) -> str | None:
-    """`ckpt_path` names a checkpoint this run can load (to resume with `fit`, or to test with `fit=false`): `last`
-    needs the run directory's `last.ckpt`; a path must be a `torch.save` file (a zip archive) or a distributed
-    checkpoint directory (with `.metadata`), and nothing in it may need more than tensors and plain types.
-
-    Returns:
-        The checkpoint to load (`last` resolved to its file), `best`/`hpc`/`registry` as they are, or None.
-
-    Raises:
-        ConfigError: naming the path, what it is, and the fix.
-    """
-    path = cfg.get("ckpt_path")
-    if path is None or str(path) in ("best", "hpc", "registry"):
-        return None if path is None else str(path)
-    from lightning_accel.strategies.checkpoint_io import recover_directory
-
-    if str(path) == "last":
-        dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
-        if dirpath is None:
-            return "last"
-        last = Path(str(dirpath)) / "last.ckpt"
-        recover_directory(last)  # a directory checkpoint whose swap a kill interrupted
-        if not last.exists():
-            raise ConfigError(f"`ckpt_path=last` finds no {last}: this run directory "
-                              "holds no earlier run. Resume in the earlier run's directory "
-                              "(`hydra.run.dir=<its directory> ckpt_path=last`) or pass its checkpoint file "
-                              "(`ckpt_path=<dir>/checkpoints/last.ckpt`).")  # fmt: skip
-        path = last  # checked below like any path: Lightning drops `weights_only` for some strategies
-    import zipfile
-
-    file = Path(str(path))
-    recover_directory(file)
-    if not file.exists():
-        raise ConfigError(f"`ckpt_path={str(path)!r}` does not exist; pass a checkpoint file (`.../checkpoints/"
-                          "last.ckpt`) or `ckpt_path=last` in the run directory to resume.")  # fmt: skip
-    if not (file.is_dir() or file.is_file()):  # a FIFO or a device would block the first read
-        raise ConfigError(f"`ckpt_path={str(path)!r}` is not a regular file or directory (a pipe, a socket or a "
-                          "device); pass a checkpoint file or directory.")  # fmt: skip
-    if file.is_dir() and not (file / ".metadata").is_file():
-        raise ConfigError(f"`ckpt_path={str(path)!r}` is a directory but not a distributed checkpoint (no "
-                          "`.metadata`); pass a checkpoint file or a directory a PipelineStrategy or "
-                          "ModelParallelStrategy run saved.")  # fmt: skip
-    if file.is_file() and not zipfile.is_zipfile(file):
-        raise ConfigError(f"`ckpt_path={str(path)!r}` is not a checkpoint (not a torch.save archive: truncated, "
-                          "corrupt or another kind of file); pass the run's `checkpoints/last.ckpt` or another "
-                          "checkpoint.")  # fmt: skip
-    from lightning_accel.strategies.dcp_checks import check_distributed_checkpoint, load_metadata
-
-    # no pickle payload runs: a file (or any file of a distributed checkpoint: index, shards, meta.pt) needing more
-    # than tensors and plain types is refused here, whatever torch's default `weights_only` is (False before 2.6)
-    if file.is_dir():
-        check_distributed_checkpoint(file)
-    else:
-        load_metadata(file, mmap=True)  # mapped, not read: every rank checks, before launch
-    return str(file)
-
-
-def check_checkpoint_dir(cfg: DictConfig) -> None:
-    """The checkpoint directory can be written, before anything trains (a read-only one failed at the first save,
-    after training); what killed saves left in it is removed.
-
-    Raises:
-        ConfigError: naming `callbacks.model_checkpoint.dirpath` and the error.
-    """
-    import tempfile
-
-    from lightning_accel.strategies.checkpoint_io import remove_stale_temporaries
-
-    dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
-    if dirpath is None or "://" in str(dirpath) or not cfg.get("fit", True):
-        return
-    try:
-        Path(str(dirpath)).mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=str(dirpath), prefix=".accel-write-check-"):
-            pass
-    except OSError as err:
-        raise ConfigError(f"`callbacks.model_checkpoint.dirpath={dirpath}` cannot be written ({err.strerror or err}); "
-                          "make it writable or point it elsewhere.") from None  # fmt: skip
-    removed = remove_stale_temporaries(str(dirpath))
-    if removed:
-        log.info("removed what killed saves left in %s: %s", dirpath, ", ".join(p.name for p in removed))
-
-
-def check_master_port(env: Any = None) -> None:
-    """A `MASTER_PORT` of ours that another process holds is refused before launch (the ranks waited 125 s for a
-    rendezvous that could not happen, then blamed it). Only for jobs this process launches: under torchrun or SLURM
-    the launcher owns the port.
-
-    Raises:
-        ConfigError: naming `MASTER_PORT`, the port and the fix.
-    """
-    import os
-    import socket
-
-    env = os.environ if env is None else env
-    port = env.get("MASTER_PORT")
-    if not port or any(k in env for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID")):
-        return
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"`MASTER_PORT={port}` is not a port number; unset it or use one within 1-65535.")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("127.0.0.1", int(port)))  # one node: the store listens here
-        except OSError:
-            raise ConfigError(f"`MASTER_PORT={port}` is taken by another process, so the ranks could not meet; unset "
-                              "it (Lightning picks a free port) or choose a free one.") from None  # fmt: skip
-
-
-def _trainer_setting_error(err: Exception, cfg: DictConfig, trainer: Any) -> ConfigError | None:
-    """Lightning's own refusal of a Trainer setting before the first step (`val_check_interval` beyond the epoch,
-    ...), as a ConfigError naming the config path and value, or None for any other error."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    if trainer.global_step > 0 or not isinstance(err, (ValueError, MisconfigurationException)):
-        return None
-    text = str(err).strip()
-    for name in re.findall(r"`(\w+)`", text):
-        if name in cfg.trainer:
-            return ConfigError(f"`trainer.{name}={cfg.trainer.get(name)}`: {text.splitlines()[0]}")
-    return None
-
-
-def check_checkpoint_fits(model: Any, path: str | None) -> None:
-    """The checkpoint to load holds the model's own parameters and shapes, checked before launch (another model
-    configuration failed inside Lightning's load, with a traceback of key lists). A model with `strict_loading=False`
-    is not checked.
-
-    Raises:
-        ConfigError: naming the checkpoint, what differs (a few names and shapes) and the fix.
-    """
-    if path is None or path in ("best", "last", "hpc", "registry") or not getattr(model, "strict_loading", True):
-        return
-    from lightning_accel.strategies.dcp_checks import checkpoint_shapes
-
-    theirs = checkpoint_shapes(path)
-    if theirs is None:  # a format whose parameters cannot be read without loading it
-        return
-    mine = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    missing = sorted(set(mine) - set(theirs))
-    unexpected = sorted(set(theirs) - set(mine))
-    different = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])
-    if not (missing or unexpected or different):
-        return
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} of the model's parameters are not in it ({', '.join(missing[:3])}, ...)")
-    if unexpected:
-        parts.append(f"it holds {len(unexpected)} the model lacks ({', '.join(unexpected[:3])}, ...)")
-    if different:
-        shown = ", ".join(f"{n} {theirs[n]} vs the model's {mine[n]}" for n in different[:3])
-        parts.append(f"{len(different)} differ in shape ({shown})")
-    raise ConfigError(f"`ckpt_path={path}` was saved by another model configuration: {'; '.join(parts)}. Resume with "
-                      "the `model.*` settings it was trained with, or start a new run.")  # fmt: skip
 
 
 def _weights_only(method: Any) -> dict[str, bool]:
@@ -261,23 +104,16 @@ def run(cfg: DictConfig) -> RunSummary | None:
         return _run(cfg, job_env)
 
 
-def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
-    """Check the composed config, build data, model, callbacks, loggers and Trainer, fit, test and summarise.
-
-    Returns the summary on global rank zero, None on the other ranks.
+def plan_run(cfg: DictConfig) -> RunPlan:
+    """Everything accel-train decides and checks before it builds anything: the `RunPlan` (config checks, the
+    precision for this machine, compression, NCCL), the checkpoint it would load, its directory, the port, the
+    callbacks' own argument checks and the data settings. Reads `cfg`, never writes it.
 
     Raises:
         ConfigError: for a setting that cannot work, before any Trainer exists or any process is spawned.
     """
-    started = time.perf_counter()
-    check_config(cfg)
-    resolved = compose.apply_precision(cfg)
-    check_combinations(cfg)  # again, now with the precision resolved for this machine
-    shape = run_shape(cfg)
-    compression = apply_ddp_grad_compression(cfg)
-    if compression:
-        log.info(compression)
-    compose.apply_nccl(cfg, job_env)
+    plan = build_run_plan(cfg)
+    shape = plan.shape
     ckpt = check_ckpt_path(cfg)
     if ckpt is not None and Path(ckpt).is_dir() and shape.family not in ("pipeline", "model_parallel", "fsdp",
                                                                          "deepspeed"):  # fmt: skip
@@ -288,35 +124,65 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     check_checkpoint_dir(cfg)
     if (shape.distributed or (shape.world_size or 1) > 1) and shape.num_nodes == 1:
         check_master_port()
-    callbacks = compose.instantiate_callbacks(cfg)  # their own argument checks, before anything is built or spawned
     split_data_config(OmegaConf.to_container(cfg.data, resolve=True))  # a data setting its target does not take
-    if cfg.get("check", False):
-        print_check(cfg, resolved)
-        return None
+    return plan
+
+
+def build(cfg: DictConfig, plan: RunPlan) -> tuple[Any, Any, Any, RunStats]:
+    """The run's datamodule, model and Trainer (with a `RunStats`), built from `cfg` and the plan's decisions, which
+    reach the Trainer as keyword arguments: `cfg` is read, never written."""
     import lightning.pytorch as pl
 
-    if cfg.get("seed") is not None:
-        pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    callbacks = compose.instantiate_callbacks(cfg)  # their own argument checks, before anything else is built
     datamodule = instantiate_datamodule(cfg.data)  # loader settings it does not take go to its DataLoaders
     model = instantiate(cfg.model)
     check_checkpoint_fits(model, check_ckpt_path(cfg))
     loggers = compose.instantiate_named(cfg.get("logger"))
     if not loggers:
         callbacks = _drop_logger_callbacks(callbacks)
-    callbacks += [cb for cb in resolved.callbacks if not any(type(have) is type(cb) for have in callbacks)]
+    callbacks += [cb for cb in plan.precision.callbacks if not any(type(have) is type(cb) for have in callbacks)]
     stats = RunStats()
     with config_paths(cfg):  # a strategy's argument error names `trainer.strategy.<argument>`
-        trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=[*callbacks, stats], logger=loggers or False)
+        trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=[*callbacks, stats], logger=loggers or False,
+                                          **plan.trainer_kwargs(cfg))  # fmt: skip
+    return datamodule, model, trainer, stats
+
+
+def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
+    """Plan and check the run, build data, model, callbacks, loggers and Trainer, fit, test and summarise.
+
+    Returns the summary on global rank zero, None on the other ranks.
+
+    Raises:
+        ConfigError: for a setting that cannot work, before any Trainer exists or any process is spawned.
+    """
+    started = time.perf_counter()
+    plan = plan_run(cfg)
+    compose.instantiate_callbacks(cfg)  # their argument checks, also under `check=true`
+    if cfg.get("check", False):
+        print_check(cfg, plan)
+        return None
+    for note in plan.notes:
+        log.info(note)
+    apply_float32_matmul_precision(plan.float32_matmul_precision)
+    log.info("float32_matmul_precision=%s", plan.float32_matmul_precision)
+    if plan.nccl is not None:  # the launched ranks inherit them; removed again when the job ends
+        job_env.callback(plan.nccl.apply())
+    import lightning.pytorch as pl
+
+    if cfg.get("seed") is not None:
+        pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule, model, trainer, stats = build(cfg, plan)
     run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else str(trainer.default_root_dir)
     log.info("resolved config sha256=%s run_dir=%s", config_digest(cfg), run_dir)
 
     try:
         with config_paths(cfg):
-            summary = _fit_and_test(cfg, trainer, model, datamodule, stats, shape, started, run_dir)
+            summary = _fit_and_test(cfg, trainer, model, datamodule, stats, plan.shape, started, run_dir)
     except (ConfigError, NothingLearnedError):
         raise
     except Exception as err:  # name the rank: under DDP the other ranks only see a closed connection
-        named = _trainer_setting_error(err, cfg, trainer)
+        named = trainer_setting_error(err, cfg, trainer)
         if named is not None:
             raise named from None
         if isinstance(err, FileNotFoundError) and not Path(run_dir).exists():
@@ -418,22 +284,6 @@ def main() -> None:
         print(f"accel-train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     _hydra_main()
-
-
-_MOVED = {"apply_precision", "instantiate_named", "instantiate_callbacks", "apply_nccl"}
-
-
-def __getattr__(name: str) -> Any:
-    """`lightning_accel.train.apply_precision` & co moved to `lightning_accel.compose` (no `@hydra.main` there)."""
-    if name in _MOVED:
-        import warnings
-
-        from lightning_accel import compose
-
-        message = f"`lightning_accel.train.{name}` moved to `lightning_accel.compose.{name}`; import it from there."
-        warnings.warn(message, DeprecationWarning, stacklevel=2)
-        return getattr(compose, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -70,12 +70,11 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
     from lightning_accel.benchmark.compose import compose_user_config
     from lightning_accel.benchmark.search import Space
     from lightning_accel.precision import resolve_precision
-    from lightning_accel.presets import check_config, run_shape
+    from lightning_accel.run_plan import build_run_plan
     from lightning_accel.system.software import compile_problem
 
     cfg = compose_user_config(list(overrides), str(run_dir / "check"))
-    check_config(cfg)
-    shape = run_shape(cfg)
+    shape = build_run_plan(cfg).shape
     devices = shape.visible_cuda if shape.on_cuda else min(2, shape.cpus)
     accelerator = "cuda" if shape.on_cuda else "cpu"
     bf16 = resolve_precision("amp", accelerator).value.startswith("bf16")

@@ -92,33 +92,3 @@ def test_a_schedule_error_names_its_config_path_and_at_is_idempotent() -> None:
             cosine_schedule(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), total_steps=10,
                             warmup_steps=1.5)  # fmt: skip
     assert str(caught.value.at("scheduler")) == str(caught.value)  # already there: not prefixed twice
-
-
-def test_the_helpers_moved_from_train_still_resolve_with_a_deprecation_warning() -> None:
-    import lightning_accel.train as train
-    from lightning_accel import compose
-
-    for name in ("apply_precision", "instantiate_named", "instantiate_callbacks", "apply_nccl"):
-        with pytest.warns(DeprecationWarning, match=f"moved to `lightning_accel.compose.{name}`"):
-            assert getattr(train, name) is getattr(compose, name)
-
-
-def test_the_old_names_of_moved_things_still_resolve_with_a_deprecation_warning() -> None:
-    import importlib
-    import sys
-
-    from lightning_accel import compose, strategies
-    from lightning_accel.callbacks import RunStats
-
-    sys.modules.pop("lightning_accel.data_settings", None)
-    with pytest.warns(DeprecationWarning, match="moved to `lightning_accel.compose`"):
-        old = importlib.import_module("lightning_accel.data_settings")
-    assert old.instantiate_datamodule is compose.instantiate_datamodule
-    with pytest.warns(DeprecationWarning, match="moved to `lightning_accel.callbacks.RunStats`"):
-        from lightning_accel.summary import RunStats as old_stats
-    assert old_stats is RunStats
-    with pytest.warns(DeprecationWarning, match="is now `PipelineStagePlan`"):
-        assert strategies.StagePlan is strategies.PipelineStagePlan
-    from lightning_accel.strategies.pipeline import PIPELINE_PRECISIONS
-
-    assert "bf16-mixed" in PIPELINE_PRECISIONS

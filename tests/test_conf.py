@@ -15,9 +15,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 
 from lightning_accel.callbacks import AccumulationScheduler
+from lightning_accel.checks import check_config
 from lightning_accel.compose import apply_precision, instantiate_named
 from lightning_accel.errors import ConfigError, LightningAccelWarning
-from lightning_accel.presets import check_config
 from lightning_accel.system import read_cpu_info
 
 CONF = resources.files("lightning_accel.conf")
@@ -245,9 +245,9 @@ def test_the_example_optimizers_fuse_on_cuda_only(compose_train, monkeypatch) ->
     from lightning_accel.launch import fused_resolver
 
     assert fused_resolver("gpu") is True and fused_resolver("cuda") is True and fused_resolver("cpu") is None
-    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: 1)
+    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: 1)
     assert fused_resolver("auto") is True
-    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: 0)
+    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: 0)
     for model in ("gpt", "classifier"):
         cfg = compose_train([f"model={model}", "trainer.accelerator=cpu"])
         assert cfg.model.optimizer.fused is None
@@ -273,7 +273,7 @@ def test_the_amp_and_ddp_presets_pin_host_batches_on_cuda_only(compose_train, mo
     from lightning_accel.launch import on_cuda_resolver
 
     assert on_cuda_resolver("gpu") is True and on_cuda_resolver("cpu") is False
-    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: 0)
+    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: 0)
     assert on_cuda_resolver("auto") is False
     for preset in ("amp", "ddp"):
         assert compose_train([f"preset={preset}", "trainer.accelerator=cpu"]).data.pin_memory is False

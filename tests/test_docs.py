@@ -145,8 +145,8 @@ def _sweep(overrides: list[str]) -> list[list[str]]:
 def check_accel_train(args: list[str], run_dir: Path) -> None:
     """What `accel-train ARGS` checks before anything is built or spawned, here, without training."""
     from lightning_accel.benchmark.compose import compose_config
+    from lightning_accel.checks import check_config
     from lightning_accel.compose import split_data_config
-    from lightning_accel.presets import check_config
 
     multirun = "-m" in args or "--multirun" in args
     overrides = [a for a in args if a not in ("-m", "--multirun", "--resolve") and not a.startswith("--cfg")

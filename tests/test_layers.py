@@ -3,7 +3,7 @@ into `sys.modules` may hold nothing of a higher layer (this package's modules, L
 
     facts        system/, telemetry/, measure, errors, patching, batches, files, signals  -> Python, torch, pynvml
     behaviour    callbacks/, strategies/, parallel/, tuning/, schedules, precision, summary, gpu_check  -> + lightning
-    composition  presets, app_config, compose, launch, benchmark/, train, doctor, bench   ->  + hydra, omegaconf
+    composition  run_plan, checks, app_config, compose, launch, benchmark/, train, doctor, bench  -> + hydra, omegaconf
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import lightning_accel
 FACTS = ("system", "telemetry", "measure", "errors", "patching", "batches", "files", "signals")
 BEHAVIOUR = ("callbacks", "strategies", "parallel", "tuning", "schedules", "precision", "summary", "gpu_check")
 COMPOSITION = (
-    "presets",
+    "run_plan",
+    "checks",
     "app_config",
     "compose",
-    "data_settings",
     "launch",
     "benchmark",
     "train",
@@ -32,7 +32,7 @@ COMPOSITION = (
     "tune",
     "conf",
     "examples",
-)  # data_settings: the old name of compose, kept for a release
+)
 LAYERS = {name: 0 for name in FACTS} | {name: 1 for name in BEHAVIOUR} | {name: 2 for name in COMPOSITION}
 # Third-party packages a layer may not bring in, by layer.
 FORBIDDEN = {0: ("lightning", "hydra", "omegaconf"), 1: ("hydra", "omegaconf"), 2: ()}
@@ -102,10 +102,10 @@ def test_no_module_imports_a_higher_layer(layer: int) -> None:
 
 
 def test_the_check_catches_a_lower_layer_that_imports_a_higher_one() -> None:
-    """The composition helpers, checked as if they were a callback (layer 1), break the rules: Hydra and presets."""
+    """The composition helpers, checked as if they were a callback (layer 1), break the rules (Hydra, the plan)."""
     loaded = _loaded_after_import(["lightning_accel.compose"])["lightning_accel.compose"]
     found = violations("lightning_accel.compose", loaded, 1)
-    assert "hydra" in found and "lightning_accel.presets" in found
+    assert "hydra" in found and "lightning_accel.run_plan" in found
     assert violations("lightning_accel.compose", loaded, 2) == []
 
 
@@ -153,7 +153,6 @@ def test_every_all_is_complete_and_true() -> None:
                      for name in defined if name not in public]  # fmt: skip
         for name, where in sorted(imported.get(info.name, ())):
             submodule = info.ispkg and importlib.util.find_spec(f"{info.name}.{name}") is not None
-            deprecated = "__getattr__" in vars(module) and name not in vars(module)  # an old name, kept a while
-            if not name.startswith("_") and name != "*" and name not in public and not submodule and not deprecated:
+            if not name.startswith("_") and name != "*" and name not in public and not submodule:
                 problems.append(f"{where} imports {info.name}.{name}, which its __all__ leaves out")
     assert problems == []

@@ -53,7 +53,7 @@ REFUSED = [
 
 @pytest.mark.parametrize(("overrides", "message"), REFUSED, ids=[o[0] for o, _ in REFUSED])
 def test_a_bad_value_is_refused_before_launch_naming_the_setting(compose_train, overrides, message) -> None:
-    from lightning_accel.presets import check_config
+    from lightning_accel.checks import check_config
 
     with pytest.raises(ConfigError) as err:
         check_config(compose_train([*overrides, "trainer.accelerator=cpu"]))
@@ -92,7 +92,7 @@ def test_a_flag_that_would_turn_a_safeguard_off_is_refused(tmp_path: Path, modul
 
 
 def test_a_fifo_as_ckpt_path_is_refused_instead_of_hanging(tmp_path: Path) -> None:
-    from lightning_accel.train import check_ckpt_path
+    from lightning_accel.checks import check_ckpt_path
 
     fifo = tmp_path / "ckpt"
     os.mkfifo(fifo)
@@ -103,7 +103,7 @@ def test_a_fifo_as_ckpt_path_is_refused_instead_of_hanging(tmp_path: Path) -> No
 
 
 def test_a_zip_that_is_not_a_torch_archive_is_named(tmp_path: Path) -> None:
-    from lightning_accel.train import check_ckpt_path
+    from lightning_accel.checks import check_ckpt_path
 
     path = tmp_path / "other.ckpt"
     with zipfile.ZipFile(path, "w") as archive:
@@ -384,8 +384,8 @@ def test_sigterm_to_bench_or_tune_ends_the_stage_and_writes_the_outputs(tmp_path
 
 
 def test_unit_a_checkpoint_of_another_architecture(tmp_path: Path) -> None:
+    from lightning_accel.checks import check_checkpoint_fits
     from lightning_accel.examples import GPTLanguageModel
-    from lightning_accel.train import check_checkpoint_fits
 
     torch.save({"state_dict": GPTLanguageModel(n_embd=64).state_dict()}, tmp_path / "small.ckpt")
     check_checkpoint_fits(GPTLanguageModel(n_embd=64), str(tmp_path / "small.ckpt"))  # the same: fine
@@ -394,7 +394,7 @@ def test_unit_a_checkpoint_of_another_architecture(tmp_path: Path) -> None:
 
 
 def test_unit_an_unwritable_checkpoint_dir_and_leftovers(tmp_path: Path) -> None:
-    from lightning_accel.train import check_checkpoint_dir
+    from lightning_accel.checks import check_checkpoint_dir
 
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="`callbacks.model_checkpoint.dirpath=.*` cannot be written"):
@@ -436,19 +436,19 @@ def test_unit_a_missing_monitor_at_the_first_validation(tmp_path: Path) -> None:
 def test_unit_lightnings_refusal_of_a_trainer_setting_is_named() -> None:
     from types import SimpleNamespace
 
-    from lightning_accel.train import _trainer_setting_error
+    from lightning_accel.checks import trainer_setting_error
 
     err = ValueError("`val_check_interval` (100000) must be less than or equal to the number of the training batches")
     cfg = OmegaConf.create({"trainer": {"val_check_interval": 100000}})
-    named = _trainer_setting_error(err, cfg, SimpleNamespace(global_step=0))
+    named = trainer_setting_error(err, cfg, SimpleNamespace(global_step=0))
     assert isinstance(named, ConfigError) and str(named).startswith("`trainer.val_check_interval=100000`:")
-    assert _trainer_setting_error(err, cfg, SimpleNamespace(global_step=5)) is None  # not before launch any more
+    assert trainer_setting_error(err, cfg, SimpleNamespace(global_step=5)) is None  # not before launch any more
 
 
 def test_unit_a_taken_master_port() -> None:
     import socket
 
-    from lightning_accel.train import check_master_port
+    from lightning_accel.checks import check_master_port
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

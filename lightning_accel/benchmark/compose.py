@@ -78,7 +78,7 @@ def compose_user_config(overrides: Sequence[str], run_dir: str) -> DictConfig:
     Raises:
         ConfigError: for an override Hydra rejects or a setting `check_config` rejects.
     """
-    from lightning_accel.presets import check_config
+    from lightning_accel.checks import check_config
 
     try:
         cfg = compose_config(overrides, run_dir)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_accel.benchmark.compose import (
     available_presets,
@@ -24,7 +24,7 @@ from lightning_accel.benchmark.compose import (
 from lightning_accel.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lightning_accel.presets import RunShape
+    from lightning_accel.run_plan import RunShape
 
 __all__ = [
     "DEFAULT_SEED",
@@ -179,8 +179,8 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
     a DDP/FSDP/model-parallel stage needs 2+ processes: on CUDA the visible GPUs, on a CPU `trainer.devices=auto`
     means 2 CPU processes when the machine has 2+ CPUs (Lightning's own `auto` gives 1); one device is skipped.
     """
-    from lightning_accel.precision import FP16_PRECISIONS, resolve_precision
-    from lightning_accel.presets import check_combinations, check_config, run_shape
+    from lightning_accel.precision import FP16_PRECISIONS
+    from lightning_accel.run_plan import build_run_plan, run_shape
 
     overrides = tuple(overrides)
     try:
@@ -188,7 +188,7 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
     except Exception as err:
         return StagePlan(name=name, overrides=overrides, status="skipped", reason=f"the config does not compose: {err}")
     shape = run_shape(cfg, visible_cuda=visible_cuda)  # asked once; every fact below comes from it
-    trainer, visible, on_cuda, family = cfg.trainer, shape.visible_cuda, shape.on_cuda, shape.family
+    visible, on_cuda, family = shape.visible_cuda, shape.on_cuda, shape.family
     extra: tuple[str, ...] = ()
     if shape.devices_per_node is not None:
         per_node = shape.devices_per_node
@@ -211,16 +211,12 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
         reason = f"`{family}` with one device (`trainer.devices={shape.devices}`, {where}); it needs 2 or more"
         return StagePlan(**stage, status="skipped", reason=reason)
     try:
-        with open_dict(cfg):
-            if extra:
-                trainer.devices = per_node
-        check_config(cfg)
-        resolved = resolve_precision(requested, shape.accelerator, setting="trainer.precision")
-        with open_dict(cfg):
-            trainer.precision = resolved.value
-        check_combinations(cfg, visible_cuda=visible)
+        if extra:  # composed again with the process count the run gets, not written into the config
+            cfg = compose_config((*overrides, *extra), run_dir)
+        plan = build_run_plan(cfg, visible_cuda=visible)
     except (ConfigError, ValueError) as err:
         return StagePlan(**stage, status="skipped", reason=str(err))
+    resolved = plan.precision
     workers = OmegaConf.select(cfg, "data.num_workers", default=None)
     num_workers = workers if isinstance(workers, int) else None
     batch = OmegaConf.select(cfg, "data.batch_size", default=None)
@@ -250,8 +246,12 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
 
 def _compile_text(cfg: DictConfig) -> str:
     """`compile=<mode>` when the stage compiles the model (the Compile callback), else empty."""
+    from lightning_accel.callbacks.compile import Compile
+    from lightning_accel.run_plan import target_class
+
     for node in (cfg.get("callbacks") or {}).values():
-        if node is not None and str(node.get("_target_", "")).rsplit(".", 1)[-1] == "Compile":
+        cls = target_class(node.get("_target_")) if node is not None else None
+        if cls is not None and issubclass(cls, Compile):
             return f"compile={node.get('mode') or 'default'}"
     return ""
 

@@ -209,7 +209,7 @@ def _out_of_memory(reason: str) -> bool:
 
 
 def compatible(candidate: Candidate) -> bool:
-    """Whether the candidate's choices run together (what `presets.check_combinations` would refuse is never
+    """Whether the candidate's choices run together (what `checks.check_combinations` would refuse is never
     proposed): micro_batch=auto and compile need one device or DDP (compile also model_parallel)."""
     strategy = candidate.get("strategy")
     if candidate.get("micro_batch") == "auto" and strategy in ("model_parallel", "pipeline"):

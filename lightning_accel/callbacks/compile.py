@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -50,6 +51,27 @@ class Compile(Callback):
 
         trainer = Trainer(callbacks=[Compile(mode="max-autotune")])
     """
+
+
+    @classmethod
+    def check_run(cls, *, family: str, on_cuda: bool, block_classes: bool, settings: Mapping[str, Any]) -> None:
+        """This callback's rule for a run, asked before launch: a strategy it can compile under (model parallel only
+        through block classes), and the compiler inductor builds kernels with.
+
+        Raises:
+            ConfigError: for pipeline, FSDP1 or DeepSpeed, model parallel without block classes, or no compiler.
+        """
+        if family in ("pipeline", "deepspeed", "fsdp"):
+            fix = "strategy=model_parallel (FSDP2, compiled per block)" if family == "fsdp" else "strategy=ddp"
+            raise ConfigError(f"(Compile, `compile=...`) cannot compile the model under `strategy={family}`; use "
+                              f"`compile=none` with it, or {fix}.")  # fmt: skip
+        if family == "model_parallel" and not block_classes:
+            raise ConfigError("(Compile) under `strategy=model_parallel` compiles each block through "
+                              "`callbacks.parallelize`, which names no `block_classes`; set the model config's "
+                              "`parallel_plan.block_classes`, or use `compile=none`.")  # fmt: skip
+        problem = compile_problem(str(settings.get("backend", "inductor")), on_cuda=on_cuda)
+        if problem:
+            raise ConfigError(f"(Compile): {problem}; or use `compile=none`.", setting="backend")
 
     def __init__(
         self,

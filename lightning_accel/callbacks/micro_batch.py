@@ -4,7 +4,7 @@ out-of-memory, with the update of the whole batch (the hook over `lightning_acce
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack, nullcontext
 from typing import Any, Literal
 
@@ -82,6 +82,22 @@ class MicroBatchFinder(Callback):
 
         trainer = Trainer(callbacks=[MicroBatchFinder()])  # the loader's batch of 256 runs as micro-batches that fit
     """
+
+
+    @classmethod
+    def check_run(cls, *, family: str, on_cuda: bool, block_classes: bool, settings: Mapping[str, Any]) -> None:
+        """This callback's rule for a run, asked before launch: one device or DDP; the other strategies split their
+        own work and reduce gradients inside the backward.
+
+        Raises:
+            ConfigError: for `family` fsdp, model_parallel, pipeline or deepspeed.
+        """
+        if family in ("fsdp", "model_parallel", "pipeline", "deepspeed"):
+            raise ConfigError(
+                f"(MicroBatchFinder, `micro_batch=auto`) runs on one device or under DDP, not with "
+                f"`strategy={family}`, which splits its own work and reduces gradients inside the backward; use "
+                "`micro_batch=none` with it (and set the batch size by hand), or `strategy=ddp`."
+            )
 
     def __init__(
         self,

@@ -6,8 +6,6 @@ Pure functions with typed keyword arguments, for a `configure_model` of your own
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning_accel.parallel.blocks import (
     BlockClass,
     BlockWrapPolicy,
@@ -39,18 +37,3 @@ __all__ = [
     "parallelize",
     "resolve_tp_plan",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """`lightning_accel.parallel.ModelParallelStrategy` moved to `lightning_accel.strategies` with every strategy; the
-    old name (a `_target_` in configs written before 0.3) still resolves, with a DeprecationWarning."""
-    if name == "ModelParallelStrategy":
-        import warnings
-
-        from lightning_accel.strategies.model_parallel import ModelParallelStrategy
-
-        warnings.warn("`lightning_accel.parallel.ModelParallelStrategy` moved to "
-                      "`lightning_accel.strategies.ModelParallelStrategy`; import it (or name it in `_target_`) from "
-                      "there.", DeprecationWarning, stacklevel=2)  # fmt: skip
-        return ModelParallelStrategy
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

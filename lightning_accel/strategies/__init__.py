@@ -4,8 +4,6 @@ written atomically (`checkpoint_io`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning_accel.precision import PIPELINE_PRECISIONS  # owned by precision.py, exported here as before
 from lightning_accel.strategies.checkpoint_io import AtomicCheckpointIO, atomic_torch_save
 from lightning_accel.strategies.ddp import DDPStrategy
@@ -39,17 +37,3 @@ __all__ = [
     "plan_pipeline_stages",
     "stage_ranks",
 ]
-
-_RENAMED = {"StagePlan": "PipelineStagePlan", "plan_stages": "plan_pipeline_stages"}
-
-
-def __getattr__(name: str) -> Any:
-    """The pipeline's `StagePlan`/`plan_stages` were renamed (accel-bench has its own of those names); the old names
-    still resolve here, with a DeprecationWarning."""
-    if name in _RENAMED:
-        import warnings
-
-        new = _RENAMED[name]
-        warnings.warn(f"`lightning_accel.strategies.{name}` is now `{new}`.", DeprecationWarning, stacklevel=2)
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,9 +27,9 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
+from lightning_accel.checks import check_config
 from lightning_accel.compose import apply_precision
 from lightning_accel.errors import ConfigError
-from lightning_accel.presets import check_config
 from lightning_accel.system import read_cpu_info
 
 

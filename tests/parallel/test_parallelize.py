@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel import examples
 from lightning_accel.callbacks.parallelize import Parallelize
+from lightning_accel.checks import check_config
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.parallel import BlockWrapPolicy
-from lightning_accel.presets import check_config
 from lightning_accel.strategies import ModelParallelStrategy
 
 GPTLanguageModel = examples.GPTLanguageModel

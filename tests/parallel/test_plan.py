@@ -228,13 +228,6 @@ def test_fsdp1_wraps_the_blocks_the_policy_names(one_rank_mesh) -> None:
     assert units == ["", "_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"]
 
 
-def test_the_old_model_parallel_target_still_resolves_with_a_deprecation_warning() -> None:
-    from hydra.utils import get_class
-
-    with pytest.warns(DeprecationWarning, match="moved to `lightning_accel.strategies.ModelParallelStrategy`"):
-        assert get_class("lightning_accel.parallel.ModelParallelStrategy") is ModelParallelStrategy
-
-
 def test_model_parallel_errors_name_the_constructor_argument() -> None:
     with pytest.raises(ConfigError, match=r"^`tensor_parallel_size=0` must be") as caught:
         ModelParallelStrategy(tensor_parallel_size=0)

@@ -80,10 +80,10 @@ def torch_runs_it(checkpoint: Path, file: str) -> None:
 
 def refused_everywhere(checkpoint: Path) -> None:
     """Every loader the project offers refuses the directory before unpickling anything in it."""
+    from lightning_accel.checks import check_ckpt_path
     from lightning_accel.strategies import consolidate_checkpoint
     from lightning_accel.strategies.model_parallel import ModelParallelStrategy
     from lightning_accel.strategies.pipeline.checkpoint import load_pipeline_checkpoint
-    from lightning_accel.train import check_ckpt_path
 
     for fit in (True, False):  # a resume, and `fit=false test=true ckpt_path=...`
         with pytest.raises(ConfigError, match="could run code|not loaded"):

@@ -20,8 +20,8 @@ import torch
 from _torchrun import torchrun
 
 from lightning_accel import examples
+from lightning_accel.checks import check_config
 from lightning_accel.errors import ConfigError, ConfigTypeError, LightningAccelWarning
-from lightning_accel.presets import check_config
 from lightning_accel.strategies.checkpoint_io import replace_directory
 from lightning_accel.strategies.pipeline import (
     PipelineSettings,

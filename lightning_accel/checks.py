@@ -1,43 +1,47 @@
-"""The run shape (facts about a composed run, computed once) and the checks made before anything is built or spawned.
-
-`run_shape(cfg)` is the one place that parses `trainer.devices`, names the strategy family, finds the accumulation
-callback and counts the CPUs (through `system/`) and CUDA devices; the checks here, accel-bench's ladder and the run
-summary read those facts from it instead of working them out again.
+"""The checks made before anything is built or spawned: a config's settings, one by one and together, and the
+checkpoint a run would load. Each names the setting, the value and the fix (`ConfigError`, exit 2).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_accel.errors import ConfigError
 from lightning_accel.precision import FLOAT32_MATMUL_PRECISIONS, MODEL_PARALLEL_REFUSED, PRECISION_CHOICES
+from lightning_accel.run_plan import RunShape, accumulation_callbacks, count_devices, run_shape, target_class
 
 __all__ = [
-    "DISTRIBUTED_FAMILIES",
-    "RunShape",
-    "accumulation_callbacks",
-    "apply_ddp_grad_compression",
+    "check_checkpoint_dir",
+    "check_checkpoint_fits",
+    "check_ckpt_path",
     "check_combinations",
     "check_config",
-    "count_devices",
-    "effective_trainer_settings",
-    "run_shape",
-    "runs_on_cuda",
-    "strategy_family",
+    "check_master_port",
+    "trainer_setting_error",
 ]
 
+log = logging.getLogger(__name__)
+
+
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+
+
 _DEVICES_STR = re.compile(r"^\s*(auto|-1|\d+|\d+\s*(,\s*\d+\s*)*,?)\s*$")
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, *, visible_cuda: int | None = None) -> None:
     """Fail fast, before any Trainer or process exists, on settings that cannot work.
+
+    Args:
+        cfg: the composed config.
+        visible_cuda: CUDA devices visible; None counts them (without creating a CUDA context).
 
     Raises:
         ConfigError: naming the setting, the value received and the fix.
@@ -79,7 +83,7 @@ def check_config(cfg: DictConfig) -> None:
                           "takes), or null to leave the random generators alone.")  # fmt: skip
     _check_loader_numbers(cfg.get("data"))
     _check_optimizer(cfg.model.get("optimizer"))
-    shape = run_shape(cfg)
+    shape = run_shape(cfg, visible_cuda=visible_cuda)
     _check_accumulation(cfg, shape)
     _check_example_data(cfg.model, cfg.data)
     check_combinations(cfg, shape=shape)
@@ -111,160 +115,6 @@ def _show(value: Any) -> str:
     if isinstance(value, (DictConfig, ListConfig)):
         value = OmegaConf.to_container(value)
     return repr(value)
-
-
-def count_devices(devices: Any) -> int | None:
-    """Devices per node that `trainer.devices` fixes: a count (`2`, `"2"`), or the length of a list of indices
-    (`[0, 1]`, `"0,1"`); None for `auto` and -1 (the machine decides) and for values that are not device settings."""
-    if isinstance(devices, bool):
-        return None
-    if isinstance(devices, (ListConfig, list, tuple)):
-        return len(devices)
-    if isinstance(devices, int):
-        return devices if devices > 0 else None
-    text = str(devices).strip()
-    if "," in text:
-        return len([d for d in text.split(",") if d.strip()])
-    return int(text) if text.isdigit() and int(text) > 0 else None
-
-
-_STRATEGY_FAMILIES = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "ModelParallelStrategy": "model_parallel",
-                      "DeepSpeedStrategy": "deepspeed", "SingleDeviceStrategy": "single_device",
-                      "PipelineStrategy": "pipeline"}  # fmt: skip
-DISTRIBUTED_FAMILIES = ("ddp", "fsdp", "model_parallel", "deepspeed", "pipeline")
-
-
-def strategy_family(strategy: Any) -> str:
-    """The strategy family ("auto", "ddp", "fsdp", "model_parallel", "pipeline", "deepspeed", "single_device", or
-    the class name of another strategy) of a registry name (`ddp_spawn`) or a `_target_` config."""
-    if isinstance(strategy, (DictConfig, Mapping)):
-        target = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
-        if target in _STRATEGY_FAMILIES:
-            return _STRATEGY_FAMILIES[target]
-        return "pipeline" if "pipeline" in target.lower() else target
-    name = str(strategy)
-    for family in ("fsdp", "deepspeed", "ddp"):
-        if name.startswith(family):
-            return family
-    return name
-
-
-def accumulation_callbacks(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
-    """`(name, node)` of each callback in `cfg.callbacks` that sets `accumulate_grad_batches` per window: this
-    package's `AccumulationScheduler` or Lightning's `GradientAccumulationScheduler`."""
-    callbacks = cfg.get("callbacks") or {}
-    return [
-        (str(name), node)
-        for name, node in callbacks.items()
-        if isinstance(node, DictConfig) and str(node.get("_target_", "")).rsplit(".", 1)[-1] in _ACCUMULATION_CALLBACKS
-    ]
-
-
-_ACCUMULATION_CALLBACKS = ("AccumulationScheduler", "GradientAccumulationScheduler")
-
-
-def _visible_cuda_devices() -> int:
-    """CUDA devices this process sees, counted without creating a CUDA context (NVML first, as Lightning does)."""
-    from lightning.fabric.accelerators.cuda import num_cuda_devices
-
-    return num_cuda_devices()
-
-
-def _usable_cpus() -> int:
-    """CPUs this process may use: its affinity, capped by the cgroup's CPU quota (`system/` reads both)."""
-    from lightning_accel.system.cgroup import read_cpu_budget
-
-    return max(1, int(read_cpu_budget().effective))
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunShape:
-    """What a composed run is, computed once from its config by `run_shape`: where it runs, on how many processes,
-    with which strategy family, data-parallel size and accumulation callback."""
-
-    accelerator: str
-    """`trainer.accelerator` as configured (auto, cpu, gpu, cuda, ...)."""
-    on_cuda: bool
-    """Whether the run's accelerator is CUDA (`gpu`/`cuda`, or `auto` with a CUDA device visible)."""
-    visible_cuda: int
-    """CUDA devices this process sees."""
-    cpus: int
-    """CPUs this process may use (affinity and cgroup quota)."""
-    devices: Any
-    """`trainer.devices` as configured (plain Python)."""
-    devices_per_node: int | None
-    """What `trainer.devices` fixes (`count_devices`); None for `auto` and -1, which the machine decides."""
-    num_nodes: int
-    family: str
-    """`strategy_family` of `trainer.strategy`."""
-    strategy: Any
-    """`trainer.strategy` as configured (plain Python: a registry name or a dict with `_target_`)."""
-    precision: str
-    """`trainer.precision` as configured."""
-    accumulation_callback: str | None
-    """The name under `callbacks` of the accumulation callback, if there is (exactly) one."""
-
-    @property
-    def world_size(self) -> int | None:
-        """Devices x nodes when the config fixes both; None when the machine decides."""
-        return None if self.devices_per_node is None else self.devices_per_node * self.num_nodes
-
-    @property
-    def distributed(self) -> bool:
-        """Whether the strategy is one that runs several processes (DDP, FSDP, model parallel, pipeline, DeepSpeed)."""
-        return self.family in DISTRIBUTED_FAMILIES
-
-    def data_parallel_size(self, world_size: int | None = None) -> int | None:
-        """Ranks that load batches of their own on `world_size` processes (default: `self.world_size`): a
-        pipeline's `data_parallel_size` (default 1), a model-parallel strategy's (`auto`: the world over
-        `tensor_parallel_size` for this package's, the number of nodes for Lightning's own), else the world size."""
-        world = self.world_size if world_size is None else world_size
-        strategy = self.strategy if isinstance(self.strategy, Mapping) else {}
-        if self.family == "pipeline":
-            dp = strategy.get("data_parallel_size", 1)
-            return dp if isinstance(dp, int) and dp > 0 else world
-        if self.family == "model_parallel":
-            dp = strategy.get("data_parallel_size", "auto")
-            if isinstance(dp, int) and dp > 0:
-                return dp
-            if not str(strategy.get("_target_", "")).startswith("lightning_accel."):
-                return self.num_nodes  # Lightning's ModelParallelStrategy: "auto" is the number of nodes
-            tp = strategy.get("tensor_parallel_size", 1)
-            if not (isinstance(tp, int) and tp > 0):
-                return self.num_nodes  # both "auto": Lightning's own rule, the number of nodes
-            return None if world is None else max(1, world // tp)
-        return world
-
-
-def run_shape(cfg: DictConfig, *, visible_cuda: int | None = None, cpus: int | None = None) -> RunShape:
-    """The `RunShape` of a composed config (one with a `trainer` section).
-
-    Args:
-        cfg: the composed config.
-        visible_cuda: CUDA devices visible; None counts them (without creating a CUDA context).
-        cpus: CPUs this process may use; None reads them through `system/` (affinity and cgroup quota).
-    """
-    trainer = cfg.trainer
-    accelerator = str(trainer.get("accelerator", "auto"))
-    visible = _visible_cuda_devices() if visible_cuda is None else visible_cuda
-    devices = trainer.get("devices", "auto")
-    nodes = trainer.get("num_nodes", 1)
-    strategy = trainer.get("strategy", "auto")
-    plain_strategy = OmegaConf.to_container(strategy) if isinstance(strategy, DictConfig) else strategy
-    schedulers = accumulation_callbacks(cfg)
-    return RunShape(
-        accelerator=accelerator,
-        on_cuda=_on_cuda(accelerator, lambda: visible),
-        visible_cuda=visible,
-        cpus=_usable_cpus() if cpus is None else cpus,
-        devices=OmegaConf.to_container(devices) if isinstance(devices, ListConfig) else devices,
-        devices_per_node=count_devices(devices),
-        num_nodes=nodes if isinstance(nodes, int) and not isinstance(nodes, bool) else 1,
-        family=strategy_family(strategy),
-        strategy=plain_strategy,
-        precision=str(trainer.get("precision", "32-true")),
-        accumulation_callback=schedulers[0][0] if len(schedulers) == 1 else None,
-    )
 
 
 def _check_devices(devices: Any) -> None:
@@ -432,67 +282,6 @@ def _check_accumulation(cfg: DictConfig, shape: RunShape) -> None:
         micro_batches_for(global_batch, micro, ranks)
 
 
-def runs_on_cuda(cfg: DictConfig, *, visible_cuda: int | None = None) -> bool:
-    """Whether the composed run's accelerator is CUDA (`gpu`/`cuda`, or `auto` with a CUDA device visible); counts
-    the CUDA devices only for `auto`."""
-    return _on_cuda(
-        str(cfg.trainer.get("accelerator", "auto")),
-        lambda: _visible_cuda_devices() if visible_cuda is None else visible_cuda,
-    )
-
-
-def _on_cuda(accelerator: str, visible: Any) -> bool:
-    """`gpu`/`cuda`, or `auto` with a CUDA device visible (`visible()` counts them)."""
-    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and visible() > 0)
-
-
-_COMPRESSION_HOOKS = {
-    "bf16": "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook",
-    "fp16": "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook",
-}
-
-
-def apply_ddp_grad_compression(cfg: DictConfig, *, visible_cuda: int | None = None) -> str | None:
-    """Turn `ddp_grad_compression` (none, bf16, fp16; set by `strategy=ddp`) into DDPStrategy's `ddp_comm_hook`.
-
-    On CUDA the gradients are all-reduced in the compressed dtype (half the bytes on the wire); on the CPU the hook
-    is not applied, and a rank-zero warning says so (Lightning itself would drop it without a word).
-
-    Returns:
-        What was done, for the log; None when compression is off.
-
-    Raises:
-        ConfigError: for an unknown value, or compression with a strategy other than DDP.
-    """
-    from omegaconf import open_dict
-
-    choice = cfg.get("ddp_grad_compression")
-    if choice in (None, "none"):
-        return None
-    if choice not in _COMPRESSION_HOOKS:
-        raise ConfigError(f"`ddp_grad_compression={_show(choice)}` is not supported; use `none`, `bf16` or `fp16`.")
-    strategy = cfg.trainer.get("strategy", "auto")
-    if not isinstance(strategy, (DictConfig, Mapping)) or strategy_family(strategy) != "ddp":
-        raise ConfigError(
-            f"`ddp_grad_compression={choice}` needs `strategy=ddp`, not `trainer.strategy={_show(strategy)}`; "
-            "pick `strategy=ddp` or set `ddp_grad_compression=none`."
-        )
-    if not runs_on_cuda(cfg, visible_cuda=visible_cuda):
-        from lightning.pytorch.utilities import rank_zero_warn
-
-        from lightning_accel.errors import LightningAccelWarning
-
-        rank_zero_warn(
-            f"`ddp_grad_compression={choice}` is not applied on the CPU: DDP communication hooks run on CUDA only, "
-            "so gradients are all-reduced in fp32 here (set `ddp_grad_compression=none` to silence this).",
-            category=LightningAccelWarning,
-        )
-        return f"ddp_grad_compression={choice} not applied (CPU)"
-    with open_dict(cfg):
-        cfg.trainer.strategy.ddp_comm_hook = {"_target_": "hydra.utils.get_method", "path": _COMPRESSION_HOOKS[choice]}
-    return f"ddp_grad_compression={choice}: DDP all-reduces gradients in {choice} ({_COMPRESSION_HOOKS[choice]})"
-
-
 def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shape: RunShape | None = None) -> None:
     """Settings that are each valid but fail together, or that Lightning would silently ignore.
 
@@ -535,8 +324,10 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shap
             f"`trainer.precision={precision}` is not supported by `strategy=model_parallel` (ModelParallelStrategy "
             "takes 32-true, bf16-mixed, bf16-true or 16-true); use `precision=bf16_mixed`."
         )
-    target = str(strategy.get("_target_", "")) if isinstance(strategy, (DictConfig, Mapping)) else ""
-    if target.rsplit(".", 1)[-1] == "PipelineStrategy" and target.startswith("lightning_accel."):  # ours, not yours
+    cls = target_class(strategy.get("_target_")) if isinstance(strategy, (DictConfig, Mapping)) else None
+    from lightning_accel.strategies.pipeline import PipelineStrategy
+
+    if cls is not None and issubclass(cls, PipelineStrategy):  # ours, not another pipeline strategy
         from lightning_accel.strategies.pipeline import check_pipeline_settings
 
         values = OmegaConf.to_container(strategy, resolve=True) if isinstance(strategy, DictConfig) else strategy
@@ -544,8 +335,7 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shap
             check_pipeline_settings(values, precision=precision, world=shape.world_size)  # type: ignore[arg-type]
         except ConfigError as err:  # the library names its arguments; the user wrote them under these paths
             raise err.at("trainer" if err.setting == "precision" else "trainer.strategy") from None
-    _check_micro_batch(cfg, name)
-    _check_compile(cfg, name, on_cuda)
+    _check_callbacks(cfg, shape)
     if not on_cuda and precision.startswith("transformer-engine"):
         raise ConfigError(
             f"`trainer.precision={precision}` needs a CUDA GPU (Transformer Engine), but this run is on the CPU; "
@@ -557,49 +347,6 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shap
             "Lightning registers DDP communication hooks on CUDA only and drops them silently elsewhere; remove "
             "it (`~trainer.strategy.ddp_comm_hook`) or run on GPUs."
         )
-
-
-def _check_micro_batch(cfg: DictConfig, family: str) -> None:
-    """MicroBatchFinder runs on one device or DDP: the other strategies split their own work."""
-    for name, node in (cfg.get("callbacks") or {}).items():
-        target = str(node.get("_target_", "")) if isinstance(node, (DictConfig, Mapping)) else ""
-        if target.rsplit(".", 1)[-1] != "MicroBatchFinder" or family not in ("fsdp", "model_parallel", "pipeline",
-                                                                             "deepspeed"):  # fmt: skip
-            continue
-        raise ConfigError(
-            f"`callbacks.{name}` (MicroBatchFinder, `micro_batch=auto`) runs on one device or under DDP, not with "
-            f"`strategy={family}`, which splits its own work and reduces gradients inside the backward; use "
-            "`micro_batch=none` with it (and set the batch size by hand), or `strategy=ddp`.",
-            setting=f"callbacks.{name}",
-        )
-
-
-def _check_compile(cfg: DictConfig, family: str, on_cuda: bool) -> None:
-    """The Compile callback: a strategy it can compile under, and the compiler inductor builds kernels with."""
-    for name, node in (cfg.get("callbacks") or {}).items():
-        target = str(node.get("_target_", "")) if isinstance(node, (DictConfig, Mapping)) else ""
-        if target.rsplit(".", 1)[-1] != "Compile" or not target.startswith("lightning_accel."):
-            continue
-        if family in ("pipeline", "deepspeed", "fsdp"):
-            fix = "strategy=model_parallel (FSDP2, compiled per block)" if family == "fsdp" else "strategy=ddp"
-            raise ConfigError(
-                f"`callbacks.{name}` (Compile, `compile=...`) cannot compile the model under `strategy={family}`; use "
-                f"`compile=none` with it, or {fix}.",
-                setting=f"callbacks.{name}",
-            )
-        if family == "model_parallel" and not OmegaConf.select(cfg, "callbacks.parallelize.block_classes"):
-            raise ConfigError(
-                f"`callbacks.{name}` (Compile) under `strategy=model_parallel` compiles each block through "
-                "`callbacks.parallelize`, which names no `block_classes`; set the model config's "
-                "`parallel_plan.block_classes`, or use `compile=none`.",
-                setting=f"callbacks.{name}",
-            )
-        from lightning_accel.system.software import compile_problem
-
-        problem = compile_problem(str(node.get("backend", "inductor")), on_cuda=on_cuda)
-        if problem:
-            raise ConfigError(f"`callbacks.{name}` (Compile): {problem}; or use `compile=none`.",
-                              setting=f"callbacks.{name}.backend")  # fmt: skip
 
 
 _CPU_OVERSUBSCRIPTION = 4  # CPU ranks per usable CPU still accepted: tests run 4 pipeline ranks on 2 cores
@@ -637,32 +384,174 @@ def _check_devices_visible(devices: Any, visible: int) -> None:
         )
 
 
-_IMPLIED_DEFAULTS: dict[str, Any] = {
-    "precision": "32-true", "enable_progress_bar": True, "enable_checkpointing": True, "enable_model_summary": True,
-    "log_every_n_steps": 50, "limit_train_batches": 1.0, "limit_val_batches": 1.0, "limit_test_batches": 1.0,
-    "limit_predict_batches": 1.0, "val_check_interval": 1.0, "num_sanity_val_steps": 2,
-}  # fmt: skip
+def _check_callbacks(cfg: DictConfig, shape: RunShape) -> None:
+    """Each callback's own rule for the run (`check_run(family=..., on_cuda=..., block_classes=..., settings=...)`,
+    a classmethod beside the callback, as `check_pipeline_settings` beside the pipeline): the plan asks the class
+    a `_target_` names, never matches its name."""
+    block_classes = bool(OmegaConf.select(cfg, "callbacks.parallelize.block_classes"))
+    for name, node in (cfg.get("callbacks") or {}).items():
+        cls = target_class(node.get("_target_")) if isinstance(node, (DictConfig, Mapping)) else None
+        rule = getattr(cls, "check_run", None)
+        if not callable(rule):
+            continue
+        settings = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        try:
+            rule(family=shape.family, on_cuda=shape.on_cuda, block_classes=block_classes, settings=settings)
+        except ConfigError as err:  # the callback says what it cannot do; the user chose it under this key
+            where = f"callbacks.{name}" + (f".{err.setting}" if err.setting else "")
+            raise ConfigError(f"`callbacks.{name}` {err}", setting=where) from None
 
 
-def effective_trainer_settings(cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
-    """`{argument: (value, Lightning's default)}` for each Trainer argument the config sets to a non-default value."""
-    import inspect
+def check_ckpt_path(cfg: DictConfig) -> str | None:
+    """`ckpt_path` names a checkpoint this run can load (to resume with `fit`, or to test with `fit=false`): `last`
+    needs the run directory's `last.ckpt`; a path must be a `torch.save` file (a zip archive) or a distributed
+    checkpoint directory (with `.metadata`), and nothing in it may need more than tensors and plain types.
 
-    import lightning.pytorch as pl
+    Returns:
+        The checkpoint to load (`last` resolved to its file), `best`/`hpc`/`registry` as they are, or None.
 
-    defaults = {
-        name: param.default
-        for name, param in inspect.signature(pl.Trainer.__init__).parameters.items()
-        if param.default is not inspect.Parameter.empty
-    }
-    settings = OmegaConf.to_container(cfg.trainer, resolve=True)
-    assert isinstance(settings, dict)
-    settings.pop("_target_", None)
-    # What Lightning does with the arguments whose signature default is None.
-    implied = {**_IMPLIED_DEFAULTS, "max_epochs": 1000 if settings.get("max_steps", -1) == -1 else -1}
-    defaults.update({k: v for k, v in implied.items() if defaults.get(k, None) is None})
-    return {
-        key: (value, defaults.get(key, "(no default)"))
-        for key, value in sorted(settings.items())
-        if key not in defaults or value != defaults[key]
-    }
+    Raises:
+        ConfigError: naming the path, what it is, and the fix.
+    """
+    path = cfg.get("ckpt_path")
+    if path is None or str(path) in ("best", "hpc", "registry"):
+        return None if path is None else str(path)
+    from lightning_accel.strategies.checkpoint_io import recover_directory
+
+    if str(path) == "last":
+        dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
+        if dirpath is None:
+            return "last"
+        last = Path(str(dirpath)) / "last.ckpt"
+        recover_directory(last)  # a directory checkpoint whose swap a kill interrupted
+        if not last.exists():
+            raise ConfigError(f"`ckpt_path=last` finds no {last}: this run directory "
+                              "holds no earlier run. Resume in the earlier run's directory "
+                              "(`hydra.run.dir=<its directory> ckpt_path=last`) or pass its checkpoint file "
+                              "(`ckpt_path=<dir>/checkpoints/last.ckpt`).")  # fmt: skip
+        path = last  # checked below like any path: Lightning drops `weights_only` for some strategies
+    import zipfile
+
+    file = Path(str(path))
+    recover_directory(file)
+    if not file.exists():
+        raise ConfigError(f"`ckpt_path={str(path)!r}` does not exist; pass a checkpoint file (`.../checkpoints/"
+                          "last.ckpt`) or `ckpt_path=last` in the run directory to resume.")  # fmt: skip
+    if not (file.is_dir() or file.is_file()):  # a FIFO or a device would block the first read
+        raise ConfigError(f"`ckpt_path={str(path)!r}` is not a regular file or directory (a pipe, a socket or a "
+                          "device); pass a checkpoint file or directory.")  # fmt: skip
+    if file.is_dir() and not (file / ".metadata").is_file():
+        raise ConfigError(f"`ckpt_path={str(path)!r}` is a directory but not a distributed checkpoint (no "
+                          "`.metadata`); pass a checkpoint file or a directory a PipelineStrategy or "
+                          "ModelParallelStrategy run saved.")  # fmt: skip
+    if file.is_file() and not zipfile.is_zipfile(file):
+        raise ConfigError(f"`ckpt_path={str(path)!r}` is not a checkpoint (not a torch.save archive: truncated, "
+                          "corrupt or another kind of file); pass the run's `checkpoints/last.ckpt` or another "
+                          "checkpoint.")  # fmt: skip
+    from lightning_accel.strategies.dcp_checks import check_distributed_checkpoint, load_metadata
+
+    # no pickle payload runs: a file (or any file of a distributed checkpoint: index, shards, meta.pt) needing more
+    # than tensors and plain types is refused here, whatever torch's default `weights_only` is (False before 2.6)
+    if file.is_dir():
+        check_distributed_checkpoint(file)
+    else:
+        load_metadata(file, mmap=True)  # mapped, not read: every rank checks, before launch
+    return str(file)
+
+
+def check_checkpoint_dir(cfg: DictConfig) -> None:
+    """The checkpoint directory can be written, before anything trains (a read-only one failed at the first save,
+    after training); what killed saves left in it is removed.
+
+    Raises:
+        ConfigError: naming `callbacks.model_checkpoint.dirpath` and the error.
+    """
+    import tempfile
+
+    from lightning_accel.strategies.checkpoint_io import remove_stale_temporaries
+
+    dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
+    if dirpath is None or "://" in str(dirpath) or not cfg.get("fit", True):
+        return
+    try:
+        Path(str(dirpath)).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=str(dirpath), prefix=".accel-write-check-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"`callbacks.model_checkpoint.dirpath={dirpath}` cannot be written ({err.strerror or err}); "
+                          "make it writable or point it elsewhere.") from None  # fmt: skip
+    removed = remove_stale_temporaries(str(dirpath))
+    if removed:
+        log.info("removed what killed saves left in %s: %s", dirpath, ", ".join(p.name for p in removed))
+
+
+def check_checkpoint_fits(model: Any, path: str | None) -> None:
+    """The checkpoint to load holds the model's own parameters and shapes, checked before launch (another model
+    configuration failed inside Lightning's load, with a traceback of key lists). A model with `strict_loading=False`
+    is not checked.
+
+    Raises:
+        ConfigError: naming the checkpoint, what differs (a few names and shapes) and the fix.
+    """
+    if path is None or path in ("best", "last", "hpc", "registry") or not getattr(model, "strict_loading", True):
+        return
+    from lightning_accel.strategies.dcp_checks import checkpoint_shapes
+
+    theirs = checkpoint_shapes(path)
+    if theirs is None:  # a format whose parameters cannot be read without loading it
+        return
+    mine = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    missing = sorted(set(mine) - set(theirs))
+    unexpected = sorted(set(theirs) - set(mine))
+    different = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])
+    if not (missing or unexpected or different):
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of the model's parameters are not in it ({', '.join(missing[:3])}, ...)")
+    if unexpected:
+        parts.append(f"it holds {len(unexpected)} the model lacks ({', '.join(unexpected[:3])}, ...)")
+    if different:
+        shown = ", ".join(f"{n} {theirs[n]} vs the model's {mine[n]}" for n in different[:3])
+        parts.append(f"{len(different)} differ in shape ({shown})")
+    raise ConfigError(f"`ckpt_path={path}` was saved by another model configuration: {'; '.join(parts)}. Resume with "
+                      "the `model.*` settings it was trained with, or start a new run.")  # fmt: skip
+
+
+def check_master_port(env: Any = None) -> None:
+    """A `MASTER_PORT` of ours that another process holds is refused before launch (the ranks waited 125 s for a
+    rendezvous that could not happen, then blamed it). Only for jobs this process launches: under torchrun or SLURM
+    the launcher owns the port.
+
+    Raises:
+        ConfigError: naming `MASTER_PORT`, the port and the fix.
+    """
+    import os
+    import socket
+
+    env = os.environ if env is None else env
+    port = env.get("MASTER_PORT")
+    if not port or any(k in env for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID")):
+        return
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"`MASTER_PORT={port}` is not a port number; unset it or use one within 1-65535.")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", int(port)))  # one node: the store listens here
+        except OSError:
+            raise ConfigError(f"`MASTER_PORT={port}` is taken by another process, so the ranks could not meet; unset "
+                              "it (Lightning picks a free port) or choose a free one.") from None  # fmt: skip
+
+
+def trainer_setting_error(err: Exception, cfg: DictConfig, trainer: Any) -> ConfigError | None:
+    """Lightning's own refusal of a Trainer setting before the first step (`val_check_interval` beyond the epoch,
+    ...), as a ConfigError naming the config path and value, or None for any other error."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    if trainer.global_step > 0 or not isinstance(err, (ValueError, MisconfigurationException)):
+        return None
+    text = str(err).strip()
+    for name in re.findall(r"`(\w+)`", text):
+        if name in cfg.trainer:
+            return ConfigError(f"`trainer.{name}={cfg.trainer.get(name)}`: {text.splitlines()[0]}")
+    return None

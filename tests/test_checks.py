@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from lightning_accel.checks import check_combinations, check_config
 from lightning_accel.errors import ConfigError
-from lightning_accel.presets import check_combinations, check_config
 
 
 @pytest.mark.parametrize("devices", ["1", "2", "-1", "auto", "'2'", "'0,1'", "[0,1]"])
@@ -152,7 +152,7 @@ _FP16_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_com
 def test_invalid_combination_names_the_fix(
     compose_train, monkeypatch: pytest.MonkeyPatch, visible: int, overrides: list[str], message: str, fix: str
 ) -> None:
-    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: visible)
+    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: visible)
     with pytest.raises(ConfigError) as err:
         check_config(compose_train(overrides))
     assert message in str(err.value)
@@ -173,7 +173,7 @@ def test_invalid_combination_names_the_fix(
     ],
 )
 def test_valid_combinations_pass(compose_train, monkeypatch: pytest.MonkeyPatch, visible: int, overrides) -> None:
-    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: visible)
+    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: visible)
     check_config(compose_train(overrides))
 
 
@@ -194,26 +194,33 @@ def test_cli_rejects_a_bad_combination_before_launch(run_cli, tmp_path: Path) ->
 
 
 def test_ddp_grad_compression_sets_the_comm_hook_on_cuda(compose_train) -> None:
-    from hydra.utils import instantiate
-
-    from lightning_accel.presets import apply_ddp_grad_compression
-
-    cfg = compose_train(["strategy=ddp", "ddp_grad_compression=bf16", "trainer.accelerator=gpu"])
-    assert "bf16" in apply_ddp_grad_compression(cfg, visible_cuda=2)
-    hook = instantiate(cfg.trainer.strategy.ddp_comm_hook)
+    """The plan carries the hook into the Trainer's strategy; the config itself is left as composed."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    assert hook is default_hooks.bf16_compress_hook
+    from lightning_accel.precision import ResolvedPrecision
+    from lightning_accel.run_plan import RunPlan, plan_grad_compression, run_shape
+
+    cfg = compose_train(["strategy=ddp", "ddp_grad_compression=bf16", "trainer.accelerator=gpu"])
+    before = OmegaConf.to_yaml(cfg)
+    hook, note = plan_grad_compression(cfg, run_shape(cfg, visible_cuda=2))
+    assert hook is not None and note is not None and "bf16" in note
+    precision = ResolvedPrecision(requested="32-true", value="32-true", device="cuda", reason="as asked")
+    plan = RunPlan(shape=run_shape(cfg, visible_cuda=2), precision=precision,
+                   float32_matmul_precision=None, comm_hook=hook)  # fmt: skip
+    strategy = plan.trainer_kwargs(cfg)["strategy"]
+    assert strategy._ddp_comm_hook is default_hooks.bf16_compress_hook
+    assert OmegaConf.to_yaml(cfg) == before and "ddp_comm_hook" not in cfg.trainer.strategy
 
 
 def test_ddp_grad_compression_on_cpu_is_noted_not_dropped(compose_train) -> None:
     from lightning_accel.errors import LightningAccelWarning
-    from lightning_accel.presets import apply_ddp_grad_compression
+    from lightning_accel.run_plan import build_run_plan
 
-    cfg = compose_train(["strategy=ddp", "ddp_grad_compression=fp16", "trainer.accelerator=cpu"])
+    cfg = compose_train(["strategy=ddp", "ddp_grad_compression=fp16", "trainer.accelerator=cpu", "trainer.devices=2"])
     with pytest.warns(LightningAccelWarning, match="`ddp_grad_compression=fp16` is not applied on the CPU"):
-        assert "not applied" in apply_ddp_grad_compression(cfg)
-    assert "ddp_comm_hook" not in cfg.trainer.strategy
+        plan = build_run_plan(cfg, visible_cuda=0)
+    assert plan.comm_hook is None and any("not applied" in note for note in plan.notes)
+    assert "strategy" not in plan.trainer_kwargs(cfg)
 
 
 @pytest.mark.parametrize(
@@ -224,10 +231,11 @@ def test_ddp_grad_compression_on_cpu_is_noted_not_dropped(compose_train) -> None
     ],
 )
 def test_ddp_grad_compression_bad_input(compose_train, overrides: list[str], message: str) -> None:
-    from lightning_accel.presets import apply_ddp_grad_compression
+    from lightning_accel.run_plan import plan_grad_compression, run_shape
 
+    cfg = compose_train(overrides)
     with pytest.raises(ConfigError, match=message):
-        apply_ddp_grad_compression(compose_train(overrides), visible_cuda=0)
+        plan_grad_compression(cfg, run_shape(cfg, visible_cuda=0))
 
 
 # -- the run shape: one source for devices, strategy family, data-parallel size, accumulation callback, CPUs --------
@@ -238,7 +246,7 @@ def test_ddp_grad_compression_bad_input(compose_train, overrides: list[str], mes
     [(2, 2), ("2", 2), ([0, 1, 3], 3), ("0,1", 2), ("0,", 1), ("auto", None), (-1, None), ("-1", None), (True, None)],
 )
 def test_count_devices_reads_every_form_of_trainer_devices(devices: object, count: int | None) -> None:
-    from lightning_accel.presets import count_devices
+    from lightning_accel.run_plan import count_devices
 
     assert count_devices(devices) == count
 
@@ -248,16 +256,16 @@ def test_count_devices_reads_every_form_of_trainer_devices(devices: object, coun
     [("auto", "auto"), ("ddp_spawn", "ddp"), ("fsdp_cpu_offload", "fsdp"),
      ({"_target_": "lightning.pytorch.strategies.DDPStrategy"}, "ddp"),
      ({"_target_": "lightning_accel.strategies.pipeline.PipelineStrategy"}, "pipeline"),
-     ({"_target_": "my.MyPipelineStrategy"}, "pipeline"), ({"_target_": "my.Other"}, "Other")],
+     ({"_target_": "my.MyPipelineStrategy"}, "MyPipelineStrategy"), ({"_target_": "my.Other"}, "Other")],
 )  # fmt: skip
 def test_strategy_family_names_registry_names_and_targets(strategy: object, family: str) -> None:
-    from lightning_accel.presets import strategy_family
+    from lightning_accel.run_plan import strategy_family
 
     assert strategy_family(OmegaConf.create(strategy) if isinstance(strategy, dict) else strategy) == family
 
 
 def test_run_shape_is_computed_once_from_the_config() -> None:
-    from lightning_accel.presets import run_shape
+    from lightning_accel.run_plan import run_shape
 
     cfg = OmegaConf.create({
         "trainer": {"accelerator": "auto", "devices": "0,1", "num_nodes": 2, "precision": "bf16-mixed",
@@ -275,7 +283,7 @@ def test_run_shape_is_computed_once_from_the_config() -> None:
 
 
 def test_run_shape_counts_cpus_through_the_cgroup_quota(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_accel.presets import run_shape
+    from lightning_accel.run_plan import run_shape
     from lightning_accel.system.cgroup import CpuBudget
 
     budget = CpuBudget(affinity=64, quota=1.5)
@@ -289,7 +297,8 @@ def test_run_shape_counts_cpus_through_the_cgroup_quota(monkeypatch: pytest.Monk
 def test_a_pipeline_global_batch_splits_over_its_data_parallel_replicas_not_its_stages() -> None:
     """2 pipeline ranks share each batch: global batch 48 from 16 per batch is 3 micro-batches (over the world
     size it would be 48 / (16 x 2), refused)."""
-    from lightning_accel.presets import _check_accumulation, run_shape
+    from lightning_accel.checks import _check_accumulation
+    from lightning_accel.run_plan import run_shape
 
     def cfg(strategy: object, global_batch: int) -> object:
         scheduler = {"_target_": "lightning_accel.callbacks.AccumulationScheduler",
@@ -319,7 +328,7 @@ def test_your_own_pipeline_strategy_is_not_checked_as_ours() -> None:
 def test_compile_without_a_compiler_is_refused_before_launch(compose_train, monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_accel.system import software
 
-    monkeypatch.setattr("lightning_accel.presets._visible_cuda_devices", lambda: 0)
+    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: 0)
     monkeypatch.setattr(software.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ConfigError, match="inductor needs a C\\+\\+ compiler") as err:
