@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from omegaconf import OmegaConf
 
 from lightning_accel.errors import ConfigError
 from lightning_accel.patching import patch_attribute
+from lightning_accel.system.host import external_run_id
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -168,34 +168,6 @@ def unique_stamp(stamp: Any) -> str:
     """`stamp` (a time to the second) and a token drawn once per process: runs started in the same second, on one
     machine or on several sharing a file system, get different directories, and every lookup in one process agrees."""
     return f"{stamp!s}_{_PROCESS_TOKEN}"
-
-
-def external_run_id(default: str, env: Mapping[str, str] | None = None) -> str:
-    """The id every rank of an externally launched job shares, else `default` (a unique stamp).
-
-    torchrun gives every rank the same `TORCHELASTIC_RUN_ID` (a fresh one per `--standalone` launch, else the
-    `--rdzv-id`), so ranks started a second apart still write into one run directory; `ACCEL_RUN_ID` wins over it.
-    Inside a SLURM job step (srun sets `SLURM_STEP_ID`) the id is `slurm-<job>.<step>`: every task of the step shares
-    it, and a requeued job, which keeps its job id and runs its steps again, finds its run directory and Lightning's
-    `hpc_ckpt_<n>.ckpt` in it, and resumes. The id names one directory: characters other than letters, digits, `.`,
-    `_` and `-` become `_` (`../../x` -> `.._.._x`, never a path outside the log directory), and an id of dots alone
-    is refused.
-
-    Raises:
-        ConfigError: for an id that is empty or only dots after that.
-    """
-    env = os.environ if env is None else env
-    candidates = [(key, env.get(key, "")) for key in ("ACCEL_RUN_ID", "TORCHELASTIC_RUN_ID")]
-    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") is not None:
-        candidates.append(("SLURM_JOB_ID", f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"))
-    for key, value in candidates:
-        if value and value != "none":
-            safe = re.sub(r"[^A-Za-z0-9._-]", "_", value)
-            if not safe.strip("."):
-                raise ConfigError(f"`{key}={value!r}` cannot name a run directory; use letters, digits, `.`, `_` or "
-                                  "`-` (e.g. the job id).")  # fmt: skip
-            return safe
-    return default
 
 
 def external_rank_job_name(default: str, env: Mapping[str, str] | None = None) -> str:
