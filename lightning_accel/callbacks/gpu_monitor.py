@@ -255,7 +255,7 @@ class GPUMonitor(Callback):
             self._publisher = self._make_publisher(trainer, run_id)
 
     def _publishes(self) -> bool:
-        return self.publish or self.prometheus_port is not None
+        return self.publish or self.prometheus_port is not None or self.prometheus_textfile_dir is not None
 
     def _make_publisher(self, trainer: pl.Trainer, run_id: str) -> RunPublisher:
         """The node's publisher (not started): the job's fixed facts, and the sampler view after the logging one."""

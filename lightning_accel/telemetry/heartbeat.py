@@ -142,12 +142,13 @@ def read_heartbeat(path: Path, max_bytes: int = MAX_BYTES) -> dict[str, Any]:
         if os.path.islink(path):
             raise HeartbeatError("is a symlink; heartbeats are regular files written by the job itself") from None
         raise HeartbeatError(f"cannot be read ({err.strerror or err})") from None
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(file.fileno())
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
+        os.close(fd)
         if not stat.S_ISREG(info.st_mode):
             raise HeartbeatError("is not a regular file")
-        if info.st_size > max_bytes:
-            raise HeartbeatError(f"is {info.st_size} bytes, over the limit of {max_bytes}")
+        raise HeartbeatError(f"is {info.st_size} bytes, over the limit of {max_bytes}")
+    with os.fdopen(fd, "rb") as file:
         raw = file.read(max_bytes + 1)
     if len(raw) > max_bytes:
         raise HeartbeatError(f"is over the limit of {max_bytes} bytes")
@@ -177,6 +178,7 @@ def _map(spec: Any) -> tuple[str, Any]:
     return ("map", spec)
 
 
+_OPT_NUM = _opt(_NUM)
 _GPU = {
     "index": _INT, "uuid": str, "name": str, "latest": _map(_opt(_NUM)), "energy_j": _opt(_NUM),
     "history": _map(_list(_opt(_NUM))),
@@ -193,21 +195,39 @@ _SHAPE = {
 
 
 def _kind(spec: Any) -> str:
+    """What `spec` asks for, in words: "a number", "a list", "a string or null"."""
     if isinstance(spec, dict):
-        return "object"
+        return "an object"
     if isinstance(spec, tuple) and spec and isinstance(spec[0], str):
-        return {"optional": f"{_kind(spec[1])} or null", "list": "list", "map": "object"}[spec[0]]
-    types = spec if isinstance(spec, tuple) else (spec,)
-    return " or ".join({int: "integer", float: "number", str: "string"}[t] for t in types)
+        return {"optional": f"{_kind(spec[1])} or null", "list": "a list", "map": "an object"}[spec[0]]
+    return {_NUM: "a number", _INT: "an integer", str: "a string"}[spec]
+
+
+def _structured(spec: Any) -> bool:
+    """An object, list, map or optional spec (not a scalar type)."""
+    return isinstance(spec, dict) or (isinstance(spec, tuple) and bool(spec) and isinstance(spec[0], str))
+
+
+def _fits(value: Any, spec: Any) -> bool:
+    """`value` is of the scalar `spec` (a type or a tuple of types; a bool is not a number)."""
+    return isinstance(value, spec) and not isinstance(value, bool)
 
 
 def _check(value: Any, spec: Any, where: str) -> Any:
     """`value` if it has the shape `spec` (strings cut to a readable length), else HeartbeatError naming `where`."""
-    if isinstance(spec, tuple) and spec and isinstance(spec[0], str):
+    if _structured(spec) and not isinstance(spec, dict):
         how, inner = spec
         if how == "optional":
-            return None if value is None else _check(value, inner, where)
+            if value is None:
+                return None
+            if _structured(inner) or _fits(value, inner):
+                return _check(value, inner, where)  # else: named below as "a number or null"
         if how == "list" and isinstance(value, list):
+            if inner == _OPT_NUM and all(v is None or type(v) in (int, float) for v in value):  # series: the fast way
+                if all(math.isfinite(v) for v in value if v is not None):
+                    return value
+            elif inner == _NUM and all(type(v) in (int, float) for v in value) and all(map(math.isfinite, value)):
+                return value
             return [_check(item, inner, f"{where}[{i}]") for i, item in enumerate(value)]
         if how == "map" and isinstance(value, dict):
             return {str(k)[:_MAX_TEXT]: _check(v, inner, f"{where}.{k}") for k, v in value.items()}
@@ -218,13 +238,11 @@ def _check(value: Any, spec: Any, where: str) -> Any:
             if missing:
                 raise HeartbeatError(f"lacks `{prefix}{missing[0]}`")
             return {key: _check(value[key], inner, f"{prefix}{key}") for key, inner in spec.items()}
-    else:
-        types = spec if isinstance(spec, tuple) else (spec,)
-        if isinstance(value, types) and not isinstance(value, bool):
-            if isinstance(value, float) and not math.isfinite(value):
-                raise HeartbeatError(f"has `{where}` = {value}, not a finite number")
-            return value[:_MAX_TEXT] if isinstance(value, str) else value
-    raise HeartbeatError(f"has `{where}` of type {type(value).__name__}, where a {_kind(spec)} belongs")
+    elif _fits(value, spec):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise HeartbeatError(f"has `{where}` = {value}, not a finite number")
+        return value[:_MAX_TEXT] if isinstance(value, str) else value
+    raise HeartbeatError(f"has `{where}` of type {type(value).__name__}, where {_kind(spec)} belongs")
 
 
 def check_heartbeat(data: Any) -> dict[str, Any]:

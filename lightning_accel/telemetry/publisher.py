@@ -154,7 +154,7 @@ class RunPublisher:
             except OSError as err:
                 self._problem("heartbeat", f"the runs directory {self.path.parent} cannot be created "
                                            f"({err.strerror or err})")  # fmt: skip
-        if self.settings.prometheus_port is not None:
+        if self.settings.prometheus_port is not None or self.settings.textfile_dir is not None:
             self._start_exporter()
         self.publish()
         atexit.register(self._at_exit)
@@ -210,8 +210,11 @@ class RunPublisher:
                                            f"({getattr(err, 'strerror', None) or err})")  # fmt: skip
         if self.settings.textfile_dir is not None and self.exporter is not None and self.status == "running":
             try:
-                self.exporter.write_textfile(self._textfile_path())
-                self._textfile = self._textfile_path()
+                path = self._textfile_path()
+                if self._textfile is None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                self.exporter.write_textfile(path)
+                self._textfile = path
             except OSError as err:
                 self._problem("textfile", f"the Prometheus textfile cannot be written into "
                                           f"{self.settings.textfile_dir} ({err.strerror or err})")  # fmt: skip
@@ -233,7 +236,7 @@ class RunPublisher:
         for gpu in self.job.gpus:
             latest = self._latest.get(gpu["index"], {})
             point.update({f"{gpu['index']}/{m}": latest.get(m) for m in HISTORY_METRICS})
-        if self.status == "running":
+        if self.status == "running" and any(value is not None for value in point.values()):
             self._history.add(now, point)
         gpus = []
         for gpu in self.job.gpus:
@@ -288,9 +291,14 @@ class RunPublisher:
 
         try:
             self.exporter = Exporter(lambda: self.heartbeat, node_share=self.job.node_share)
-            port = self.exporter.serve(self.settings.prometheus_port or 0, self.settings.prometheus_addr)
-        except Exception as err:  # a port taken, an address not ours, prometheus_client missing
-            self.exporter = None
+        except Exception as err:  # prometheus_client missing or broken
+            self._problem("exporter", f"no Prometheus metrics ({type(err).__name__}: {err})")
+            return
+        if self.settings.prometheus_port is None:
+            return  # the textfile only
+        try:
+            port = self.exporter.serve(self.settings.prometheus_port, self.settings.prometheus_addr)
+        except Exception as err:  # a port taken, an address not ours
             self._problem("exporter", f"/metrics cannot be served on {self.settings.prometheus_addr}:"
                                       f"{self.settings.prometheus_port} ({type(err).__name__}: {err}); choose "
                                       "another `prometheus_port` (0 takes a free one)")  # fmt: skip

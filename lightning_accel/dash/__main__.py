@@ -1,0 +1,9 @@
+"""`python -m lightning_accel.dash` runs accel-dash."""
+
+from __future__ import annotations
+
+import sys
+
+from lightning_accel.dash.cli import main
+
+sys.exit(main())
