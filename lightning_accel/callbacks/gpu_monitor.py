@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import signal
 import time
 import warnings
@@ -504,14 +505,14 @@ def _warn_publishing(message: str) -> None:
 
 def _shared_run_id(trainer: pl.Trainer) -> str:
     """The id every rank of the run shares: the launcher's (`ACCEL_RUN_ID`, torchrun's, a SLURM step's), else one
-    rank zero draws (`<host>-<time>-<pid>`) and broadcasts."""
+    rank zero draws (`<host>-<time>-<pid>-<token>`) and broadcasts."""
     try:
         run_id = external_run_id("")
     except ConfigError:  # an id of dots alone: accel-train refuses it before this; here, draw one
         run_id = ""
     if run_id:
         return run_id
-    drawn = f"{hostname()}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    drawn = f"{hostname()}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(2)}"  # 2 fits a second
     return str(trainer.strategy.broadcast(drawn)) if trainer.world_size > 1 else drawn
 
 
