@@ -89,6 +89,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _serve(args: argparse.Namespace, state: DashState) -> int:
     try:
+        import starlette  # noqa: F401 - the app's framework, imported by make_app
         import uvicorn
 
         from lightning_accel.dash.server import LOOPBACK, make_app

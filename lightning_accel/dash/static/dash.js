@@ -1,5 +1,5 @@
 // accel-dash's page: polls /api/state every 2 s and draws every host, job and card. Every string that comes from a
-// heartbeat goes into the page through textContent (never innerHTML), so a run named <img src=x onerror=...> is text.
+// heartbeat goes into the page through textContent, never parsed as HTML, so a run named <img src=x ...> is text.
 "use strict";
 
 (function () {
