@@ -52,7 +52,7 @@ MAX_BYTES = 2 * 2**20
 """A heartbeat file larger than this is skipped (64 GPUs of history take about 0.5 MiB)."""
 HISTORY_S = 600.0
 """The span of the history a heartbeat carries (s)."""
-HISTORY_STEP_S = 10.0
+HISTORY_STEP_S = 5.0
 """Its resolution: one point per this many seconds, the mean of the windows that fell into it."""
 HISTORY_METRICS = ("sm_activity_pct", "tensor_activity_pct", "utilization_pct", "power_w", "temperature_c",
                    "memory_used_mib")  # fmt: skip

@@ -128,6 +128,7 @@
     facts.append(rate);
     article.append(facts);
     const command = el("div", "muted command", job.command);
+    command.title = job.command; // the whole line on hover (an attribute set as text, never parsed)
     article.append(command);
     if (job.reason) article.append(el("p", "reason", job.reason));
     if (job.alerts.length) {
