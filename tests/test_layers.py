@@ -3,7 +3,7 @@ into `sys.modules` may hold nothing of a higher layer (this package's modules, L
 
     facts        system/, telemetry/, measure, errors, patching, batches   ->  plain Python, torch, pynvml, psutil
     behaviour    callbacks/, strategies/, parallel/, tuning/, schedules, precision, summary, gpu_check  -> + lightning
-    composition  presets, compose, launch, benchmark/, train, doctor, bench             ->  + hydra, omegaconf
+    composition  presets, compose, launch, benchmark/, train, doctor, bench, dash/      ->  + hydra, omegaconf
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ COMPOSITION = (
     "doctor",
     "bench",
     "tune",
+    "dash",
     "conf",
     "examples",
 )  # data_settings: the old name of compose, kept for a release

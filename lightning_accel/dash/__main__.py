@@ -6,4 +6,7 @@ import sys
 
 from lightning_accel.dash.cli import main
 
-sys.exit(main())
+__all__: list[str] = []
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_accel.dash.state import DashState, text_report
+from lightning_accel.dash.state import DashState, page_dict, text_report
 from lightning_accel.telemetry.heartbeat import DEFAULT_KEEP_S, DEFAULT_STALE_AFTER_S, default_runs_dir
 
 __all__ = ["DEFAULT_PORT", "build_parser", "main"]
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       keep_s=args.keep)  # fmt: skip
     try:
         if args.json:
-            print(json.dumps(state.build(), indent=1))
+            print(json.dumps(page_dict(state.build()), indent=1))
             return 0
         if args.once:
             print(text_report(state.build()), end="")

@@ -67,15 +67,15 @@ def make_app(state: DashState, loopback: bool = True) -> Any:
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
     from starlette.requests import Request
-    from starlette.responses import FileResponse, JSONResponse
+    from starlette.responses import FileResponse, Response
     from starlette.routing import Mount, Route
     from starlette.staticfiles import StaticFiles
 
     def page(request: Request) -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
 
-    def data(request: Request) -> JSONResponse:  # sync: Starlette runs it in a thread (it reads files and NVML)
-        return JSONResponse(state.get())
+    def data(request: Request) -> Response:  # sync: Starlette runs it in a thread (it reads files and NVML)
+        return Response(state.get(), media_type="application/json")
 
     middleware = [Middleware(_Guard, allowed_hosts=("127.0.0.1", "localhost", "[::1]") if loopback else None)]
     routes = [

@@ -4,6 +4,7 @@ and the notes on skipped files; as JSON for the page and `--json`, and as text t
 from __future__ import annotations
 
 import io
+import json
 import socket
 import threading
 import time
@@ -19,7 +20,7 @@ from lightning_accel.telemetry.heartbeat import (
     read_heartbeats,
 )
 
-__all__ = ["SCHEMA", "DashState", "card_line", "text_report"]
+__all__ = ["SCHEMA", "DashState", "card_line", "page_dict", "page_json", "text_report"]
 
 SCHEMA = "lightning_accel.dash/1"
 """`schema` of the page data (`/api/state`, `--json`)."""
@@ -56,31 +57,33 @@ class DashState:
         self._lock = threading.Lock()
         self._last: tuple[float, dict[str, Any]] | None = None
 
-    def get(self, now: float | None = None) -> dict[str, Any]:
-        """The page data (see `build`), at most `min_age_s` old."""
+    def get(self, now: float | None = None) -> str:
+        """The page data as JSON (`page_json(self.build())`), at most `min_age_s` old."""
         with self._lock:
             clock = time.monotonic()
             if self._last is not None and clock - self._last[0] < self.min_age_s:
                 return self._last[1]
-            state = self.build(now)
-            self._last = (clock, state)
-            return state
+            text = page_json(self.build(now))
+            self._last = (clock, text)
+            return text
 
     def build(self, now: float | None = None) -> dict[str, Any]:
         """`{"schema", "generated", "host", "runs_dir", "stale_after_s", "hosts": [{"host", "jobs", "cards"}],
-        "notes"}`: each job is a heartbeat (`telemetry.heartbeat`) with its status now and its `file`, running jobs
-        first; `cards` (this host's only) are the cards no running or stale job of ours holds, with their processes.
+        "notes", "cards_problem"}`: `jobs` are `telemetry.heartbeat.Job`s (a heartbeat, its status now and its file),
+        running jobs first; `cards` (this host's only) are the cards no running or stale job of ours holds, with their
+        processes. `page_json` and `page_dict` turn it into the page's JSON.
         """
         now = time.time() if now is None else now
         jobs, notes = read_heartbeats(self.runs_dir, now, self.stale_after_s, self.keep_s, self._cache)
-        jobs.sort(key=lambda job: (_ORDER[job["status"]], -job["started"], job["file"]))
+        jobs.sort(key=lambda job: (_ORDER[job.status], -job.heartbeat["started"], job.file))
         hosts: dict[str, dict[str, Any]] = {self.host: {"host": self.host, "jobs": [], "cards": []}}
         for job in jobs:
-            hosts.setdefault(job["host"], {"host": job["host"], "jobs": [], "cards": []})["jobs"].append(job)
+            host = job.heartbeat["host"]
+            hosts.setdefault(host, {"host": host, "jobs": [], "cards": []})["jobs"].append(job)
         cards_problem = None
         if self._host_cards is not None:
-            held = {gpu["uuid"] for job in hosts[self.host]["jobs"] if job["status"] in ("running", "stale")
-                    for gpu in job["gpus"]}  # fmt: skip
+            held = {gpu["uuid"] for job in hosts[self.host]["jobs"] if job.status in ("running", "stale")
+                    for gpu in job.heartbeat["gpus"]}  # fmt: skip
             hosts[self.host]["cards"] = [card for card in self._host_cards() if card["uuid"] not in held]
             cards_problem = self._host_cards_problem() if self._host_cards_problem is not None else None
         ordered = [hosts.pop(self.host), *(hosts[name] for name in sorted(hosts))]
@@ -88,6 +91,24 @@ class DashState:
             "schema": SCHEMA, "generated": now, "host": self.host, "runs_dir": str(self.runs_dir),
             "stale_after_s": self.stale_after_s, "hosts": ordered, "notes": notes, "cards_problem": cards_problem,
         }  # fmt: skip
+
+
+def page_dict(state: Mapping[str, Any]) -> dict[str, Any]:
+    """`state` (`DashState.build`) as plain data: each job `{"file", "status", "heartbeat"}`."""
+    hosts = [{**host, "jobs": [job.as_dict() for job in host["jobs"]]} for host in state["hosts"]]
+    return {**state, "hosts": hosts}
+
+
+def page_json(state: Mapping[str, Any]) -> str:
+    """`page_dict(state)` as JSON, each job's heartbeat passed on as the text it was read as (not parsed into floats
+    and printed again: most of a page is heartbeats)."""
+    hosts = []
+    for host in state["hosts"]:
+        jobs = ",".join(job.as_json() for job in host["jobs"])
+        rest = json.dumps({key: value for key, value in host.items() if key != "jobs"}, allow_nan=False)
+        hosts.append(f'{rest[:-1]},"jobs":[{jobs}]}}')
+    rest = json.dumps({key: value for key, value in state.items() if key != "hosts"}, allow_nan=False)
+    return f'{rest[:-1]},"hosts":[{",".join(hosts)}]}}'
 
 
 def _plain(text: Any, limit: int = 80) -> str:
@@ -145,7 +166,8 @@ def text_report(state: Mapping[str, Any], width: int | None = None) -> str:
         table = Table(title=Text(f"host {_plain(host['host'])}"), title_justify="left", header_style="bold")
         for column in ("status", "run", "user", "ranks", "step", "samples/s", "ETA", "cards"):
             table.add_column(column, overflow="fold")
-        for job in host["jobs"]:
+        for entry in host["jobs"]:
+            job = {**entry.heartbeat, "status": entry.status}
             step = f"{job['step']:,}" + (f"/{job['max_steps']:,}" if job["max_steps"] else "")
             ranks = ", ".join(f"{r['rank']}:{_plain(r['device'], 12)}" for r in job["ranks"]) or "-"
             cards = "\n".join(f"gpu {g['index']} {_plain(g['name'], 30)}: {card_line(g['latest'])}"

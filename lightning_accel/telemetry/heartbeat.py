@@ -19,6 +19,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,13 @@ __all__ = [
     "STATUSES",
     "HeartbeatError",
     "History",
+    "Job",
     "check_heartbeat",
     "current_user",
     "default_runs_dir",
     "heartbeat_path",
     "lead_signal",
+    "load_heartbeat",
     "prune_heartbeats",
     "read_heartbeat",
     "read_heartbeats",
@@ -52,7 +55,7 @@ MAX_BYTES = 2 * 2**20
 """A heartbeat file larger than this is skipped (64 GPUs of history take about 0.5 MiB)."""
 HISTORY_S = 600.0
 """The span of the history a heartbeat carries (s)."""
-HISTORY_STEP_S = 5.0
+HISTORY_STEP_S = 10.0
 """Its resolution: one point per this many seconds, the mean of the windows that fell into it."""
 HISTORY_METRICS = ("sm_activity_pct", "tensor_activity_pct", "utilization_pct", "power_w", "temperature_c",
                    "memory_used_mib")  # fmt: skip
@@ -136,6 +139,16 @@ def read_heartbeat(path: Path, max_bytes: int = MAX_BYTES) -> dict[str, Any]:
         HeartbeatError: a symlink or other non-regular file, over `max_bytes`, unreadable, not JSON, wrong schema or
             a field of the wrong type; the message says which.
     """
+    return load_heartbeat(path, max_bytes)[0]
+
+
+def load_heartbeat(path: Path, max_bytes: int = MAX_BYTES) -> tuple[dict[str, Any], str]:
+    """`read_heartbeat`, and the checked heartbeat as JSON text: the file's own text when it holds exactly that (the
+    usual case: no page re-serializes what it only passes on), else a fresh serialization.
+
+    Raises:
+        HeartbeatError: as `read_heartbeat`.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as err:
@@ -153,12 +166,37 @@ def read_heartbeat(path: Path, max_bytes: int = MAX_BYTES) -> dict[str, Any]:
     if len(raw) > max_bytes:
         raise HeartbeatError(f"is over the limit of {max_bytes} bytes")
     try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+        text = raw.decode("utf-8")
+        data = json.loads(text, parse_constant=_no_constants)
     except HeartbeatError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise HeartbeatError(f"is not valid JSON (truncated or corrupt: {str(err)[:120]})") from None
-    return check_heartbeat(data)
+    checked = check_heartbeat(data)
+    if checked != data:  # keys dropped or strings cut: pass on only what was checked
+        text = json.dumps(checked, allow_nan=False, separators=(",", ":"))
+    return checked, text
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One heartbeat file as a reader shows it."""
+
+    file: str
+    """The file's name in the runs directory."""
+    status: str
+    """Its status now: `running`, `stale`, `finished` or `failed`."""
+    heartbeat: dict[str, Any]
+    """The checked heartbeat (`status` as the job wrote it)."""
+    text: str
+    """`heartbeat` as JSON."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "status": self.status, "heartbeat": self.heartbeat}
+
+    def as_json(self) -> str:
+        """`as_dict()` as JSON, reusing `text` (a page of 64 jobs x 8 GPUs is mostly their heartbeats)."""
+        return f'{{"file":{json.dumps(self.file)},"status":{json.dumps(self.status)},"heartbeat":{self.text}}}'
 
 
 # The shape of a heartbeat: a key -> a spec. A spec is a type (or a tuple of types), `_opt(spec)` (that or null),
@@ -180,8 +218,8 @@ def _map(spec: Any) -> tuple[str, Any]:
 
 _OPT_NUM = _opt(_NUM)
 _GPU = {
-    "index": _INT, "uuid": str, "name": str, "latest": _map(_opt(_NUM)), "energy_j": _opt(_NUM),
-    "history": _map(_list(_opt(_NUM))),
+    "index": _INT, "uuid": str, "name": str, "latest": _map(_OPT_NUM), "energy_j": _opt(_NUM),
+    "history": _map(_list(_OPT_NUM)),
 }  # fmt: skip
 _SHAPE = {
     "schema": str, "run_id": str, "name": str, "host": str, "user": str, "pid": _INT, "command": str,
@@ -190,7 +228,7 @@ _SHAPE = {
     "ranks": _list({"rank": _INT, "local_rank": _INT, "device": str, "uuid": _opt(str)}),
     "gpus": _list(_GPU), "step": _INT, "max_steps": _opt(_INT), "samples": _INT, "samples_per_s": _opt(_NUM),
     "eta_s": _opt(_NUM), "alerts": _list({"name": str, "step": _INT, "message": str}),
-    "history": {"t": _list(_NUM), "samples_per_s": _list(_opt(_NUM))},
+    "history": {"t": _list(_NUM), "samples_per_s": _list(_OPT_NUM)},
 }  # fmt: skip
 
 
@@ -208,6 +246,16 @@ def _structured(spec: Any) -> bool:
     return isinstance(spec, dict) or (isinstance(spec, tuple) and bool(spec) and isinstance(spec[0], str))
 
 
+def _finite_series(values: list[Any], nulls: bool) -> bool:
+    """Every item a finite int or float (or None, with `nulls`), checked at C speed: True, or False to look closer."""
+    if not set(map(type, values)) <= ({int, float, type(None)} if nulls else {int, float}):
+        return False
+    try:
+        return math.isfinite(math.fsum(filter(None, values)))  # None and 0 left out; inf, nan and huge ints are not
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def _fits(value: Any, spec: Any) -> bool:
     """`value` is of the scalar `spec` (a type or a tuple of types; a bool is not a number)."""
     return isinstance(value, spec) and not isinstance(value, bool)
@@ -223,13 +271,13 @@ def _check(value: Any, spec: Any, where: str) -> Any:
             if _structured(inner) or _fits(value, inner):
                 return _check(value, inner, where)  # else: named below as "a number or null"
         if how == "list" and isinstance(value, list):
-            if inner == _OPT_NUM and all(v is None or type(v) in (int, float) for v in value):  # series: the fast way
-                if all(math.isfinite(v) for v in value if v is not None):
-                    return value
-            elif inner == _NUM and all(type(v) in (int, float) for v in value) and all(map(math.isfinite, value)):
+            if inner in (_NUM, _OPT_NUM) and _finite_series(value, inner == _OPT_NUM):  # series: the fast way
                 return value
             return [_check(item, inner, f"{where}[{i}]") for i, item in enumerate(value)]
         if how == "map" and isinstance(value, dict):
+            if inner == _OPT_NUM and _finite_series(list(value.values()), True) and all(
+                    len(k) <= _MAX_TEXT for k in value):  # fmt: skip
+                return value  # a GPU's readings: the fast way
             return {str(k)[:_MAX_TEXT]: _check(v, inner, f"{where}.{k}") for k, v in value.items()}
     elif isinstance(spec, dict):
         if isinstance(value, dict):
@@ -239,8 +287,8 @@ def _check(value: Any, spec: Any, where: str) -> Any:
                 raise HeartbeatError(f"lacks `{prefix}{missing[0]}`")
             return {key: _check(value[key], inner, f"{prefix}{key}") for key, inner in spec.items()}
     elif _fits(value, spec):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise HeartbeatError(f"has `{where}` = {value}, not a finite number")
+        if isinstance(value, (int, float)) and not (math.isfinite(value) and abs(value) < 2**63):
+            raise HeartbeatError(f"has `{where}` = {str(value)[:40]}, not a finite number")
         return value[:_MAX_TEXT] if isinstance(value, str) else value
     raise HeartbeatError(f"has `{where}` of type {type(value).__name__}, where {_kind(spec)} belongs")
 
@@ -277,18 +325,17 @@ def read_heartbeats(
     now: float | None = None,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
     keep_s: float = DEFAULT_KEEP_S,
-    cache: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] | None = None,
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """The heartbeats of `runs_dir` worth showing, each with `status` set to its status now, and notes on the files
-    skipped.
+    cache: dict[str, tuple[tuple[int, int, int], dict[str, Any], str]] | None = None,
+) -> tuple[list[Job], list[str]]:
+    """The heartbeats of `runs_dir` worth showing, each with its status now, and notes on the files skipped.
 
     Running jobs are always shown; stale, finished and failed ones for `keep_s` after their last heartbeat (files last
-    changed before that are not even opened). `cache` (path -> (inode, size, mtime) and the parsed heartbeat) saves
+    changed before that are not even opened). `cache` (path -> (inode, size, mtime), the heartbeat and its text) saves
     parsing files that did not change since the last call.
     """
     now = time.time() if now is None else now
     directory = Path(runs_dir)
-    jobs: list[dict[str, Any]] = []
+    jobs: list[Job] = []
     notes: list[str] = []
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
@@ -310,19 +357,19 @@ def read_heartbeats(
         seen.add(entry.path)
         cached = cache.get(entry.path) if cache is not None else None
         if cached is not None and cached[0] == key:
-            heartbeat = cached[1]
+            heartbeat, text = cached[1], cached[2]
         else:
             try:
-                heartbeat = read_heartbeat(Path(entry.path))
+                heartbeat, text = load_heartbeat(Path(entry.path))
             except HeartbeatError as err:
                 notes.append(f"skipped {entry.name}: it {err}")
                 continue
             if cache is not None:
-                cache[entry.path] = (key, heartbeat)
+                cache[entry.path] = (key, heartbeat, text)
         status = status_of(heartbeat, now, stale_after_s)
         if status != "running" and now - float(heartbeat["updated"]) > keep_s:
             continue
-        jobs.append({**heartbeat, "status": status, "file": entry.name})
+        jobs.append(Job(entry.name, status, heartbeat, text))
     if cache is not None:
         for path in set(cache) - seen:
             del cache[path]
@@ -391,7 +438,7 @@ class History:
             for series in (self.t, self._bucket, *self._sums.values(), *self._counts.values()):
                 del series[0]
 
-    def series(self, key: str, digits: int = 4) -> list[float | None]:
+    def series(self, key: str, digits: int = 2) -> list[float | None]:
         """The points of `key`, aligned with `t` (None where it had no value)."""
         sums, counts = self._sums.get(key), self._counts.get(key)
         if sums is None or counts is None:

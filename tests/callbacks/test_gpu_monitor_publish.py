@@ -178,8 +178,8 @@ def test_jobs_found_by_read_heartbeats(tmp_path: Path) -> None:
     for name in ("first", "second"):
         fit(GPUMonitor(log_metrics=False, runs_dir=tmp_path / "runs", run_name=name), tmp_path)
     jobs, notes = read_heartbeats(tmp_path / "runs")
-    assert sorted(job["name"] for job in jobs) == ["first", "second"] and notes == []
-    assert len({job["run_id"] for job in jobs}) == 2
+    assert sorted(job.heartbeat["name"] for job in jobs) == ["first", "second"] and notes == []
+    assert len({job.heartbeat["run_id"] for job in jobs}) == 2
 
 
 @pytest.mark.parametrize(

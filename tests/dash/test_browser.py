@@ -42,8 +42,8 @@ def _playwright() -> Any:
 
 
 def _jobs_running(runs: Path, count: int) -> list[dict[str, Any]] | None:
-    jobs, _ = read_heartbeats(runs)
-    running = [j for j in jobs if j["status"] == "running" and j["step"] > 0 and j["gpus"] and j["gpus"][0]["latest"]]
+    jobs = [job.heartbeat for job in read_heartbeats(runs)[0] if job.status == "running"]
+    running = [j for j in jobs if j["step"] > 0 and j["gpus"] and j["gpus"][0]["latest"]]
     return running if len(running) >= count else None
 
 

@@ -21,7 +21,8 @@ from _env import clean_env
 from _fake_nvml import FakeClock, FakeGPU, FakeNVML, install
 
 from lightning_accel.dash.cli import main
-from lightning_accel.dash.state import DashState, text_report
+from lightning_accel.dash.state import SCHEMA as SCHEMA_PAGE
+from lightning_accel.dash.state import DashState, page_dict, page_json, text_report
 from lightning_accel.telemetry.heartbeat import SCHEMA, heartbeat_path, write_json_atomic
 from lightning_accel.telemetry.host_gpus import HostGPUs
 
@@ -64,18 +65,19 @@ def test_jobs_are_grouped_by_host_and_free_cards_leave_out_the_held_ones(tmp_pat
     state = DashState(runs, host_cards=lambda: cards, host="here").build()
     assert [h["host"] for h in state["hosts"]] == ["here", "alpha", "zeta"]
     here = state["hosts"][0]
-    assert [(j["run_id"], j["status"]) for j in here["jobs"]] == [("b-live", "running"), ("a-silent", "stale"),
-                                                                   ("done", "finished")]  # fmt: skip
+    assert [(j.heartbeat["run_id"], j.status) for j in here["jobs"]] == [
+        ("b-live", "running"), ("a-silent", "stale"), ("done", "finished")]  # fmt: skip
     assert [c["uuid"] for c in here["cards"]] == ["GPU-3", "GPU-4"] and state["hosts"][1]["cards"] == []
     assert state["notes"] == ["skipped broken.json: it is not valid JSON (truncated or corrupt: Expecting property "
                               "name enclosed in double quotes: line 1 column 2 (char 1))"]  # fmt: skip
-    json.dumps(state, allow_nan=False)  # what the page gets is strict JSON
+    assert json.loads(page_json(state)) == json.loads(json.dumps(page_dict(state), allow_nan=False))  # strict JSON
+    assert json.loads(page_json(state))["hosts"][0]["jobs"][1]["status"] == "stale"
 
 
 def test_the_state_is_reused_for_requests_close_together(tmp_path: Path) -> None:
     calls = []
     state = DashState(tmp_path, host_cards=lambda: calls.append(1) or [], min_age_s=60)
-    assert state.get() is state.get() and len(calls) == 1
+    assert state.get() is state.get() and len(calls) == 1 and json.loads(state.get())["schema"] == SCHEMA_PAGE
 
 
 def test_host_gpus_show_processes_and_their_users(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,7 +115,7 @@ def test_once_and_json_show_strings_as_they_are_without_markup_or_escapes(
     publish(runs, "r1", "here", name=HOSTILE + " [bold red]loud[/] \x1b[2Jcleared")
     assert main(["--runs-dir", str(runs), "--json", "--no-host-gpus"]) == 0
     state = json.loads(capsys.readouterr().out)
-    assert state["hosts"][-1]["jobs"][0]["name"] == HOSTILE + " [bold red]loud[/] \x1b[2Jcleared"
+    assert state["hosts"][-1]["jobs"][0]["heartbeat"]["name"] == HOSTILE + " [bold red]loud[/] \x1b[2Jcleared"
     assert main(["--runs-dir", str(runs), "--once", "--no-host-gpus"]) == 0
     out = capsys.readouterr().out
     assert HOSTILE in out and "[bold red]loud[/]" in out  # shown as text, not taken as rich markup
@@ -152,7 +154,7 @@ def test_the_server_serves_the_page_its_data_and_nothing_else(served: Any) -> No
     assert headers["x-content-type-options"] == "nosniff" and headers["x-frame-options"] == "DENY"
     status, headers, body = _get(url + "/api/state")
     state = json.loads(body)
-    assert status == 200 and state["hosts"][1]["jobs"][0]["name"] == HOSTILE
+    assert status == 200 and state["hosts"][1]["jobs"][0]["heartbeat"]["name"] == HOSTILE
     cards = state["hosts"][0]["cards"]
     assert [c["uuid"][:6] for c in cards] == ["GPU-a0", "GPU-a1", "GPU-zz"]  # no job of ours runs here
     assert cards[2]["processes"][0]["user"] not in ("", "?")
@@ -218,3 +220,11 @@ def test_the_page_script_never_writes_html() -> None:
         assert sink not in script, sink
     assert not re.search(r"https?://|[\"'`]//", script)  # nothing from elsewhere, not even protocol-relative
 
+
+
+def test_accel_dash_starts_without_torch_lightning_or_hydra() -> None:
+    """A login node without GPUs runs it: importing the command and the app loads none of the training stack."""
+    script = ("import sys, lightning_accel.dash.cli, lightning_accel.dash.server, lightning_accel.telemetry.host_gpus; "
+              "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'hydra', 'omegaconf'}))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=clean_env())
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -131,7 +131,7 @@ def test_bad_files_are_skipped_with_a_note_and_the_rest_still_read(tmp_path: Pat
     (runs / ".tmp-in-progress.json").write_text("{")  # a writer's temporary file: not a heartbeat, no note
     (runs / "README.txt").write_text("not a heartbeat")
     jobs, notes = read_heartbeats(runs, now=NOW)
-    assert [job["run_id"] for job in jobs] == ["good"]
+    assert [job.heartbeat["run_id"] for job in jobs] == ["good"]
     reasons = {note.split(":")[0].removeprefix("skipped "): note for note in notes}
     assert set(reasons) == {f"{n}.h.0.json" for n in ("corrupt", "truncated", "oversized", "wrongtype", "array",
                                                         "nan", "inf", "deep", "link", "fifo")}  # fmt: skip
@@ -159,8 +159,9 @@ def test_ended_and_stale_jobs_are_listed_for_the_keep_window(tmp_path: Path) -> 
     write(runs, heartbeat("silent", updated=NOW - 100))
     write(runs, heartbeat("long-silent", updated=NOW - 5000))
     jobs, notes = read_heartbeats(runs, now=NOW, stale_after_s=30, keep_s=3600)
-    assert {job["run_id"]: job["status"] for job in jobs} == {"live": "running", "recent": "finished",
-                                                               "silent": "stale"}  # fmt: skip
+    assert {job.heartbeat["run_id"]: job.status for job in jobs} == {"live": "running", "recent": "finished",
+                                                                      "silent": "stale"}  # fmt: skip
+    assert {job.heartbeat["status"] for job in jobs} == {"running", "finished"}  # what the jobs wrote
     assert notes == []
 
 
@@ -172,14 +173,14 @@ def test_the_cache_reparses_only_changed_files(tmp_path: Path, monkeypatch: pyte
     path = write(runs, heartbeat("a"))
     write(runs, heartbeat("b"))
     parsed = []
-    real = module.read_heartbeat
-    monkeypatch.setattr(module, "read_heartbeat", lambda p, *a: parsed.append(p.name) or real(p, *a))
+    real = module.load_heartbeat
+    monkeypatch.setattr(module, "load_heartbeat", lambda p, *a: parsed.append(p.name) or real(p, *a))
     cache: dict = {}
     read_heartbeats(runs, now=NOW, cache=cache)
     write_json_atomic(path, heartbeat("a", step=121))
     jobs, _ = read_heartbeats(runs, now=NOW, cache=cache)
     assert parsed == ["a.node-a.0.json", "b.node-a.0.json", "a.node-a.0.json"]
-    assert {job["run_id"]: job["step"] for job in jobs} == {"a": 121, "b": 120}
+    assert {job.heartbeat["run_id"]: job.heartbeat["step"] for job in jobs} == {"a": 121, "b": 120}
     path.unlink()
     read_heartbeats(runs, now=NOW, cache=cache)
     assert list(cache) == [str(runs / "b.node-a.0.json")]
@@ -224,3 +225,14 @@ def test_lead_signal_prefers_sm_activity_and_labels_the_fallback() -> None:
     assert lead_signal({"sm_activity_pct": 40.0, "utilization_pct": 100.0}) == ("SM active", 40.0)
     assert lead_signal({"utilization_pct": 100.0}) == ("util (fallback)", 100.0)
     assert lead_signal({}) == ("util (fallback)", None)
+
+
+def test_a_job_passes_its_text_on_as_read_unless_checking_changed_it(tmp_path: Path) -> None:
+    clean = write(tmp_path, heartbeat("clean"))
+    cut = write(tmp_path, heartbeat("cut", name="x" * 3000, unknown=[1, 2]))
+    jobs = {job.heartbeat["run_id"]: job for job in read_heartbeats(tmp_path, now=NOW)[0]}
+    assert jobs["clean"].text == clean.read_text()  # nothing parsed and printed again
+    assert json.loads(jobs["cut"].text) == jobs["cut"].heartbeat != json.loads(cut.read_text())
+    assert len(jobs["cut"].heartbeat["name"]) == 2000 and "unknown" not in jobs["cut"].text
+    assert json.loads(jobs["clean"].as_json()) == {"file": "clean.node-a.0.json", "status": "running",
+                                                   "heartbeat": jobs["clean"].heartbeat}  # fmt: skip

@@ -154,7 +154,8 @@ def test_a_real_prometheus_scrapes_a_training_job(tmp_path: Path) -> None:
             # the job's node writes its target; Prometheus finds it and scrapes it
             wait_until(lambda: _query(prom, 'up{job="lightning_accel"} == 1'), timeout_s=180,
                        what="Prometheus to scrape the job", detail=lambda: log_of(tmp_path / "ddp"))  # fmt: skip
-            [beat] = wait_until(lambda: read_heartbeats(runs)[0], timeout_s=30, what="the heartbeat")
+            [job_read] = wait_until(lambda: read_heartbeats(runs)[0], timeout_s=30, what="the heartbeat")
+            beat = job_read.heartbeat
             assert beat["ranks"] == [{"rank": 0, "local_rank": 0, "device": "cpu", "uuid": None},
                                      {"rank": 1, "local_rank": 1, "device": "cpu", "uuid": None}]  # fmt: skip
             with urllib.request.urlopen(beat["metrics_url"], timeout=10) as response:

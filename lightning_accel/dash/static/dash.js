@@ -99,14 +99,17 @@
     return card;
   }
 
-  function jobArticle(job, now) {
+  // One job: `entry` is {file, status (now), heartbeat (what the job wrote)}.
+  function jobArticle(entry, now) {
+    const job = entry.heartbeat;
+    const status = entry.status;
     const article = el("article", "job");
     article.dataset.runId = job.run_id;
-    article.dataset.status = job.status;
+    article.dataset.status = status;
     article.dataset.host = job.host;
-    article.dataset.file = job.file;
+    article.dataset.file = entry.file;
     const head = el("div", "job-head");
-    head.append(el("span", "badge " + job.status, job.status), el("span", "job-name", job.name),
+    head.append(el("span", "badge " + status, status), el("span", "job-name", job.name),
       el("span", "muted run-id", job.run_id),
       el("span", "muted", `${job.user} · pid ${job.pid} · node ${job.node_rank + 1} of ${job.num_nodes}`),
       el("span", "muted", `updated ${ago(now - job.updated)}`));
@@ -119,12 +122,12 @@
     };
     fact("step", job.max_steps ? `${job.step} / ${job.max_steps}` : String(job.step), "step");
     fact("samples/s", num(job.samples_per_s, 1), "samples-per-s");
-    if (job.status === "running") fact("ETA", duration(job.eta_s), "eta");
+    if (status === "running") fact("ETA", duration(job.eta_s), "eta");
     fact("ranks", job.ranks.map((r) => `${r.rank} → ${r.device}`).join(", ") || "–", "ranks");
     fact("cards", String(job.gpus.length), "card-count");
     const t = (job.history && job.history.t) || [];
     const rate = el("span", "spark");
-    rate.append(sparkline(`${job.file}/rate`, t, (job.history && job.history.samples_per_s) || [], "#57606a"));
+    rate.append(sparkline(`${entry.file}/rate`, t, (job.history && job.history.samples_per_s) || [], "#57606a"));
     facts.append(rate);
     article.append(facts);
     const command = el("div", "muted command", job.command);
@@ -138,7 +141,7 @@
     }
     if (job.gpus.length) {
       const cards = el("div", "cards");
-      for (const gpu of job.gpus) cards.append(gpuCard(job, gpu, job.file));
+      for (const gpu of job.gpus) cards.append(gpuCard(job, gpu, entry.file));
       article.append(cards);
     } else {
       article.append(el("p", "muted", "no GPU: a CPU job"));
@@ -180,7 +183,7 @@
       const section = el("section", "host");
       section.dataset.host = host.host;
       section.append(el("h2", "", `host ${host.host}`));
-      for (const job of host.jobs) section.append(jobArticle(job, now));
+      for (const entry of host.jobs) section.append(jobArticle(entry, now));
       if (!host.jobs.length) section.append(el("p", "muted", "no job of ours on this host"));
       if (host.cards.length) {
         section.append(el("h3", "", "cards no job of ours holds"));
