@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_STALE_AFTER_S",
     "HISTORY_METRICS",
     "HISTORY_S",
+    "HISTORY_STEP_S",
     "MAX_BYTES",
     "SCHEMA",
     "STATUSES",
