@@ -99,3 +99,17 @@ def test_promtool_accepts_the_exposition() -> None:
 def test_a_wildcard_address_is_scraped_by_the_host_name(addr: str) -> None:
     assert Exporter.target_host(addr, "node-a") == "node-a"
     assert Exporter.target_host("10.0.0.5", "node-a") == "10.0.0.5" and Exporter.target_host("::1", "x") == "[::1]"
+
+
+def test_the_documented_table_is_the_exported_one() -> None:
+    """examples/monitoring/README.md lists every metric with its type, unit and labels, as exported."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "examples" / "monitoring" / "README.md").read_text()
+    rows = [line.split(" | ") for line in readme.splitlines() if line.startswith("| `accel_")]
+    documented = {}
+    for name, kind, unit, labels, *_ in rows:
+        base, _, extra = labels.partition(" + ")
+        extras = tuple(label.strip(" `") for label in extra.split(",") if label.strip())
+        documented[name.strip("| `")] = (kind, unit, (*{"GPU": GPU_LABELS, "run": RUN_LABELS}[base], *extras))
+    assert documented == {m.name: (m.kind, m.unit, m.labels) for m in PROMETHEUS_METRICS}
