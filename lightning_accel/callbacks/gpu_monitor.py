@@ -124,6 +124,19 @@ class GPUMonitor(Callback):
         report's columns (utilization_mean_pct, utilization_peak_pct, memory_peak_gib, memory_total_gib,
         power_mean_w, throttled_pct, temperature_max_c, energy_wh) and `gpu_monitor/summary/overhead_pct`.
 
+    Exports (with `prometheus_port` or `prometheus_textfile_dir`; labels host, rank, run_id, slurm_job_id under SLURM,
+    and gpu, uuid on the GPU series; `lightning_accel.telemetry.prometheus.PROMETHEUS_METRICS`):
+        per GPU: `accel_gpu_sm_active_ratio`, `accel_gpu_tensor_active_ratio`, `accel_gpu_sm_occupancy_ratio`,
+        `accel_gpu_dram_active_ratio` (0-1, NVML GPM), `accel_gpu_utilization_ratio` (0-1, the fallback),
+        `accel_gpu_memory_utilization_ratio` (0-1), `accel_gpu_memory_used_bytes`, `accel_gpu_memory_total_bytes` (B),
+        `accel_gpu_power_watts`, `accel_gpu_power_limit_watts` (W), `accel_gpu_temperature_celsius` (C),
+        `accel_gpu_sm_clock_hertz`, `accel_gpu_memory_clock_hertz` (Hz), `accel_gpu_throttle_ratio` (0-1, by
+        `reason`), `accel_gpu_pcie_rx_bytes_per_second`, `accel_gpu_pcie_tx_bytes_per_second` (B/s),
+        `accel_gpu_energy_joules_total` (J, a counter since the fit began), `accel_gpu_info` (1, with `name`);
+        per node of a run: `accel_run_info` (1, with `name`, `user`), `accel_run_start_time_seconds` (Unix s),
+        `accel_train_global_step` (steps), `accel_train_samples_total` (this node's samples, a counter),
+        `accel_train_eta_seconds` (s).
+
     Example::
 
         trainer = Trainer(callbacks=[GPUMonitor(interval_s=0.5, low_utilization_pct=60)], log_every_n_steps=50)

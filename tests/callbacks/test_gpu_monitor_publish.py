@@ -196,3 +196,19 @@ def test_jobs_found_by_read_heartbeats(tmp_path: Path) -> None:
 def test_bad_publishing_arguments(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         GPUMonitor(**kwargs)
+
+
+def test_the_docstring_names_every_exported_metric_and_the_configs_every_option() -> None:
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from lightning_accel.telemetry.prometheus import PROMETHEUS_METRICS
+
+    doc = GPUMonitor.__doc__ or ""
+    assert [m.name for m in PROMETHEUS_METRICS if f"`{m.name}`" not in doc] == []
+    conf = Path(__file__).parents[2] / "conf" / "callbacks"
+    options = set(inspect.signature(GPUMonitor.__init__).parameters) - {"self"}
+    for name in ("monitor.yaml", "gpu_monitor.yaml"):  # every option overridable without a `+`
+        node = OmegaConf.to_container(OmegaConf.load(conf / name)["gpu_monitor"])
+        assert set(node) - {"_target_"} == options, name

@@ -228,3 +228,15 @@ def test_accel_dash_starts_without_torch_lightning_or_hydra() -> None:
               "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'hydra', 'omegaconf'}))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=clean_env())
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_a_missing_tool_skips_with_a_reason_and_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    from _tools import REQUIRE_ENV, tool
+
+    monkeypatch.delenv(REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no-such-browser is missing .not on PATH.; install it with"):
+        tool("no-such-browser")
+    monkeypatch.setenv(REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match=f"{REQUIRE_ENV}=1 requires it"):
+        tool("no-such-browser")
+    assert tool("python3")  # found: its path
