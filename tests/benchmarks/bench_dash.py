@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import threading
@@ -117,6 +118,91 @@ def fit_once(config: str, steps: int, warmup: int, root: Path, scrape_every_s: f
     trainer.fit(MLP(), DataLoader(data, batch_size=BATCH))
     ends = timer.ends[warmup:]
     return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
+class Toggle(pl.Callback):
+    """Switches a real GPUMonitor (publishing, 8 fake GPUs, /metrics scraped every `scrape_every_s`) on and off every
+    `segment` steps of one long fit, in pairs whose order alternates (off on, on off, ...), and times each segment's
+    steps: on and off then differ only in the monitor, a few seconds apart, whatever the machine's load does meanwhile.
+    Switching calls the monitor's own hooks (setup, on_train_start; on_train_end, teardown) and adds it to or removes
+    it from `trainer.callbacks`, which Lightning reads at every hook."""
+
+    def __init__(self, root: Path, segment: int, skip: int, scrape_every_s: float) -> None:
+        self.root, self.segment, self.skip, self.scrape_every_s = root, segment, skip, scrape_every_s
+        self.monitor: GPUMonitor | None = None
+        self.scraper: Scraper | None = None
+        self.times: dict[str, list[float]] = {"off": [], "on": []}
+        self._ends: list[float] = []
+        self._index = 0
+
+    def _state(self, index: int) -> str:
+        first, second = ("off", "on") if (index // 2) % 2 == 0 else ("on", "off")
+        return first if index % 2 == 0 else second
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._ends.append(time.perf_counter())
+        if len(self._ends) < self.segment:
+            return
+        ends = self._ends[self.skip :]
+        self.times[self._state(self._index)].append((ends[-1] - ends[0]) / (len(ends) - 1))
+        self._ends, self._index = [], self._index + 1
+        wanted = self._state(self._index)
+        if wanted == "on" and self.monitor is None:
+            self.monitor = GPUMonitor(device_indices=list(range(8)), log_metrics=False, interval_s=1.0,
+                                      publish_interval_s=2.0, runs_dir=self.root, prometheus_port=0)  # fmt: skip
+            self.scraper = Scraper(self.monitor, self.scrape_every_s)
+            self.monitor.setup(trainer, pl_module, "fit")
+            self.monitor.on_train_start(trainer, pl_module)
+            self.scraper.on_train_start()
+            trainer.callbacks.append(self.monitor)
+        elif wanted == "off":
+            self._switch_off(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._switch_off(trainer, pl_module)
+
+    def _switch_off(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.monitor is None or self.scraper is None:
+            return
+        trainer.callbacks.remove(self.monitor)
+        self.scraper.on_train_end()
+        self.monitor.on_train_end(trainer, pl_module)
+        self.monitor.teardown(trainer, pl_module, "fit")
+        self.monitor = self.scraper = None
+
+
+class _SameBatch(torch.utils.data.IterableDataset):
+    """One batch, forever (a long fit without a long dataset)."""
+
+    def __iter__(self) -> Any:
+        gen = torch.Generator().manual_seed(0)
+        x, y = torch.randn(BATCH, 64, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
+        while True:
+            yield x, y
+
+
+def bench_toggled(pairs: int, segment: int, scrape_every_s: float) -> None:
+    start = time.monotonic()
+    gpus = [FakeGPU(f"GPU-bench-{i}", utilization=lambda t: 50 + 40 * (int(t) % 2)) for i in range(8)]
+    nvml.pynvml = FakeNVML(gpus, clock=lambda: time.monotonic() - start)
+    with tempfile.TemporaryDirectory() as tmp:
+        toggle = Toggle(Path(tmp), segment, skip=segment // 10, scrape_every_s=scrape_every_s)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=segment * 2 * pairs, callbacks=[toggle], logger=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False)  # fmt: skip
+        torch.manual_seed(0)
+        trainer.fit(MLP(), DataLoader(_SameBatch(), batch_size=None))
+    on, off = toggle.times["on"], toggle.times["off"]
+    pairs_done = min(len(on), len(off))
+    overhead = ratio(on[:pairs_done], off[:pairs_done])
+    calm = ratio(off[1:pairs_done], off[: pairs_done - 1])  # off against the off before it: the noise floor
+    for name, interval in (("GPUMonitor publishing, on/off", overhead), ("noise floor, off/previous off", calm)):
+        low, median, high = (100 * (x - 1) for x in (interval.low, interval.median, interval.high))
+        said = {"faster": "slower", "slower": "faster"}.get(verdict(interval), "no clear difference")  # a time ratio
+        print(f"  {name}: step time {median:+.2f}% [{low:+.2f}%, {high:+.2f}%] ({interval.method}, "
+              f"n={interval.n} pairs): {said}")
+    print(f"switched on and off within one fit ({pairs} pairs of {segment}-step segments, "
+          f"{1e3 * statistics.median(off):.3f} ms/step off; a scrape every {scrape_every_s:g} s); target <= +0.5%")
 
 
 def heartbeat(index: int, gpus: int = 8, now: float | None = None) -> dict[str, Any]:
@@ -232,6 +318,40 @@ def bench_background(scrape_every_s: float, repeats: int = 50) -> None:
           "the fake NVML is Python, the real one is C and releases the GIL)")
 
 
+class _HookTimer(pl.Callback):
+    """At step 20 of a fit, calls the monitor's per-batch hooks `calls` times and times them (its only work on the
+    training thread once training runs)."""
+
+    def __init__(self, monitor: GPUMonitor, calls: int = 20_000) -> None:
+        self.monitor, self.calls, self.per_call_s = monitor, calls, float("nan")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        if batch_idx != 20:
+            return
+        started = time.perf_counter()
+        for _ in range(self.calls):
+            self.monitor.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+            self.monitor.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.per_call_s = (time.perf_counter() - started) / self.calls
+
+
+def bench_hooks() -> None:
+    """GPUMonitor's time on the training thread per step, publishing (the hooks Lightning calls every batch)."""
+    start = time.monotonic()
+    nvml.pynvml = FakeNVML([FakeGPU(f"GPU-bench-{i}") for i in range(8)], clock=lambda: time.monotonic() - start)
+    with tempfile.TemporaryDirectory() as tmp:
+        monitor = GPUMonitor(device_indices=list(range(8)), log_metrics=False, runs_dir=Path(tmp), prometheus_port=0)
+        timer = _HookTimer(monitor)
+        gen = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(BATCH * 40, 64, generator=gen), torch.randint(0, 10, (BATCH * 40,)))
+        trainer = pl.Trainer(accelerator="cpu", max_steps=40, callbacks=[monitor, timer], logger=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False)  # fmt: skip
+        trainer.fit(MLP(), DataLoader(data, batch_size=BATCH))
+    print(f"GPUMonitor's per-batch hooks on the training thread, publishing: {1e6 * timer.per_call_s:.2f} us per step")
+
+
 def bench_step(reps: int, steps: int, warmup: int, scrape_every_s: float) -> None:
     start = time.monotonic()
     gpus = [FakeGPU(f"GPU-bench-{i}", utilization=lambda t: 50 + 40 * (int(t) % 2)) for i in range(8)]
@@ -263,6 +383,8 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=30)  # page-data requests timed
     parser.add_argument("--threads", type=int, default=1)  # torch intra-op threads
     parser.add_argument("--scrape-every", type=float, default=5.0)  # s between scrapes while a fit runs
+    parser.add_argument("--pairs", type=int, default=12)  # on/off pairs of segments within one fit
+    parser.add_argument("--segment", type=int, default=800)  # steps per segment (a few seconds)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -274,6 +396,8 @@ def main() -> None:
     bench_scrape(args.scrapes)
     bench_page(args.pages)
     bench_background(args.scrape_every)
+    bench_hooks()
+    bench_toggled(args.pairs, args.segment, args.scrape_every)
     bench_step(args.reps, args.steps, args.warmup, args.scrape_every)
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
