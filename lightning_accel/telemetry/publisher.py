@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -331,7 +332,5 @@ class RunPublisher:
 
 def process_command(limit: int = 500) -> str:
     """This process's command line, cut to `limit` characters."""
-    import sys
-
     text = " ".join([os.path.basename(sys.executable), *sys.argv])
     return text if len(text) <= limit else text[: limit - 3] + "..."

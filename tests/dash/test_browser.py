@@ -82,6 +82,8 @@ def test_a_real_browser_sees_every_job_live(tmp_path: Path) -> None:
     ddp_overrides = [*DDP2, "callbacks.gpu_monitor.run_name=ddp-job", "data.read_delay_ms=4"]
     single_overrides = [f"callbacks.gpu_monitor.run_name='{HOSTILE}'", "data.read_delay_ms=4",
                         "+trainer.max_time=00:00:00:30"]  # fmt: skip
+    runs.mkdir()
+    (runs / "torn.somewhere.0.json").write_text('{"schema": "lightning_accel.heartbeat/1", "run_')  # a torn file
     with (
         job(tmp_path / "ddp", runs, "a", ddp_overrides) as ddp,
         job(tmp_path / "single", runs, "b", single_overrides) as single,
@@ -113,6 +115,8 @@ def test_a_real_browser_sees_every_job_live(tmp_path: Path) -> None:
                        ddp_view["cards"] + single_view["cards"])  # fmt: skip
             assert single_view["name_html"] == "&lt;img src=x onerror=alert(1)&gt;"  # text, not an element
             assert page.locator("article.job img").count() == 0 and dialogs == []
+            notes = page.locator("#notes li").all_inner_texts()  # the page serves the rest, and says what it skipped
+            assert len(notes) == 1 and notes[0].startswith("skipped torn.somewhere.0.json: it is not valid JSON")
 
             # this host's card that no job of ours holds, with its process and user
             free = page.locator("table.free tr[data-uuid]")

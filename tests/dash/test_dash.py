@@ -141,6 +141,8 @@ def _get(url: str, method: str = "GET", headers: dict[str, str] | None = None) -
 def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
     runs = tmp_path_factory.mktemp("runs")
     publish(runs, "r1", "elsewhere", name=HOSTILE)
+    (runs / "torn.elsewhere.0.json").write_text('{"schema": "lightning_accel.heartbeat/1", "run_id": ')
+    (runs / "link.elsewhere.0.json").symlink_to(runs / "r1.elsewhere.0.json")
     with dash_server(["--runs-dir", str(runs)], module="_fake_dash", env={"ACCEL_FAKE_GPUS": "a"}) as (url, proc):
         yield url, proc
 
@@ -155,6 +157,9 @@ def test_the_server_serves_the_page_its_data_and_nothing_else(served: Any) -> No
     status, headers, body = _get(url + "/api/state")
     state = json.loads(body)
     assert status == 200 and state["hosts"][1]["jobs"][0]["heartbeat"]["name"] == HOSTILE
+    assert [len(host["jobs"]) for host in state["hosts"]] == [0, 1]  # the bad files skipped, the good one served
+    assert [note.split(":")[0] for note in state["notes"]] == ["skipped link.elsewhere.0.json",
+                                                               "skipped torn.elsewhere.0.json"]  # fmt: skip
     cards = state["hosts"][0]["cards"]
     assert [c["uuid"][:6] for c in cards] == ["GPU-a0", "GPU-a1", "GPU-zz"]  # no job of ours runs here
     assert cards[2]["processes"][0]["user"] not in ("", "?")
