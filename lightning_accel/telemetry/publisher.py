@@ -142,7 +142,7 @@ class RunPublisher:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._finished = False
+        self._begun = self._finished = False
 
     # lifecycle
     def start(self, threaded: bool = True) -> None:
@@ -155,6 +155,7 @@ class RunPublisher:
             except OSError as err:
                 self._problem("heartbeat", f"the runs directory {self.path.parent} cannot be created "
                                            f"({err.strerror or err})")  # fmt: skip
+        self._begun = True
         if self.settings.prometheus_port is not None or self.settings.textfile_dir is not None:
             self._start_exporter()
         self.publish()
@@ -165,11 +166,14 @@ class RunPublisher:
 
     def finish(self, status: str, reason: str = "") -> None:
         """Stop the thread, write the last heartbeat with `status` ("finished" or "failed"), remove the target and
-        textfile, stop the exporter; idempotent (the first call decides the status)."""
+        textfile, stop the exporter; idempotent (the first call decides the status). A publisher never started (the
+        fit failed before training began) has published nothing, and writes nothing."""
         assert status in ("finished", "failed"), status
         if self._finished:
             return
         self._finished = True
+        if not self._begun:
+            return
         atexit.unregister(self._at_exit)
         self._stop.set()
         if self._thread is not None:

@@ -172,3 +172,11 @@ def test_a_process_that_exits_without_finishing_marks_its_heartbeat_failed(tmp_p
     assert done.returncode == 3, done.stderr
     beat = read_heartbeat(tmp_path / "exit.h.0.json")
     assert (beat["status"], beat["reason"]) == ("failed", "the process exited before the fit ended")
+
+
+def test_a_publisher_never_started_writes_nothing(tmp_path: Path) -> None:
+    """A fit that fails before training (in the sanity check, say) ends its publisher without a heartbeat."""
+    warned: list[str] = []
+    publisher = RunPublisher(PublishSettings(runs_dir=tmp_path / "runs"), job(), warn=warned.append)
+    publisher.finish("failed", "ValueError at step 0: bad batch")
+    assert not (tmp_path / "runs").exists() and warned == [] and publisher.heartbeat is None
