@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from omegaconf import OmegaConf
 
 from lightning_accel.errors import ConfigError
 from lightning_accel.patching import patch_attribute
+from lightning_accel.system.host import MAX_RUN_ID, external_run_id
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -46,8 +46,6 @@ __all__ = [
     "unique_stamp",
 ]
 
-MAX_RUN_ID = 200
-"""The longest run id (`ACCEL_RUN_ID` & co) a run directory is named after."""
 _PROCESS_TOKEN = secrets.token_hex(3)  # one per process: two runs started in the same second get two directories
 
 log = logging.getLogger(__name__)
@@ -185,37 +183,6 @@ def unique_stamp(stamp: Any) -> str:
     """`stamp` (a time to the second) and a token drawn once per process: runs started in the same second, on one
     machine or on several sharing a file system, get different directories, and every lookup in one process agrees."""
     return f"{stamp!s}_{_PROCESS_TOKEN}"
-
-
-def external_run_id(default: str, env: Mapping[str, str] | None = None) -> str:
-    """The id every rank of an externally launched job shares, else `default` (a unique stamp).
-
-    torchrun gives every rank the same `TORCHELASTIC_RUN_ID` (a fresh one per `--standalone` launch, else the
-    `--rdzv-id`), so ranks started a second apart still write into one run directory; `ACCEL_RUN_ID` wins over it.
-    Inside a SLURM job step (srun sets `SLURM_STEP_ID`) the id is `slurm-<job>.<step>`: every task of the step shares
-    it, and a requeued job, which keeps its job id and runs its steps again, finds its run directory and Lightning's
-    `hpc_ckpt_<n>.ckpt` in it, and resumes. The id names one directory: characters other than letters, digits, `.`,
-    `_` and `-` become `_` (`../../x` -> `.._.._x`, never a path outside the log directory), and an id of dots alone
-    is refused.
-
-    Raises:
-        ConfigError: for an id that is empty or only dots after that.
-    """
-    env = os.environ if env is None else env
-    candidates = [(key, env.get(key, "")) for key in ("ACCEL_RUN_ID", "TORCHELASTIC_RUN_ID")]
-    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") is not None:
-        candidates.append(("SLURM_JOB_ID", f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"))
-    for key, value in candidates:
-        if value and value != "none":
-            safe = re.sub(r"[^A-Za-z0-9._-]", "_", value)
-            if len(safe) > MAX_RUN_ID:  # a file name is at most 255 bytes; the run directory adds a stamp and more
-                raise ConfigError(f"`{key}` is {len(safe)} characters long; a run id names one directory, so keep it "
-                                  f"to {MAX_RUN_ID} (e.g. the job id).")  # fmt: skip
-            if not safe.strip("."):
-                raise ConfigError(f"`{key}={value!r}` cannot name a run directory; use letters, digits, `.`, `_` or "
-                                  "`-` (e.g. the job id).")  # fmt: skip
-            return safe
-    return default
 
 
 def external_rank_job_name(default: str, env: Mapping[str, str] | None = None) -> str:

@@ -23,8 +23,21 @@ CONF_MODULE = "lightning_accel.conf"
 _DISTRIBUTED_ENV = DISTRIBUTED_ENV
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Heartbeats of the tests' fits (GPUMonitor publishes by default, and accel-train's default callbacks hold one)
+    go into a directory of the session, not the user's `~/.cache/lightning_accel/runs`; subprocesses inherit it."""
+    before = os.environ.get("ACCEL_RUNS_DIR")
+    os.environ["ACCEL_RUNS_DIR"] = str(tmp_path_factory.mktemp("accel-runs"))
+    yield Path(os.environ["ACCEL_RUNS_DIR"])
+    if before is None:
+        os.environ.pop("ACCEL_RUNS_DIR", None)
+    else:
+        os.environ["ACCEL_RUNS_DIR"] = before
+
+
 @pytest.fixture(autouse=True)
-def _restore_environment() -> Iterator[None]:
+def _restore_environment(_runs_dir: Path) -> Iterator[None]:
     """Every test ends with the environment it started with."""
     before = dict(os.environ)
     yield

@@ -172,9 +172,20 @@ def test_callbacks_are_a_dict_keyed_by_name(compose_train) -> None:
         "model_summary",
         "skipped_steps",
         "stop_on_signal",
+        "gpu_monitor",
         "early_stopping",
         "matmul_precision",  # the precision group's: float32_matmul_precision on every rank
     }
+
+
+def test_the_default_heartbeat_takes_the_full_gpu_monitor_when_asked(compose_train) -> None:
+    """The default callbacks publish only (callbacks/monitor.yaml); adding `gpu_monitor` turns the same node into the
+    full monitor, and `~callbacks.gpu_monitor` removes it."""
+    default = compose_train([]).callbacks.gpu_monitor
+    assert (default.log_metrics, default.publish, "pcie" in default.readings) == (False, True, False)
+    full = compose_train(["callbacks=[default,gpu_monitor]"]).callbacks.gpu_monitor
+    assert (full.log_metrics, full.publish, full.readings, full.interval_s) == (True, True, None, 0.5)
+    assert "gpu_monitor" not in compose_train(["~callbacks.gpu_monitor"]).callbacks
 
 
 def test_classifier_model_brings_its_data(compose_train) -> None:

@@ -3,7 +3,8 @@ into `sys.modules` may hold nothing of a higher layer (this package's modules, L
 
     facts        system/, telemetry/, measure, errors, patching, batches, files, signals  -> Python, torch, pynvml
     behaviour    callbacks/, strategies/, parallel/, tuning/, schedules, precision, summary, gpu_check  -> + lightning
-    composition  run_plan, checks, app_config, compose, launch, benchmark/, train, doctor, bench  -> + hydra, omegaconf
+    composition  run_plan, checks, app_config, compose, launch, benchmark/, train, doctor, bench, tune, dash/
+                 -> + hydra, omegaconf
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ COMPOSITION = (
     "doctor",
     "bench",
     "tune",
+    "dash",
     "conf",
     "examples",
 )

@@ -31,6 +31,13 @@ def test_wheel_in_fresh_venv_runs_accel_train(tmp_path: Path) -> None:
         "lightning_accel/conf/preset/ddp.yaml",
         "lightning_accel/examples/gpt.py",
         "hydra_plugins/lightning_accel_searchpath/searchpath.py",
+        "lightning_accel/dash/static/index.html",
+        "lightning_accel/dash/static/dash.js",
+        "lightning_accel/dash/static/uPlot.iife.min.js",
+        "lightning_accel/dash/static/uPlot.LICENSE",
+        "lightning_accel/examples/monitoring/prometheus.yml",
+        "lightning_accel/examples/monitoring/grafana/dashboards/lightning-accel.json",
+        "lightning_accel/examples/monitoring/grafana/provisioning/dashboards/lightning-accel.yml",
     ):
         assert shipped in names  # fmt: skip
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
@@ -58,7 +65,12 @@ def test_wheel_in_fresh_venv_runs_accel_train(tmp_path: Path) -> None:
     assert "DDPStrategy" in job and "lightning_accel.examples.GPTLanguageModel" in job
 
     run_dir = elsewhere / "run"
-    _run([accel_train, "trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=100000", f"hydra.run.dir={run_dir}"],
-         cwd=elsewhere)  # fmt: skip
+    _run([accel_train, "trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=100000", f"hydra.run.dir={run_dir}",
+          f"callbacks.gpu_monitor.runs_dir={elsewhere / 'runs'}"], cwd=elsewhere)  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["metrics"]["test/bpc"] > 0 and Path(summary["best_checkpoint"]).is_file()
+    # the run published its heartbeat (the default callbacks), and the wheel's accel-dash reads it
+    accel_dash = str(env_dir / "bin" / "accel-dash")
+    page = _run([accel_dash, "--json", "--no-host-gpus", "--runs-dir", str(elsewhere / "runs")], cwd=elsewhere).stdout
+    [job] = json.loads(page)["hosts"][0]["jobs"]
+    assert (job["status"], job["heartbeat"]["name"], job["heartbeat"]["gpus"]) == ("finished", run_dir.name, [])

@@ -1,9 +1,12 @@
-"""Live GPU telemetry from a background NVML sampler, with alerts and an end-of-run report."""
+"""Live GPU telemetry from a background NVML sampler, with alerts, an end-of-run report, a heartbeat for accel-dash
+and Prometheus metrics."""
 
 from __future__ import annotations
 
 import math
 import os
+import secrets
+import signal
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -16,9 +19,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel.batches import data_parallel_replicas, samples_in
 from lightning_accel.errors import ConfigError, LightningAccelWarning
+from lightning_accel.system.host import external_run_id, hostname
 from lightning_accel.telemetry import nvml
 from lightning_accel.telemetry.alerts import AlertThresholds, check_alerts
+from lightning_accel.telemetry.heartbeat import current_user, default_runs_dir
+from lightning_accel.telemetry.publisher import JobInfo, PublishSettings, RunPublisher, process_command
 from lightning_accel.telemetry.ranks import allocated_by_device, pack_row, rank_stats, unpack_rows, window_metrics
 from lightning_accel.telemetry.readings import READINGS
 from lightning_accel.telemetry.report import COLUMNS, RunReport
@@ -44,6 +51,19 @@ class GPUMonitor(Callback):
     `rank_skew`. At the end of the fit rank zero prints a table per GPU and writes `<report_name>.json`, `.md` and
     `.png` (curves over time) into `report_dir`; the report is kept in checkpoints, so a resumed run continues it.
 
+    For the team (`publish`, on by default): each node's local rank 0 writes a heartbeat every `publish_interval_s`
+    from a thread of its own into the runs directory (`runs_dir`, else `$ACCEL_RUNS_DIR`, else
+    `$XDG_CACHE_HOME/lightning_accel/runs`): run id, name, host, user, pid, command, the node's ranks and their
+    devices (and UUIDs), per GPU the latest window's means (the keys below without the `<gpu>/` prefix) and energy
+    (`energy_j`, J since the fit began), ten minutes of history (SM and tensor activity, utilisation, power,
+    temperature, memory), the step, samples (all data-parallel ranks), samples/s, ETA (s), the alerts and the status
+    (`running`, then `finished` or `failed`; `accel-dash` shows a job that stopped writing as `stale`). A job without
+    GPUs publishes too, with no cards. With `prometheus_port` it serves `/metrics` (the `accel_*` metrics of
+    `lightning_accel.telemetry.prometheus.PROMETHEUS_METRICS`); `prometheus_textfile_dir` writes them for
+    node_exporter's textfile collector, `prometheus_file_sd_dir` a `file_sd` target that is removed at exit.
+    Publishing costs the training thread two counter updates per batch; any failure of it (an unwritable directory,
+    a port taken) warns once on that node and training goes on.
+
     Args:
         interval_s: seconds between NVML readings.
         device_indices: CUDA ordinals of the GPUs to watch on each node, as its processes see them; None takes the
@@ -62,9 +82,26 @@ class GPUMonitor(Callback):
         report_name: file name of the report files, without suffix.
         plot: write the PNG (needs matplotlib).
         print_report: print the table at the end of the fit.
+        log_metrics: send the window metrics to the loggers, check alerts and write the report; False leaves only the
+            publishing (no gather across ranks, nothing logged).
+        publish: write the heartbeat that `accel-dash` reads.
+        runs_dir: the runs directory of the heartbeat; None: `$ACCEL_RUNS_DIR`, else
+            `$XDG_CACHE_HOME/lightning_accel/runs` (`~/.cache/lightning_accel/runs`).
+        publish_interval_s: seconds between heartbeats (and textfile writes).
+        run_name: the name the dashboard shows; None: the name of the run's directory (`report_dir`, else the
+            Trainer's `log_dir`).
+        prometheus_port: serve `/metrics` on this port on each node's local rank 0 (0: a free port, the way to go
+            with `prometheus_file_sd_dir`); None: no server.
+        prometheus_addr: the address `/metrics` binds; "0.0.0.0" lets a Prometheus on another machine scrape it
+            (anyone who reaches the port reads the metrics).
+        prometheus_textfile_dir: write `accel_<run>.<host>.<node>.prom` here for node_exporter's textfile collector
+            every `publish_interval_s`, removed at exit; None: none.
+        prometheus_file_sd_dir: write `<run>.<host>.<node>.json`, a Prometheus `file_sd` target of the `/metrics`
+            server, here while the fit runs (needs `prometheus_port`); None: none.
 
     Raises:
-        ValueError: for a non-positive `interval_s`, an unknown reading, a bad threshold or device index.
+        ValueError: for a non-positive `interval_s`, an unknown reading, a bad threshold or device index, a bad
+            publishing setting.
 
     Logs (`<gpu>` is `gpu/<cuda ordinal>`, or `node<k>/gpu/<cuda ordinal>` on several nodes; units in the name):
         `<gpu>/<metric>`: the window's time-weighted mean, for every metric of `telemetry.readings.METRICS`:
@@ -86,6 +123,19 @@ class GPUMonitor(Callback):
         time on the training thread, % of the fit. At the end, `gpu_monitor/summary/<gpu>/<column>` for the
         report's columns (utilization_mean_pct, utilization_peak_pct, memory_peak_gib, memory_total_gib,
         power_mean_w, throttled_pct, temperature_max_c, energy_wh) and `gpu_monitor/summary/overhead_pct`.
+
+    Exports (with `prometheus_port` or `prometheus_textfile_dir`; labels host, rank, run_id, slurm_job_id under SLURM,
+    and gpu, uuid on the GPU series; `lightning_accel.telemetry.prometheus.PROMETHEUS_METRICS`):
+        per GPU: `accel_gpu_sm_active_ratio`, `accel_gpu_tensor_active_ratio`, `accel_gpu_sm_occupancy_ratio`,
+        `accel_gpu_dram_active_ratio` (0-1, NVML GPM), `accel_gpu_utilization_ratio` (0-1, the fallback),
+        `accel_gpu_memory_utilization_ratio` (0-1), `accel_gpu_memory_used_bytes`, `accel_gpu_memory_total_bytes` (B),
+        `accel_gpu_power_watts`, `accel_gpu_power_limit_watts` (W), `accel_gpu_temperature_celsius` (C),
+        `accel_gpu_sm_clock_hertz`, `accel_gpu_memory_clock_hertz` (Hz), `accel_gpu_throttle_ratio` (0-1, by
+        `reason`), `accel_gpu_pcie_rx_bytes_per_second`, `accel_gpu_pcie_tx_bytes_per_second` (B/s),
+        `accel_gpu_energy_joules_total` (J, a counter since the fit began), `accel_gpu_info` (1, with `name`);
+        per node of a run: `accel_run_info` (1, with `name`, `user`), `accel_run_start_time_seconds` (Unix s),
+        `accel_train_global_step` (steps), `accel_train_samples_total` (this node's samples, a counter),
+        `accel_train_eta_seconds` (s).
 
     Example::
 
@@ -110,6 +160,15 @@ class GPUMonitor(Callback):
         report_name: str = "gpu_report",
         plot: bool = True,
         print_report: bool = True,
+        log_metrics: bool = True,
+        publish: bool = True,
+        runs_dir: str | Path | None = None,
+        publish_interval_s: float = 2.0,
+        run_name: str | None = None,
+        prometheus_port: int | None = None,
+        prometheus_addr: str = "127.0.0.1",
+        prometheus_textfile_dir: str | Path | None = None,
+        prometheus_file_sd_dir: str | Path | None = None,
     ) -> None:
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
             raise ConfigError(f"`interval_s={interval_s!r}` must be a positive number of seconds.")
@@ -128,6 +187,7 @@ class GPUMonitor(Callback):
             raise ConfigError(f"`warmup_steps={warmup_steps!r}` must be an integer >= 0.")
         if not report_name or "/" in report_name:
             raise ConfigError(f"`report_name={report_name!r}` must be a file name without suffix, e.g. 'gpu_report'.")
+        _check_publishing(publish_interval_s, prometheus_port, prometheus_addr, prometheus_file_sd_dir)
         self.interval_s = float(interval_s)
         self.device_indices = None if device_indices is None else list(device_indices)
         self.readings = None if readings is None else list(readings)
@@ -138,7 +198,20 @@ class GPUMonitor(Callback):
         self.report_name = report_name
         self.plot = plot
         self.print_report = print_report
+        self.log_metrics = log_metrics
+        self.publish = publish
+        self.runs_dir = runs_dir
+        self.publish_interval_s = float(publish_interval_s)
+        self.run_name = run_name
+        self.prometheus_port = prometheus_port
+        self.prometheus_addr = prometheus_addr
+        self.prometheus_textfile_dir = prometheus_textfile_dir
+        self.prometheus_file_sd_dir = prometheus_file_sd_dir
         self.sampler: NVMLSampler | None = None
+        self.heartbeat_file: Path | None = None
+        """The heartbeat this process wrote in the last fit (None: it publishes none)."""
+        self.metrics_url: str | None = None
+        """Where the last fit served `/metrics` (None: nowhere)."""
         self.report = RunReport()
         self.report_files: list[Path] = []
         self._reset()
@@ -157,6 +230,9 @@ class GPUMonitor(Callback):
         self._local_info: dict[str, dict[str, Any]] = {}
         self._group: Any = None  # the gloo process group of the per-log-step gather; None: the strategy's
         self._own_group = False
+        self._gpus: list[dict[str, Any]] = []  # the node's watched GPUs: index, uuid, name
+        self._publisher: RunPublisher | None = None
+        self._replicas = 1
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -167,27 +243,68 @@ class GPUMonitor(Callback):
         node_devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
         cuda = [device.index or 0 for device in node_devices if device.type == "cuda"]
         self._indices = self.device_indices if self.device_indices is not None else cuda
-        if not self._indices:
-            rank_zero_warn(
-                "GPUMonitor: this run uses no CUDA device, so there is nothing to watch; it does nothing. "
-                "Pass `device_indices=[...]` to watch GPUs all the same.",
-                category=LightningAccelWarning,
-            )
-            return
-        self._active, self._gather = True, trainer.world_size > 1
-        if self._gather:
-            self._group, self._own_group = _cpu_group()
+        publishing = self._publishes()
+        run_id = _shared_run_id(trainer) if publishing else ""  # a broadcast from rank 0 where no launcher names it
+        if publishing or (self._indices and self.log_metrics):
+            self._dir = Path(self.report_dir if self.report_dir is not None else (trainer.log_dir or "."))  # collective
         self._node, self._multi_node = trainer.node_rank, trainer.num_nodes > 1
-        self._dir = Path(self.report_dir if self.report_dir is not None else (trainer.log_dir or "."))  # collective
-        if trainer.local_rank == 0:
-            uuids = _cuda_uuids(self._indices) if self.device_indices is None else None
-            self.sampler = self._start_sampler(uuids)
-            self._active = self._gather or self.sampler is not None
+        if not self._indices:
+            if self.log_metrics:
+                rank_zero_warn(
+                    "GPUMonitor: this run uses no CUDA device, so there is nothing to watch; it logs nothing"
+                    f"{' (its heartbeat still publishes the job)' if publishing else ''}. "
+                    "Pass `device_indices=[...]` to watch GPUs all the same.",
+                    category=LightningAccelWarning,
+                )
+        else:
+            self._active = self.log_metrics
+            self._gather = self.log_metrics and trainer.world_size > 1
+            if self._gather:
+                self._group, self._own_group = _cpu_group()
+            if trainer.local_rank == 0:
+                uuids = _cuda_uuids(self._indices) if self.device_indices is None else None
+                self.sampler = self._start_sampler(uuids, views=int(self.log_metrics) + int(publishing))
+                self._active = self.log_metrics and (self._gather or self.sampler is not None)
+        if publishing and trainer.local_rank == 0:
+            self._publisher = self._make_publisher(trainer, run_id)
 
-    def _start_sampler(self, uuids: list[str] | None) -> NVMLSampler | None:
+    def _publishes(self) -> bool:
+        return self.publish or self.prometheus_port is not None or self.prometheus_textfile_dir is not None
+
+    def _make_publisher(self, trainer: pl.Trainer, run_id: str) -> RunPublisher:
+        """The node's publisher (not started): the job's fixed facts, and the sampler view after the logging one."""
+        node_devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
+        uuids = {gpu['index']: gpu['uuid'] for gpu in self._gpus}
+        ranks = [{"rank": trainer.node_rank * len(node_devices) + local, "local_rank": local, "device": str(device),
+                  "uuid": uuids.get(device.index or 0) if device.type == "cuda" else None}
+                 for local, device in enumerate(node_devices)]  # fmt: skip
+        runs_dir = None
+        if self.publish:
+            runs_dir = Path(self.runs_dir).expanduser() if self.runs_dir is not None else default_runs_dir()
+        textfile = self.prometheus_textfile_dir
+        settings = PublishSettings(
+            runs_dir=runs_dir, interval_s=self.publish_interval_s, prometheus_port=self.prometheus_port,
+            prometheus_addr=self.prometheus_addr, textfile_dir=None if textfile is None else Path(textfile),
+            file_sd_dir=None if self.prometheus_file_sd_dir is None else Path(self.prometheus_file_sd_dir),
+        )  # fmt: skip
+        assert self._dir is not None
+        job = JobInfo(
+            run_id=run_id, name=self.run_name or self._dir.resolve().name, host=hostname(), user=current_user(),
+            pid=os.getpid(), command=process_command(), node_rank=trainer.node_rank, num_nodes=trainer.num_nodes,
+            rank=trainer.global_rank, ranks=ranks, slurm_job_id=os.environ.get("SLURM_JOB_ID") or None,
+            gpus=self._gpus,
+            node_share=len(node_devices) / max(trainer.world_size, 1),
+        )  # fmt: skip
+        view = 1 if self.log_metrics else 0
+        alerts = (lambda: self.report.alerts) if trainer.global_rank == 0 else None  # rank zero checks the alerts
+        return RunPublisher(settings, job, self.sampler, view, alerts=alerts, warn=_warn_publishing,
+                            warn_nvml=not self.log_metrics)  # fmt: skip
+
+    def _start_sampler(self, uuids: list[str] | None, views: int = 1) -> NVMLSampler | None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         sampler, devices, problem = open_sampler(self._indices, visible, uuids, self.readings, self.interval_s,
-                                                 clock=self._clock)  # fmt: skip
+                                                 clock=self._clock, views=views)  # fmt: skip
+        self._gpus = [{"index": d.index, "uuid": d.uuid, "name": d.name} for d in devices]
         for device in devices:
             info = {"name": device.name, "uuid": device.uuid, "nvml_index": device.nvml_index}
             self._local_info[self._key(self._node, device.index)] = info
@@ -199,6 +316,9 @@ class GPUMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active:
+            if self.sampler is not None:
+                self.sampler.start(threaded=self._threaded)
+            self._start_publisher(trainer)
             return
         self.report.begin_fit()  # a checkpoint's report is loaded by now
         self._start, self._fit_base = self._clock(), self.report.fit_s
@@ -210,6 +330,22 @@ class GPUMonitor(Callback):
             self.report.info.update(info)
         if self.sampler is not None:
             self.sampler.start(threaded=self._threaded)
+        self._start_publisher(trainer)
+
+    def _start_publisher(self, trainer: pl.Trainer) -> None:
+        publisher = self._publisher
+        if publisher is None:
+            return
+        self._replicas = data_parallel_replicas(trainer)
+        publisher.job.max_steps = _total_steps(trainer)
+        publisher.progress.step = trainer.global_step  # a resumed fit goes on from its checkpoint's step
+        publisher.start(threaded=self._threaded)
+        self.heartbeat_file, self.metrics_url = publisher.path, publisher.metrics_url
+
+    def _finish_publisher(self, status: str, reason: str = "") -> None:
+        if self._publisher is not None:
+            self._publisher.finish(status, reason)
+            self._publisher = None
 
     @override
     def on_train_batch_start(
@@ -221,6 +357,10 @@ class GPUMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        publisher = self._publisher
+        if publisher is not None:  # read by the publisher's thread
+            publisher.progress.step = trainer.global_step
+            publisher.progress.samples += samples_in(batch) * self._replicas
         if not self._active:
             return
         now = time.perf_counter()
@@ -247,6 +387,8 @@ class GPUMonitor(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active:
+            self._finish_publisher("finished")
+            self._stop_sampler()
             return
         started = time.perf_counter()
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
@@ -256,6 +398,7 @@ class GPUMonitor(Callback):
         self._stop_sampler()
         self._active = False
         self.report.overhead_s += time.perf_counter() - started
+        self._finish_publisher("finished")
         if trainer.global_rank != 0 or not self.report.gpus:
             return
         summary = {f"gpu_monitor/summary/{row['gpu']}/{column}": float(row[column])
@@ -273,6 +416,7 @@ class GPUMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._finish_publisher("failed", _why_stopped(exception, trainer.global_step))
         from lightning_accel.callbacks.stop_on_signal import SignalExit
 
         if isinstance(exception, SignalExit) and self._active:  # an agreed stop: the report is written as at the end
@@ -285,6 +429,7 @@ class GPUMonitor(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._finish_publisher("finished")
         self._stop_sampler()
         self._active = False
         if self._own_group:  # every rank tears down
@@ -359,6 +504,53 @@ class GPUMonitor(Callback):
         metrics["gpu_monitor/overhead_pct"] = 100.0 * self.report.overhead_s / max(self.report.fit_s, 1e-9)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+
+
+def _check_publishing(interval_s: Any, port: Any, addr: Any, file_sd_dir: Any) -> None:
+    if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s >= 0.2:
+        raise ConfigError(f"`publish_interval_s={interval_s!r}` must be a number of seconds >= 0.2 (2.0: a heartbeat "
+                          "every 2 s).")  # fmt: skip
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise ConfigError(f"`prometheus_port={port!r}` must be a TCP port 0-65535 (0: a free one), or None for no "
+                          "/metrics server.")  # fmt: skip
+    if not isinstance(addr, str) or not addr:
+        raise ConfigError(f"`prometheus_addr={addr!r}` must be an address to bind, e.g. '127.0.0.1' or '0.0.0.0'.")
+    if file_sd_dir is not None and port is None:
+        raise ConfigError(f"`prometheus_file_sd_dir={str(file_sd_dir)!r}` writes a scrape target of the /metrics "
+                          "server, but `prometheus_port=None` serves none; set `prometheus_port=0` (a free port).")
+
+
+def _warn_publishing(message: str) -> None:
+    warnings.warn(f"GPUMonitor: {message}. Training goes on.", LightningAccelWarning, stacklevel=2)
+
+
+def _shared_run_id(trainer: pl.Trainer) -> str:
+    """The id every rank of the run shares: the launcher's (`ACCEL_RUN_ID`, torchrun's, a SLURM step's), else one
+    rank zero draws (`<host>-<time>-<pid>-<token>`) and broadcasts."""
+    try:
+        run_id = external_run_id("")
+    except ConfigError:  # an id of dots alone: accel-train refuses it before this; here, draw one
+        run_id = ""
+    if run_id:
+        return run_id
+    drawn = f"{hostname()}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(2)}"  # 2 fits a second
+    return str(trainer.strategy.broadcast(drawn)) if trainer.world_size > 1 else drawn
+
+
+def _total_steps(trainer: pl.Trainer) -> int | None:
+    """The optimizer steps the fit will take, or None when unbounded or unknown."""
+    try:
+        total = trainer.estimated_stepping_batches
+    except Exception:  # an iterable without a length, a strategy that cannot say
+        return None
+    return int(total) if isinstance(total, (int, float)) and math.isfinite(total) else None
+
+
+def _why_stopped(exception: BaseException, step: int) -> str:
+    signum = getattr(exception, "signum", None)
+    if isinstance(signum, int):
+        return f"stopped by {signal.Signals(signum).name} at step {step}"
+    return f"{type(exception).__name__} at step {step}: {str(exception)[:300]}"
 
 
 def _allocated_pct(device: torch.device) -> tuple[int, float]:

@@ -1,15 +1,28 @@
-"""Host facts around a training process: the /dev/shm size, InfiniBand/RoCE ports and the NCCL variables set."""
+"""Host facts around a training process: the /dev/shm size, InfiniBand/RoCE ports, the NCCL variables set and the
+run id a launcher shares between ranks."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["IbPort", "ShmInfo", "hostname", "read_infiniband", "read_nccl_env", "read_shm"]
+from lightning_accel.errors import ConfigError
+
+__all__ = [
+    "MAX_RUN_ID",
+    "IbPort",
+    "ShmInfo",
+    "external_run_id",
+    "hostname",
+    "read_infiniband",
+    "read_nccl_env",
+    "read_shm",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,3 +111,38 @@ def read_nccl_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 def hostname() -> str:
     """This node's host name, to name it in a report."""
     return socket.gethostname()
+
+
+MAX_RUN_ID = 200
+"""The longest run id (`ACCEL_RUN_ID` & co, characters) a run directory is named after."""
+
+
+def external_run_id(default: str, env: Mapping[str, str] | None = None) -> str:
+    """The id every rank of an externally launched job shares, else `default` (a unique stamp).
+
+    torchrun gives every rank the same `TORCHELASTIC_RUN_ID` (a fresh one per `--standalone` launch, else the
+    `--rdzv-id`), so ranks started a second apart still write into one run directory; `ACCEL_RUN_ID` wins over it.
+    Inside a SLURM job step (srun sets `SLURM_STEP_ID`) the id is `slurm-<job>.<step>`: every task of the step shares
+    it, and a requeued job, which keeps its job id and runs its steps again, finds its run directory and Lightning's
+    `hpc_ckpt_<n>.ckpt` in it, and resumes. The id names one directory: characters other than letters, digits, `.`,
+    `_` and `-` become `_` (`../../x` -> `.._.._x`, never a path outside the log directory), and an id of dots alone
+    is refused.
+
+    Raises:
+        ConfigError: for an id that is empty or only dots after that.
+    """
+    env = os.environ if env is None else env
+    candidates = [(key, env.get(key, "")) for key in ("ACCEL_RUN_ID", "TORCHELASTIC_RUN_ID")]
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") is not None:
+        candidates.append(("SLURM_JOB_ID", f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"))
+    for key, value in candidates:
+        if value and value != "none":
+            safe = re.sub(r"[^A-Za-z0-9._-]", "_", value)
+            if len(safe) > MAX_RUN_ID:  # a file name is at most 255 bytes; the run directory adds a stamp and more
+                raise ConfigError(f"`{key}` is {len(safe)} characters long; a run id names one directory, so keep it "
+                                  f"to {MAX_RUN_ID} (e.g. the job id).")  # fmt: skip
+            if not safe.strip("."):
+                raise ConfigError(f"`{key}={value!r}` cannot name a run directory; use letters, digits, `.`, `_` or "
+                                  "`-` (e.g. the job id).")  # fmt: skip
+            return safe
+    return default

@@ -13,7 +13,7 @@ try:
 except ImportError:  # pragma: no cover - a dependency; a broken install must not break training
     pynvml = None  # type: ignore[assignment]
 
-__all__ = ["GpuDevice", "init_nvml", "mig_sm_count", "resolve_devices", "shutdown_nvml", "unsupported"]
+__all__ = ["GpuDevice", "init_nvml", "inventory", "mig_sm_count", "resolve_devices", "shutdown_nvml", "unsupported"]
 
 _UNSUPPORTED = frozenset({3, 4, 13})  # NVML_ERROR_NOT_SUPPORTED, _NO_PERMISSION, _FUNCTION_NOT_FOUND (nvml.h)
 
@@ -109,6 +109,12 @@ def _inventory() -> list[GpuDevice]:
             mig_name = _text(pynvml.nvmlDeviceGetName(mig))  # "<GPU name> MIG 1g.10gb": the profile sizes its peak
             devices.append(GpuDevice(-1, nvml_index, uuid, mig_name, mig, parent=gpu, gpu_instance_id=instance))
     return devices
+
+
+def inventory() -> list[GpuDevice]:
+    """Every device of this machine in NVML order, each GPU followed by its MIG devices (`index` is -1: no process
+    ordinal; a GPU this process may not open has `why`). NVML must be initialised."""
+    return _inventory()
 
 
 def mig_sm_count(device: GpuDevice) -> int | None:

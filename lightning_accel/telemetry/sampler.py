@@ -91,19 +91,25 @@ class NVMLSampler:
     A reading taken at time t stands for the interval since the previous reading (NVML's utilization and power are
     themselves averages over the recent past), so a window's mean is sum(value x interval) / sum(interval), exactly.
     The training thread only calls `close_window`, a short critical section. The first reading is a reference: it
-    covers no time. Any error of a reader (other than an unsupported reading, which the reader
-    drops itself) stops sampling and is kept in `failure`; the sampler never raises into its caller.
+    covers no time. Each of `views` consumers closes a window of its own (GPUMonitor's logging steps, the heartbeat
+    publisher's thread), so one reader of NVML serves both. Any error of a reader (other than an unsupported reading,
+    which the reader drops itself) stops sampling and is kept in `failure`; the sampler never raises into its caller.
 
     Args:
         readers: one per device.
         interval_s: seconds between readings.
         clock: the time function (seconds); tests pass a scripted one and call `sample_once` themselves.
+        views: how many consumers close windows of their own (`close_window(view)`, views 0 .. views - 1).
     """
 
     def __init__(
-        self, readers: Sequence[Reader], interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic
+        self,
+        readers: Sequence[Reader],
+        interval_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        views: int = 1,
     ) -> None:
-        assert interval_s > 0, interval_s
+        assert interval_s > 0 and views >= 1, (interval_s, views)
         self.readers = list(readers)
         self.interval_s = interval_s
         self.failure: str | None = None
@@ -113,7 +119,7 @@ class NVMLSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous: float | None = None
-        self._window: Window | None = None
+        self._windows: list[Window | None] = [None] * views
 
     def start(self, threaded: bool = True) -> None:
         """Start the sampling thread, which takes the reference reading first; without `threaded`, take the
@@ -138,22 +144,22 @@ class NVMLSampler:
             previous, self._previous = self._previous, now
             if previous is None or now <= previous:
                 return True
-            if self._window is None:
-                self._window = Window(start=previous, end=now, samples=0)
-            window = self._window
-            window.end = now
-            window.samples += 1
             self.samples += 1
-            for index, values in readings:
-                stats = window.devices.setdefault(index, {})
-                for name, value in values.items():
-                    stats.setdefault(name, Stat()).add(value, now - previous)
+            for view, window in enumerate(self._windows):
+                if window is None:
+                    window = self._windows[view] = Window(start=previous, end=now, samples=0)
+                window.end = now
+                window.samples += 1
+                for index, values in readings:
+                    stats = window.devices.setdefault(index, {})
+                    for name, value in values.items():
+                        stats.setdefault(name, Stat()).add(value, now - previous)
         return True
 
-    def close_window(self) -> Window | None:
-        """The readings since the last close (None if there are none yet); the next window starts empty."""
+    def close_window(self, view: int = 0) -> Window | None:
+        """The readings since `view`'s last close (None if there are none yet); its next window starts empty."""
         with self._lock:
-            window, self._window = self._window, None
+            window, self._windows[view] = self._windows[view], None
         return window
 
     def stop(self) -> bool:
@@ -193,6 +199,7 @@ def open_sampler(
     readings: Sequence[str] | None = None,
     interval_s: float = 0.5,
     clock: Callable[[], float] = time.monotonic,
+    views: int = 1,
 ) -> tuple[NVMLSampler | None, list[nvml.GpuDevice], str | None]:
     """Initialise NVML and a (not yet started) sampler of the devices behind CUDA ordinals `indices`.
 
@@ -208,4 +215,4 @@ def open_sampler(
     except Exception as err:
         nvml.shutdown_nvml()
         return None, [], str(err) if isinstance(err, ValueError) else f"NVML failed ({type(err).__name__}: {err})"
-    return NVMLSampler(readers, interval_s, clock=clock), devices, None
+    return NVMLSampler(readers, interval_s, clock=clock, views=views), devices, None

@@ -111,3 +111,21 @@ def test_stat_merge_and_mean() -> None:
     first.merge(second)
     assert (first.mean, first.min, first.max, first.last, first.seconds) == (30.0, 10.0, 40.0, 40.0, 3.0)
     assert math.isnan(Stat().mean)
+
+
+def test_each_view_closes_a_window_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPUMonitor's logging steps and the heartbeat publisher read one sampler; neither takes the other's readings."""
+    clock = FakeClock()
+    install(monkeypatch, FakeNVML([FakeGPU("GPU-a", utilization=lambda t: 10.0 * t)], clock=clock))
+    readers = [DeviceReader(d, readings=["utilization"]) for d in resolve_devices([0])]
+    sampler = NVMLSampler(readers, interval_s=0.5, clock=clock, views=2)
+    sampler.start(threaded=False)
+    for t in (1.0, 2.0):
+        clock.t = t
+        sampler.sample_once()
+    assert sampler.close_window(1).devices[0]["utilization_pct"].mean == 15.0  # the publisher's, t in (0, 2]
+    clock.t = 4.0
+    sampler.sample_once()
+    assert sampler.close_window(0).devices[0]["utilization_pct"].mean == pytest.approx((10 + 20 + 40 * 2) / 4)
+    assert sampler.close_window(1).devices[0]["utilization_pct"].mean == 40.0  # only what came after its close
+    assert sampler.close_window(0) is None and sampler.samples == 3

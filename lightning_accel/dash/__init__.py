@@ -1,0 +1,7 @@
+"""accel-dash, the team's live view: every job that publishes a heartbeat (`GPUMonitor(publish=True)`, on by default
+in accel-train) and this host's cards, on one read-only page; `cli.main` is the command, `state` what it shows,
+`server` the web app, `static/` the page (uPlot, MIT, shipped here: the page loads nothing from elsewhere)."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

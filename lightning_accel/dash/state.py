@@ -1,0 +1,200 @@
+"""What accel-dash shows: the jobs of a runs directory grouped by host, this host's cards that no job of ours holds,
+and the notes on skipped files; as JSON for the page and `--json`, and as text tables for `--once`."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_accel.telemetry.heartbeat import (
+    DEFAULT_KEEP_S,
+    DEFAULT_STALE_AFTER_S,
+    STATUSES,
+    lead_signal,
+    read_heartbeats,
+)
+
+__all__ = ["SCHEMA", "DashState", "card_line", "page_dict", "page_json", "text_report"]
+
+SCHEMA = "lightning_accel.dash/1"
+"""`schema` of the page data (`/api/state`, `--json`)."""
+_ORDER = {status: position for position, status in enumerate(STATUSES)}
+
+
+class DashState:
+    """Builds the page data; one instance serves every request (the result is reused for `min_age_s`).
+
+    Args:
+        runs_dir: the runs directory the jobs publish into.
+        host_cards: returns this machine's cards (`HostGPUs.read`); None: not shown.
+        host_cards_problem: returns why there are no cards (`HostGPUs.problem`), or None.
+        stale_after_s: a running job silent this long reads as stale.
+        keep_s: stale, finished and failed jobs are listed this long after their last heartbeat.
+        min_age_s: requests closer together than this get the same data (several open pages cost one read).
+        host: this machine's name, as jobs write it.
+    """
+
+    def __init__(
+        self,
+        runs_dir: Path,
+        host_cards: Callable[[], list[dict[str, Any]]] | None = None,
+        host_cards_problem: Callable[[], str | None] | None = None,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        keep_s: float = DEFAULT_KEEP_S,
+        min_age_s: float = 1.0,
+        host: str | None = None,
+    ) -> None:
+        self.runs_dir, self.stale_after_s, self.keep_s, self.min_age_s = runs_dir, stale_after_s, keep_s, min_age_s
+        self.host = host or socket.gethostname()
+        self._host_cards, self._host_cards_problem = host_cards, host_cards_problem
+        self._cache: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._last: tuple[float, dict[str, Any]] | None = None
+
+    def get(self, now: float | None = None) -> str:
+        """The page data as JSON (`page_json(self.build())`), at most `min_age_s` old."""
+        with self._lock:
+            clock = time.monotonic()
+            if self._last is not None and clock - self._last[0] < self.min_age_s:
+                return self._last[1]
+            text = page_json(self.build(now))
+            self._last = (clock, text)
+            return text
+
+    def build(self, now: float | None = None) -> dict[str, Any]:
+        """`{"schema", "generated", "host", "runs_dir", "stale_after_s", "hosts": [{"host", "jobs", "cards"}],
+        "notes", "cards_problem"}`: `jobs` are `telemetry.heartbeat.Job`s (a heartbeat, its status now and its file),
+        running jobs first; `cards` (this host's only) are the cards no running or stale job of ours holds, with their
+        processes. `page_json` and `page_dict` turn it into the page's JSON.
+        """
+        now = time.time() if now is None else now
+        jobs, notes = read_heartbeats(self.runs_dir, now, self.stale_after_s, self.keep_s, self._cache)
+        jobs.sort(key=lambda job: (_ORDER[job.status], -job.heartbeat["started"], job.file))
+        hosts: dict[str, dict[str, Any]] = {self.host: {"host": self.host, "jobs": [], "cards": []}}
+        for job in jobs:
+            host = job.heartbeat["host"]
+            hosts.setdefault(host, {"host": host, "jobs": [], "cards": []})["jobs"].append(job)
+        cards_problem = None
+        if self._host_cards is not None:
+            held = {gpu["uuid"] for job in hosts[self.host]["jobs"] if job.status in ("running", "stale")
+                    for gpu in job.heartbeat["gpus"]}  # fmt: skip
+            hosts[self.host]["cards"] = [card for card in self._host_cards() if card["uuid"] not in held]
+            cards_problem = self._host_cards_problem() if self._host_cards_problem is not None else None
+        ordered = [hosts.pop(self.host), *(hosts[name] for name in sorted(hosts))]
+        return {
+            "schema": SCHEMA, "generated": now, "host": self.host, "runs_dir": str(self.runs_dir),
+            "stale_after_s": self.stale_after_s, "hosts": ordered, "notes": notes, "cards_problem": cards_problem,
+        }  # fmt: skip
+
+
+def page_dict(state: Mapping[str, Any]) -> dict[str, Any]:
+    """`state` (`DashState.build`) as plain data: each job `{"file", "status", "heartbeat"}`."""
+    hosts = [{**host, "jobs": [job.as_dict() for job in host["jobs"]]} for host in state["hosts"]]
+    return {**state, "hosts": hosts}
+
+
+def page_json(state: Mapping[str, Any]) -> str:
+    """`page_dict(state)` as JSON, each job's heartbeat passed on as the text it was read as (not parsed into floats
+    and printed again: most of a page is heartbeats)."""
+    hosts = []
+    for host in state["hosts"]:
+        jobs = ",".join(job.as_json() for job in host["jobs"])
+        rest = json.dumps({key: value for key, value in host.items() if key != "jobs"}, allow_nan=False)
+        hosts.append(f'{rest[:-1]},"jobs":[{jobs}]}}')
+    rest = json.dumps({key: value for key, value in state.items() if key != "hosts"}, allow_nan=False)
+    return f'{rest[:-1]},"hosts":[{",".join(hosts)}]}}'
+
+
+def _plain(text: Any, limit: int = 80) -> str:
+    """`text` for a terminal: control characters (escape sequences) shown as `?`, cut to `limit`."""
+    shown = "".join(c if c.isprintable() else "?" for c in str(text))
+    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
+
+
+def _number(value: Any, digits: int = 0, unit: str = "") -> str:
+    return "-" if value is None else f"{value:,.{digits}f}{unit}"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def card_line(latest: Mapping[str, Any]) -> str:
+    """One card's signals in a line: the lead activity, tensor activity, power against its limit, temperature,
+    memory, throttling."""
+    label, value = lead_signal(latest)
+    parts = [f"{label} {_number(value, 0, '%')}"]
+    if latest.get("tensor_activity_pct") is not None:
+        parts.append(f"tensor {latest['tensor_activity_pct']:.0f}%")
+    if latest.get("power_w") is not None:
+        parts.append(f"{latest['power_w']:.0f}/{_number(latest.get('power_limit_w'), 0)} W")
+    if latest.get("temperature_c") is not None:
+        parts.append(f"{latest['temperature_c']:.0f} C")
+    if latest.get("memory_used_mib") is not None:
+        parts.append(f"{latest['memory_used_mib'] / 1024:.1f}/{_number(_gib(latest.get('memory_total_mib')), 1)} GiB")
+    throttled = [name for name, key in (("thermal", "throttle_thermal_frac"), ("power", "throttle_power_frac"),
+                                         ("hw slowdown", "throttle_hw_slowdown_frac"))
+                 if (latest.get(key) or 0) > 0]  # fmt: skip
+    if throttled:
+        parts.append("throttled: " + ", ".join(throttled))
+    return ", ".join(parts)
+
+
+def _gib(mib: float | None) -> float | None:
+    return None if mib is None else mib / 1024
+
+
+def text_report(state: Mapping[str, Any], width: int | None = None) -> str:
+    """`accel-dash --once`: a table per host of its jobs and cards, then this host's free cards and the notes."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console(file=io.StringIO(), width=width or 160, record=True, force_terminal=False, color_system=None)
+    console.print(Text(f"accel-dash: {_plain(state['runs_dir'], 200)} at {time.strftime('%H:%M:%S')}"))
+    for host in state["hosts"]:
+        table = Table(title=Text(f"host {_plain(host['host'])}"), title_justify="left", header_style="bold")
+        for column in ("status", "run", "user", "ranks", "step", "samples/s", "ETA", "cards"):
+            table.add_column(column, overflow="fold")
+        for entry in host["jobs"]:
+            job = {**entry.heartbeat, "status": entry.status}
+            step = f"{job['step']:,}" + (f"/{job['max_steps']:,}" if job["max_steps"] else "")
+            ranks = ", ".join(f"{r['rank']}:{_plain(r['device'], 12)}" for r in job["ranks"]) or "-"
+            cards = "\n".join(f"gpu {g['index']} {_plain(g['name'], 30)}: {card_line(g['latest'])}"
+                               for g in job["gpus"])  # fmt: skip
+            notes = [f"{a['name']} (step {a['step']})" for a in job["alerts"]]
+            if job["reason"]:
+                notes.append(job["reason"])
+            run = f"{_plain(job['name'])}\n{_plain(job['run_id'])}" + ("".join(f"\n! {_plain(n, 120)}" for n in notes))
+            table.add_row(Text(job["status"]), Text(run), Text(f"{_plain(job['user'], 32)}\npid {job['pid']}"),
+                          Text(ranks), Text(step), Text(_number(job["samples_per_s"], 1)),
+                          Text(_duration(job["eta_s"])), Text(cards or "no GPU"))  # fmt: skip
+        if not host["jobs"]:
+            table.add_row(Text("-"), Text("no job of ours"), *[Text("") for _ in range(6)])
+        console.print(table)
+        if host["cards"]:
+            free = Table(title=Text(f"cards on {_plain(host['host'])} that no job of ours holds"), title_justify="left")
+            for column in ("gpu", "name", "signals", "processes"):
+                free.add_column(column, overflow="fold")
+            for card in host["cards"]:
+                processes = ", ".join(f"{p['pid']} {_plain(p['user'], 32)} {_plain(p['name'], 32)}"
+                                      for p in card["processes"]) or "idle"  # fmt: skip
+                free.add_row(Text(str(card["index"])), Text(_plain(card["name"], 40)), Text(card_line(card["latest"])),
+                             Text(processes))  # fmt: skip
+            console.print(free)
+    if state.get("cards_problem"):
+        console.print(Text(f"this host's cards are not shown: {_plain(state['cards_problem'], 300)}"))
+    for note in state["notes"]:
+        console.print(Text(f"note: {_plain(note, 300)}"))
+    return console.export_text()
+
