@@ -128,8 +128,13 @@ class GPTLanguageModel(pl.LightningModule):
         vocab_multiple_of: int = 1,
     ) -> None:
         super().__init__()
-        sizes = {"vocab_size": vocab_size, "block_size": block_size, "n_layer": n_layer, "n_head": n_head,
-                 "vocab_multiple_of": vocab_multiple_of}  # fmt: skip
+        sizes = {
+            "vocab_size": vocab_size,
+            "block_size": block_size,
+            "n_layer": n_layer,
+            "n_head": n_head,
+            "vocab_multiple_of": vocab_multiple_of,
+        }
         for name, value in {**sizes, "n_embd": n_embd}.items():
             if value < 1:
                 raise ValueError(f"`model.{name}={value}` must be >= 1.")

@@ -129,8 +129,9 @@ class StdlibTextDataModule(pl.LightningDataModule):
         if read_delay_ms < 0:
             raise ValueError(f"`data.read_delay_ms={read_delay_ms}` must be >= 0.")
         self.read_delay_ms = read_delay_ms
-        check_split_settings(val_fraction, test_fraction, num_workers, block_size=block_size, batch_size=batch_size,
-                             max_chars=max_chars)  # fmt: skip
+        check_split_settings(
+            val_fraction, test_fraction, num_workers, block_size=block_size, batch_size=batch_size, max_chars=max_chars
+        )
         self.save_hyperparameters()
         self.block_size = block_size
         self.batch_size = batch_size

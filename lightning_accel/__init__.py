@@ -37,10 +37,20 @@ __all__ = [
 
 # The public names, each imported from its room when first used: `import lightning_accel` loads no submodule, so
 # `import lightning_accel.system` brings in only what the facts layer needs (tests/test_layers.py checks it).
-_HOMES = {name: "lightning_accel.precision" for name in
-          ("Hardware", "ResolvedPrecision", "apply_float32_matmul_precision", "resolve_precision")} | {
-          name: "lightning_accel.schedules" for name in ("AccumulationPlan", "configure_optimizers", "cosine_schedule",
-          "estimated_optimizer_steps", "linear_warmup_schedule", "onecycle_schedule")}  # fmt: skip
+_HOMES = {
+    name: "lightning_accel.precision"
+    for name in ("Hardware", "ResolvedPrecision", "apply_float32_matmul_precision", "resolve_precision")
+} | {
+    name: "lightning_accel.schedules"
+    for name in (
+        "AccumulationPlan",
+        "configure_optimizers",
+        "cosine_schedule",
+        "estimated_optimizer_steps",
+        "linear_warmup_schedule",
+        "onecycle_schedule",
+    )
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -27,23 +27,36 @@ __all__ = ["GROUP_CALLBACKS", "UNREAD_KEYS", "check_app_config"]
 log = logging.getLogger(__name__)
 
 GROUP_CALLBACKS: dict[tuple[str, str], str] = {
-    ("accumulation", "schedule"): "accumulation", ("accumulation", "global_batch"): "accumulation",
-    ("preset", "amp"): "dataloader_tuner", ("preset", "ddp"): "dataloader_tuner",
-    ("micro_batch", "auto"): "micro_batch", ("compile", "default"): "compile",
-    ("compile", "reduce-overhead"): "compile", ("compile", "max-autotune"): "compile",
-    ("lr_scaling", "linear"): "lr_scaling", ("lr_scaling", "sqrt"): "lr_scaling",
-    **{("precision", option): "matmul_precision" for option in ("fp32", "amp", "bf16_mixed", "fp16_mixed",
-                                                                "bf16_true", "fp8")},
-}  # fmt: skip
+    ("accumulation", "schedule"): "accumulation",
+    ("accumulation", "global_batch"): "accumulation",
+    ("preset", "amp"): "dataloader_tuner",
+    ("preset", "ddp"): "dataloader_tuner",
+    ("micro_batch", "auto"): "micro_batch",
+    ("compile", "default"): "compile",
+    ("compile", "reduce-overhead"): "compile",
+    ("compile", "max-autotune"): "compile",
+    ("lr_scaling", "linear"): "lr_scaling",
+    ("lr_scaling", "sqrt"): "lr_scaling",
+    **{
+        ("precision", option): "matmul_precision"
+        for option in ("fp32", "amp", "bf16_mixed", "fp16_mixed", "bf16_true", "fp8")
+    },
+}
 """(group, option) -> the callback (a key of `callbacks`) the option adds; without it the run trains differently
 from what the option says."""
 
 UNREAD_KEYS: dict[str, tuple[str, str]] = {
-    "scheduler": ("model.scheduler", "write `scheduler: ${oc.select:scheduler,null}` in your model config (README, "
-                  "\"From lightning-hydra-template\", step 2), so the model builds the schedule the group chose"),
-    "ddp_grad_compression": ("", "instantiate the Trainer with `**lightning_accel.run_plan.build_run_plan(cfg)."
-                             "trainer_kwargs(cfg)` (accel-train does), or leave it at `none`"),
-}  # fmt: skip
+    "scheduler": (
+        "model.scheduler",
+        "write `scheduler: ${oc.select:scheduler,null}` in your model config (README, "
+        '"From lightning-hydra-template", step 2), so the model builds the schedule the group chose',
+    ),
+    "ddp_grad_compression": (
+        "",
+        "instantiate the Trainer with `**lightning_accel.run_plan.build_run_plan(cfg)."
+        "trainer_kwargs(cfg)` (accel-train does), or leave it at `none`",
+    ),
+}
 """Top-level keys this package's groups write -> (where an app's model usually expects it, how to read it). A chosen
 value that no interpolation in the app's config reads is a warning."""
 _INERT = {"ddp_grad_compression": "none"}  # values that ask for nothing
@@ -94,14 +107,18 @@ def _dropped_callbacks(cfg: DictConfig, choices: dict[str, str], task: list[str]
         if callbacks is None:
             why = "`callbacks` is null in the composed config (lightning-hydra-template's debug configs set it so)"
         elif "debug" in choices:
-            why = (f"`debug={choices['debug']}` empties `callbacks` after it (lightning-hydra-template's debug configs "
-                   "set `callbacks: null`)")
+            why = (
+                f"`debug={choices['debug']}` empties `callbacks` after it (lightning-hydra-template's debug configs "
+                "set `callbacks: null`)"
+            )
         else:
             why = f"something after `{group}` in the defaults list removed `callbacks.{name}`"
-        warnings.append(f"`{group}={option}` adds `callbacks.{name}`, but the composed config has no such callback: "
-                        f"{why}. The run does not do what `{group}={option}` says. Put `{group}` after the config "
-                        f"that empties `callbacks` in your defaults list, or add the callback back; to go without it, "
-                        f"say so with `~callbacks.{name}`.")  # fmt: skip
+        warnings.append(
+            f"`{group}={option}` adds `callbacks.{name}`, but the composed config has no such callback: "
+            f"{why}. The run does not do what `{group}={option}` says. Put `{group}` after the config "
+            f"that empties `callbacks` in your defaults list, or add the callback back; to go without it, "
+            f"say so with `~callbacks.{name}`."
+        )
     return warnings
 
 
@@ -121,10 +138,15 @@ def _unread_keys(cfg: DictConfig, choices: dict[str, str]) -> list[str]:
         chosen = f"`{group}={choices[group]}`" if group in choices else f"`{key}`"
         where = OmegaConf.select(cfg, expected, default=None) if expected else None
         target = f" ({where.get('_target_')})" if isinstance(where, DictConfig) and "_target_" in where else ""
-        reads = (f"; your model reads `{expected}`{target} instead" if expected and OmegaConf.select(
-            cfg, expected, default="__missing__") != "__missing__" else "")  # fmt: skip
-        warnings.append(f"{chosen} sets the top-level `{key}`, but nothing in your config reads it{reads}, so it is "
-                        f"not applied: {fix}.")  # fmt: skip
+        reads = (
+            f"; your model reads `{expected}`{target} instead"
+            if expected and OmegaConf.select(cfg, expected, default="__missing__") != "__missing__"
+            else ""
+        )
+        warnings.append(
+            f"{chosen} sets the top-level `{key}`, but nothing in your config reads it{reads}, so it is "
+            f"not applied: {fix}."
+        )
     return warnings
 
 
@@ -148,11 +170,15 @@ def _keep_own_devices(cfg: DictConfig, task: list[str]) -> list[str]:
             cfg.trainer.devices = mine
         from lightning.pytorch.utilities import rank_zero_info
 
-        rank_zero_info(f"`preset={preset}` sets `trainer.devices={_plain(theirs)}`; your trainer config's "
-                       f"`trainer.devices={_plain(mine)}` is kept")  # fmt: skip
+        rank_zero_info(
+            f"`preset={preset}` sets `trainer.devices={_plain(theirs)}`; your trainer config's "
+            f"`trainer.devices={_plain(mine)}` is kept"
+        )
         return []
-    return [f"`preset={preset}` sets `trainer.devices={_plain(theirs)}` over your trainer config's "
-            f"`trainer.devices={_plain(mine)}`: {_devices_here(cfg, theirs)} here. Pass `trainer.devices=N` to choose."]
+    return [
+        f"`preset={preset}` sets `trainer.devices={_plain(theirs)}` over your trainer config's "
+        f"`trainer.devices={_plain(mine)}`: {_devices_here(cfg, theirs)} here. Pass `trainer.devices=N` to choose."
+    ]
 
 
 def _plain(value: Any) -> Any:
@@ -187,8 +213,9 @@ def _composed_without_preset() -> DictConfig | None:
     try:
         own = compose(config_name=hydra.job.config_name, overrides=overrides, return_hydra_config=True)
         if own.hydra.runtime.choices.get("preset") not in (None, "null"):  # the app's defaults list chose it
-            own = compose(config_name=hydra.job.config_name, overrides=[*overrides, "~preset"],
-                          return_hydra_config=True)  # fmt: skip
+            own = compose(
+                config_name=hydra.job.config_name, overrides=[*overrides, "~preset"], return_hydra_config=True
+            )
     except Exception as err:  # a check that cannot run must not stop the app
         log.debug("could not compose the config without the preset: %s", err)
         return None

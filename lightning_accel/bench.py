@@ -179,20 +179,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write into a non-empty --out (its earlier results are replaced, never read)",
     )
-    return parser  # fmt: skip
+    return parser
 
 
 def _check(args: argparse.Namespace) -> None:
     if not 0 <= args.tolerance < 1:
         raise ConfigError(f"`--tolerance={args.tolerance}` must be a fraction within [0, 1), e.g. 0.02 for 2%.")
     if args.profile and args.repeats is not None and args.repeats < 2:
-        raise ConfigError(f"`--repeats={args.repeats}` with `--profile {args.profile}`: a profile's table needs 2 "
-                          f"rounds or more for an interval; pass `--repeats 2` or drop `--profile`.")  # fmt: skip
+        raise ConfigError(
+            f"`--repeats={args.repeats}` with `--profile {args.profile}`: a profile's table needs 2 "
+            f"rounds or more for an interval; pass `--repeats 2` or drop `--profile`."
+        )
     if args.max_reruns < 0:
         raise ConfigError(f"`--max-reruns={args.max_reruns}` must be >= 0 (0: never run a flagged stage again).")
     if not 0 < args.interference_threshold < 1:
-        raise ConfigError(f"`--interference-threshold={args.interference_threshold}` must be a fraction within (0, 1), "
-                          "e.g. 0.10 for 10% of the CPUs.")  # fmt: skip
+        raise ConfigError(
+            f"`--interference-threshold={args.interference_threshold}` must be a fraction within (0, 1), "
+            "e.g. 0.10 for 10% of the CPUs."
+        )
     if args.target is not None and not math.isfinite(args.target):
         raise ConfigError(f"`--target={args.target}` must be a finite value of the metric, e.g. `--target 2.2`.")
     if args.until_target and args.target is None:
@@ -200,16 +204,19 @@ def _check(args: argparse.Namespace) -> None:
     if args.time_budget is not None and args.steps is not None:
         raise ConfigError("`--time-budget` and `--steps` both set the budget; pass one of them.")
     if not re.fullmatch(r"[\w./\-]+", args.metric):
-        raise ConfigError(f"`--metric={args.metric!r}` must be one metric key as logged, e.g. `val/loss` (no commas "
-                          "or spaces); the table follows one metric.")  # fmt: skip
+        raise ConfigError(
+            f"`--metric={args.metric!r}` must be one metric key as logged, e.g. `val/loss` (no commas "
+            "or spaces); the table follows one metric."
+        )
     if not args.metric.startswith("val"):
         raise ConfigError(f"`--metric={args.metric}` should be a validation metric (`val/...`), e.g. `val/loss`.")
     for override in args.overrides:
         if "=" not in override:
             raise ConfigError(f"`{override}` is not a Hydra override; write KEY=VALUE (e.g. `model=classifier`).")
         if override.split("=", 1)[0].lstrip("+~") in ("preset", "hydra.run.dir", "trainer.max_steps"):
-            raise ConfigError(f"`{override}` is set by accel-bench for each stage; use `--ladder`, `--out` or "
-                              "`--steps` instead.")  # fmt: skip
+            raise ConfigError(
+                f"`{override}` is set by accel-bench for each stage; use `--ladder`, `--out` or `--steps` instead."
+            )
 
 
 def check_profile(profile: str | None, flag: str = "--profile") -> None:
@@ -226,8 +233,10 @@ def check_profile(profile: str | None, flag: str = "--profile") -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError(f"`{flag} {profile}` needs a CUDA GPU, and torch sees none here (torch {torch.__version__}, "
-                          f"built for CUDA {torch.version.cuda}); use `{flag} quick` on a CPU.")  # fmt: skip
+        raise ConfigError(
+            f"`{flag} {profile}` needs a CUDA GPU, and torch sees none here (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda}); use `{flag} quick` on a CPU."
+        )
 
 
 def _check_writable(out: Path) -> None:
@@ -258,8 +267,14 @@ def print_plan(ladder: Sequence[str], overrides: Sequence[str], settings: object
     for column in ("stage", "status", "what it changes", "processes", "optimizer steps", "reason"):
         table.add_column(column)
     for plan in plans:
-        table.add_row(plan.name, plan.status, changes[plan.name], str(plan.world_size),
-                      "-" if plan.steps is None else str(plan.steps), plan.reason)  # fmt: skip
+        table.add_row(
+            plan.name,
+            plan.status,
+            changes[plan.name],
+            str(plan.world_size),
+            "-" if plan.steps is None else str(plan.steps),
+            plan.reason,
+        )
     Console(width=160).print(table)
 
 
@@ -305,11 +320,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         _check_writable(out)
         if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-            raise ConfigError(f"`--out={out}` already holds files (an earlier bench?); pass another `--out`, or "
-                              "`--overwrite` to replace them.")  # fmt: skip
+            raise ConfigError(
+                f"`--out={out}` already holds files (an earlier bench?); pass another `--out`, or "
+                "`--overwrite` to replace them."
+            )
         with terminate_as_interrupt() as received:  # SIGTERM as Ctrl-C: the stage ended, the finished runs written
-            run = run_bench(ladder, args.overrides, settings, out.resolve(), peak_tflops=args.peak_tflops,
-                            argv=sys.argv if argv is None else ["accel-bench", *argv])  # fmt: skip
+            run = run_bench(
+                ladder,
+                args.overrides,
+                settings,
+                out.resolve(),
+                peak_tflops=args.peak_tflops,
+                argv=sys.argv if argv is None else ["accel-bench", *argv],
+            )
     except ConfigError as err:
         print(f"accel-bench: error: {err}", file=sys.stderr)
         return 2

@@ -60,27 +60,37 @@ def check_config(cfg: DictConfig, *, visible_cuda: int | None = None) -> None:
     )
     _check_strategy(trainer.get("strategy", "auto"))
     if cfg.get("float32_matmul_precision") is not None:
-        _check_choice("float32_matmul_precision", cfg.float32_matmul_precision, FLOAT32_MATMUL_PRECISIONS,
-                      hint="or null to leave it alone")  # fmt: skip
+        _check_choice(
+            "float32_matmul_precision",
+            cfg.float32_matmul_precision,
+            FLOAT32_MATMUL_PRECISIONS,
+            hint="or null to leave it alone",
+        )
     _check_int("trainer.num_nodes", trainer.get("num_nodes", 1), minimum=1)
     _check_int("trainer.accumulate_grad_batches", trainer.get("accumulate_grad_batches", 1), minimum=1)
     _check_int("trainer.max_steps", trainer.get("max_steps", -1), minimum=-1)
     if trainer.get("max_steps", -1) == 0 and cfg.get("fit", True):
-        raise ConfigError("`trainer.max_steps=0` trains nothing; use -1 (no step limit, `max_epochs` decides) or a "
-                          "number of optimizer steps >= 1 (or `fit=false` to skip training).")  # fmt: skip
+        raise ConfigError(
+            "`trainer.max_steps=0` trains nothing; use -1 (no step limit, `max_epochs` decides) or a "
+            "number of optimizer steps >= 1 (or `fit=false` to skip training)."
+        )
     _check_val_check_interval(trainer.get("val_check_interval"))
     _check_fractions(cfg.get("data"))
     _check_nccl(cfg.get("nccl"))
     if trainer.get("max_epochs") is not None:
         _check_int("trainer.max_epochs", trainer.max_epochs, minimum=-1)
         if trainer.max_epochs == 0 and cfg.get("fit", True) and trainer.get("max_steps", -1) in (-1, None):
-            raise ConfigError("`trainer.max_epochs=0` trains nothing; use -1 (no epoch limit, `max_steps` decides) or "
-                              "a number of epochs >= 1 (or `fit=false` to skip training).")  # fmt: skip
+            raise ConfigError(
+                "`trainer.max_epochs=0` trains nothing; use -1 (no epoch limit, `max_steps` decides) or "
+                "a number of epochs >= 1 (or `fit=false` to skip training)."
+            )
     _check_limit("trainer.limit_train_batches", trainer.get("limit_train_batches"), cfg.get("fit", True))
     seed = cfg.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
-        raise ConfigError(f"`seed={seed!r}` must be an integer within [0, {_MAX_SEED}] (what `seed_everything` "
-                          "takes), or null to leave the random generators alone.")  # fmt: skip
+        raise ConfigError(
+            f"`seed={seed!r}` must be an integer within [0, {_MAX_SEED}] (what `seed_everything` "
+            "takes), or null to leave the random generators alone."
+        )
     _check_loader_numbers(cfg.get("data"))
     _check_optimizer(cfg.model.get("optimizer"))
     shape = run_shape(cfg, visible_cuda=visible_cuda)
@@ -90,8 +100,10 @@ def check_config(cfg: DictConfig, *, visible_cuda: int | None = None) -> None:
 
 
 # The example models and the data they train on (conf/model/*.yaml pick it); a user's own model is not checked.
-_EXAMPLE_DATA = {"GPTLanguageModel": ("StdlibTextDataModule", "stdlib_text", "gpt"),
-                 "DigitsClassifier": ("DigitsDataModule", "digits", "classifier")}  # fmt: skip
+_EXAMPLE_DATA = {
+    "GPTLanguageModel": ("StdlibTextDataModule", "stdlib_text", "gpt"),
+    "DigitsClassifier": ("DigitsDataModule", "digits", "classifier"),
+}
 
 
 def _check_example_data(model: DictConfig, data: DictConfig) -> None:
@@ -99,8 +111,10 @@ def _check_example_data(model: DictConfig, data: DictConfig) -> None:
     data_class = str(data.get("_target_", "")).rsplit(".", 1)[-1]
     vocab = model.get("vocab_size")
     if data_class == "StdlibTextDataModule" and isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < 256:
-        raise ConfigError(f"`model.vocab_size={vocab}` is smaller than the 256 byte values `data=stdlib_text` "
-                          "produces; use `model.vocab_size=256`.")  # fmt: skip
+        raise ConfigError(
+            f"`model.vocab_size={vocab}` is smaller than the 256 byte values `data=stdlib_text` "
+            "produces; use `model.vocab_size=256`."
+        )
     if model_class in _EXAMPLE_DATA and data_class.endswith("DataModule"):
         wanted, name, model_name = _EXAMPLE_DATA[model_class]
         mine = next((n for c, n, _ in _EXAMPLE_DATA.values() if c == data_class), None)
@@ -130,8 +144,10 @@ def _check_devices(devices: Any) -> None:
         if len(devices) > 0 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices):
             if len(set(devices)) == len(devices):
                 return
-            raise ConfigError(f"`trainer.devices={_show(devices)}` names a device twice; list each index once, e.g. "
-                              "`trainer.devices=[0,1]`.")  # fmt: skip
+            raise ConfigError(
+                f"`trainer.devices={_show(devices)}` names a device twice; list each index once, e.g. "
+                "`trainer.devices=[0,1]`."
+            )
     raise ConfigError(
         f"`trainer.devices={_show(devices)}` is not a device count or list of device indices; use a count "
         "(`trainer.devices=2`), indices (`trainer.devices=[0,1]`), -1 for all devices, or `auto`."
@@ -143,8 +159,10 @@ def _check_val_check_interval(value: Any) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"`trainer.val_check_interval={_show(value)}` must be a fraction of the epoch (0 < x <= 1.0) "
-                          "or a number of batches (an integer >= 1).")  # fmt: skip
+        raise ConfigError(
+            f"`trainer.val_check_interval={_show(value)}` must be a fraction of the epoch (0 < x <= 1.0) "
+            "or a number of batches (an integer >= 1)."
+        )
     if (isinstance(value, int) and value < 1) or (isinstance(value, float) and not 0.0 < value <= 1.0):
         raise ConfigError(
             f"`trainer.val_check_interval={value}` validates never or always; use a fraction of the "
@@ -165,8 +183,10 @@ def _check_fractions(data: Any) -> None:
             raise ConfigError(f"`data.{key}={_show(value)}` must be a fraction within [0, 1), e.g. 0.05.")
         total += float(value)
     if total >= 1.0:
-        raise ConfigError(f"`data.val_fraction` + `data.test_fraction` = {total:g} leaves no training data; keep "
-                          "their sum below 1, e.g. 0.05 each.")  # fmt: skip
+        raise ConfigError(
+            f"`data.val_fraction` + `data.test_fraction` = {total:g} leaves no training data; keep "
+            "their sum below 1, e.g. 0.05 each."
+        )
 
 
 def _check_nccl(nccl: Any) -> None:
@@ -205,12 +225,19 @@ def _check_limit(setting: str, value: Any, fit: bool) -> None:
     """`trainer.limit_*_batches`: a fraction in [0, 1] or a count >= 0; none at all for training that should train."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (
-            isinstance(value, float) and value > 1.0):  # fmt: skip
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (isinstance(value, float) and value > 1.0)
+    ):
         raise ConfigError(f"`{setting}={_show(value)}` must be a fraction within [0, 1] or a number of batches >= 0.")
     if value == 0 and fit and setting.endswith("train_batches"):
-        raise ConfigError(f"`{setting}={_show(value)}` trains on no batch at all; use a count >= 1 or a fraction "
-                          "above 0 (or `fit=false` to skip training).")  # fmt: skip
+        raise ConfigError(
+            f"`{setting}={_show(value)}` trains on no batch at all; use a count >= 1 or a fraction "
+            "above 0 (or `fit=false` to skip training)."
+        )
 
 
 def _check_loader_numbers(data: Any) -> None:
@@ -243,10 +270,12 @@ def _check_optimizer(optimizer: Any) -> None:
     betas = optimizer.get("betas")
     if betas is not None:
         values = list(betas) if isinstance(betas, (ListConfig, list, tuple)) else []
-        if len(values) != 2 or any(isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0
-                                   for b in values):  # fmt: skip
-            raise ConfigError(f"`model.optimizer.betas={_show(betas)}` must be two numbers within [0, 1), e.g. "
-                              "[0.9, 0.95].")  # fmt: skip
+        if len(values) != 2 or any(
+            isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0 for b in values
+        ):
+            raise ConfigError(
+                f"`model.optimizer.betas={_show(betas)}` must be two numbers within [0, 1), e.g. [0.9, 0.95]."
+            )
 
 
 def _check_int(setting: str, value: Any, minimum: int) -> None:
@@ -425,29 +454,39 @@ def check_ckpt_path(cfg: DictConfig) -> str | None:
         last = Path(str(dirpath)) / "last.ckpt"
         recover_directory(last)  # a directory checkpoint whose swap a kill interrupted
         if not last.exists():
-            raise ConfigError(f"`ckpt_path=last` finds no {last}: this run directory "
-                              "holds no earlier run. Resume in the earlier run's directory "
-                              "(`hydra.run.dir=<its directory> ckpt_path=last`) or pass its checkpoint file "
-                              "(`ckpt_path=<dir>/checkpoints/last.ckpt`).")  # fmt: skip
+            raise ConfigError(
+                f"`ckpt_path=last` finds no {last}: this run directory "
+                "holds no earlier run. Resume in the earlier run's directory "
+                "(`hydra.run.dir=<its directory> ckpt_path=last`) or pass its checkpoint file "
+                "(`ckpt_path=<dir>/checkpoints/last.ckpt`)."
+            )
         path = last  # checked below like any path: Lightning drops `weights_only` for some strategies
     import zipfile
 
     file = Path(str(path))
     recover_directory(file)
     if not file.exists():
-        raise ConfigError(f"`ckpt_path={str(path)!r}` does not exist; pass a checkpoint file (`.../checkpoints/"
-                          "last.ckpt`) or `ckpt_path=last` in the run directory to resume.")  # fmt: skip
+        raise ConfigError(
+            f"`ckpt_path={str(path)!r}` does not exist; pass a checkpoint file (`.../checkpoints/"
+            "last.ckpt`) or `ckpt_path=last` in the run directory to resume."
+        )
     if not (file.is_dir() or file.is_file()):  # a FIFO or a device would block the first read
-        raise ConfigError(f"`ckpt_path={str(path)!r}` is not a regular file or directory (a pipe, a socket or a "
-                          "device); pass a checkpoint file or directory.")  # fmt: skip
+        raise ConfigError(
+            f"`ckpt_path={str(path)!r}` is not a regular file or directory (a pipe, a socket or a "
+            "device); pass a checkpoint file or directory."
+        )
     if file.is_dir() and not (file / ".metadata").is_file():
-        raise ConfigError(f"`ckpt_path={str(path)!r}` is a directory but not a distributed checkpoint (no "
-                          "`.metadata`); pass a checkpoint file or a directory a PipelineStrategy or "
-                          "ModelParallelStrategy run saved.")  # fmt: skip
+        raise ConfigError(
+            f"`ckpt_path={str(path)!r}` is a directory but not a distributed checkpoint (no "
+            "`.metadata`); pass a checkpoint file or a directory a PipelineStrategy or "
+            "ModelParallelStrategy run saved."
+        )
     if file.is_file() and not zipfile.is_zipfile(file):
-        raise ConfigError(f"`ckpt_path={str(path)!r}` is not a checkpoint (not a torch.save archive: truncated, "
-                          "corrupt or another kind of file); pass the run's `checkpoints/last.ckpt` or another "
-                          "checkpoint.")  # fmt: skip
+        raise ConfigError(
+            f"`ckpt_path={str(path)!r}` is not a checkpoint (not a torch.save archive: truncated, "
+            "corrupt or another kind of file); pass the run's `checkpoints/last.ckpt` or another "
+            "checkpoint."
+        )
     from lightning_accel.strategies.dcp_checks import check_distributed_checkpoint, load_metadata
 
     # no pickle payload runs: a file (or any file of a distributed checkpoint: index, shards, meta.pt) needing more
@@ -478,8 +517,10 @@ def check_checkpoint_dir(cfg: DictConfig) -> None:
         with tempfile.NamedTemporaryFile(dir=str(dirpath), prefix=".accel-write-check-"):
             pass
     except OSError as err:
-        raise ConfigError(f"`callbacks.model_checkpoint.dirpath={dirpath}` cannot be written ({err.strerror or err}); "
-                          "make it writable or point it elsewhere.") from None  # fmt: skip
+        raise ConfigError(
+            f"`callbacks.model_checkpoint.dirpath={dirpath}` cannot be written ({err.strerror or err}); "
+            "make it writable or point it elsewhere."
+        ) from None
     removed = remove_stale_temporaries(str(dirpath))
     if removed:
         log.info("removed what killed saves left in %s: %s", dirpath, ", ".join(p.name for p in removed))
@@ -514,8 +555,10 @@ def check_checkpoint_fits(model: Any, path: str | None) -> None:
     if different:
         shown = ", ".join(f"{n} {theirs[n]} vs the model's {mine[n]}" for n in different[:3])
         parts.append(f"{len(different)} differ in shape ({shown})")
-    raise ConfigError(f"`ckpt_path={path}` was saved by another model configuration: {'; '.join(parts)}. Resume with "
-                      "the `model.*` settings it was trained with, or start a new run.")  # fmt: skip
+    raise ConfigError(
+        f"`ckpt_path={path}` was saved by another model configuration: {'; '.join(parts)}. Resume with "
+        "the `model.*` settings it was trained with, or start a new run."
+    )
 
 
 def check_master_port(env: Any = None) -> None:
@@ -539,8 +582,10 @@ def check_master_port(env: Any = None) -> None:
         try:
             probe.bind(("127.0.0.1", int(port)))  # one node: the store listens here
         except OSError:
-            raise ConfigError(f"`MASTER_PORT={port}` is taken by another process, so the ranks could not meet; unset "
-                              "it (Lightning picks a free port) or choose a free one.") from None  # fmt: skip
+            raise ConfigError(
+                f"`MASTER_PORT={port}` is taken by another process, so the ranks could not meet; unset "
+                "it (Lightning picks a free port) or choose a free one."
+            ) from None
 
 
 def trainer_setting_error(err: Exception, cfg: DictConfig, trainer: Any) -> ConfigError | None:

@@ -131,8 +131,10 @@ def apply_loader_settings(datamodule: Any, settings: Mapping[str, Any]) -> None:
         try:
             return rebuild_loader(loader, wanted)
         except TypeError as err:
-            rank_zero_warn(f"`data.{next(iter(settings))}` & co not applied to a {type(loader).__name__}: {err}",
-                           category=LightningAccelWarning)  # fmt: skip
+            rank_zero_warn(
+                f"`data.{next(iter(settings))}` & co not applied to a {type(loader).__name__}: {err}",
+                category=LightningAccelWarning,
+            )
             return loader
 
     for name in _LOADER_METHODS:
@@ -194,8 +196,12 @@ def apply_nccl(cfg: DictConfig, undo: ExitStack | None = None) -> NcclPlan | Non
         return None
     trace_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
     try:
-        plan = nccl_plan(section.preset, socket_ifname=section.get("socket_ifname"),
-                         num_nodes=int(cfg.trainer.get("num_nodes", 1)), trace_dir=trace_dir)  # fmt: skip
+        plan = nccl_plan(
+            section.preset,
+            socket_ifname=section.get("socket_ifname"),
+            num_nodes=int(cfg.trainer.get("num_nodes", 1)),
+            trace_dir=trace_dir,
+        )
     except ConfigError as err:  # `preset=...` is `nccl.preset` in the config
         raise err.at("nccl") from None
     removal = plan.apply()

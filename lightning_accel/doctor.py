@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"run only this check (repeatable): {', '.join(CHECKS)}",
     )
     parser.add_argument("--root", default=os.environ.get(ROOT_ENV, "/"), help=argparse.SUPPRESS)  # fake trees
-    return parser  # fmt: skip
+    return parser
 
 
 def report(facts: SystemFacts, checks: Sequence[Check], request: CheckRequest) -> dict[str, Any]:
@@ -96,16 +96,27 @@ def _facts_rows(facts: SystemFacts) -> list[tuple[str, str]]:
     quota = "no quota" if cpus.quota is None else f"quota {cpus.quota:g}"
     rows = [
         ("host", facts.host),
-        ("CPUs", f"effective {cpus.effective} (affinity {cpus.affinity}, cgroup v{cpus.cgroup_version or '?'} "
-                 f"{quota}{f', PYTHON_CPU_COUNT={cpus.env_count}' if cpus.env_count is not None else ''}); "
-                 f"{facts.cpu.model_name or 'unknown model'}"),
-        ("memory", f"cgroup limit {_gib(facts.memory.limit_bytes) if facts.memory.limit_bytes else 'none'}, "
-                   f"host {_gib(facts.memory.host_total_bytes)}"),
-        ("/dev/shm", "none" if facts.shm is None else
-         f"{_gib(facts.shm.size_bytes)} ({_gib(facts.shm.free_bytes)} free)"),
-        ("torch", f"{torch.version or 'missing'}; CUDA {torch.cuda or 'none'}, cuDNN {torch.cudnn_text}, NCCL "
-                  f"{'.'.join(map(str, torch.nccl)) if torch.nccl else 'none'}"),
-    ]  # fmt: skip
+        (
+            "CPUs",
+            f"effective {cpus.effective} (affinity {cpus.affinity}, cgroup v{cpus.cgroup_version or '?'} "
+            f"{quota}{f', PYTHON_CPU_COUNT={cpus.env_count}' if cpus.env_count is not None else ''}); "
+            f"{facts.cpu.model_name or 'unknown model'}",
+        ),
+        (
+            "memory",
+            f"cgroup limit {_gib(facts.memory.limit_bytes) if facts.memory.limit_bytes else 'none'}, "
+            f"host {_gib(facts.memory.host_total_bytes)}",
+        ),
+        (
+            "/dev/shm",
+            "none" if facts.shm is None else f"{_gib(facts.shm.size_bytes)} ({_gib(facts.shm.free_bytes)} free)",
+        ),
+        (
+            "torch",
+            f"{torch.version or 'missing'}; CUDA {torch.cuda or 'none'}, cuDNN {torch.cudnn_text}, NCCL "
+            f"{'.'.join(map(str, torch.nccl)) if torch.nccl else 'none'}",
+        ),
+    ]
     if not nvml.available:
         rows.append(("driver", nvml.why))
     else:
@@ -155,8 +166,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     parser = build_parser()
     args = parser.parse_args(argv)
     if not os.path.isdir(args.root):
-        parser.error(f"`{ROOT_ENV}={args.root}` (the root the machine's facts are read under) is not a directory; "
-                     f"unset it to read this machine's /proc and /sys.")  # fmt: skip
+        parser.error(
+            f"`{ROOT_ENV}={args.root}` (the root the machine's facts are read under) is not a directory; "
+            f"unset it to read this machine's /proc and /sys."
+        )
     request = CheckRequest(gpus=args.devices, num_workers=args.num_workers, num_nodes=args.num_nodes)
     facts = collect_facts(args.root, env)
     checks = run_checks(facts, request, args.checks)

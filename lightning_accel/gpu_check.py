@@ -127,9 +127,11 @@ def _nvml_vs_torch(ctx: CheckContext) -> Part:
             free, total = torch.cuda.mem_get_info(i)
             info = nvml.pynvml.nvmlDeviceGetMemoryInfo(device.handle)
             name = torch.cuda.get_device_name(i)
-            figures[f"cuda:{i}"] = (f"{device.name} / torch {name}; NVML total {info.total / 2**20:.0f} MiB, "
-                                    f"torch {total / 2**20:.0f} MiB; used NVML {info.used / 2**20:.0f} MiB, "
-                                    f"torch {(total - free) / 2**20:.0f} MiB")  # fmt: skip
+            figures[f"cuda:{i}"] = (
+                f"{device.name} / torch {name}; NVML total {info.total / 2**20:.0f} MiB, "
+                f"torch {total / 2**20:.0f} MiB; used NVML {info.used / 2**20:.0f} MiB, "
+                f"torch {(total - free) / 2**20:.0f} MiB"
+            )
             if not device.name.startswith(name) and not name.startswith(device.name):
                 problems.append(f"cuda:{i} name {name!r} vs NVML {device.name!r}")
             # NVML's total counts the memory the driver reserves for itself; cudaMemGetInfo's leaves it out (615 MiB
@@ -140,8 +142,9 @@ def _nvml_vs_torch(ctx: CheckContext) -> Part:
                 problems.append(f"cuda:{i} total memory {total} vs NVML {info.total}: more than the driver reserves")
             if abs(info.free - free) > 256 * 2**20:
                 problems.append(f"cuda:{i} free memory {free} vs NVML {info.free}: more than 256 MiB apart")
-        return Part(name="nvml_vs_torch", status="FAIL" if problems else "PASS", detail="; ".join(problems),
-                    figures=figures)  # fmt: skip
+        return Part(
+            name="nvml_vs_torch", status="FAIL" if problems else "PASS", detail="; ".join(problems), figures=figures
+        )
     finally:
         nvml.shutdown_nvml()
 
@@ -183,10 +186,17 @@ def _tiny_fit(
     loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=batch_size)
     with tempfile.TemporaryDirectory() as logs:
         trainer = pl.Trainer(
-            accelerator="cuda", devices=1, max_steps=steps, precision=precision, strategy=strategy,  # type: ignore[arg-type]
-            callbacks=[*callbacks, timer], logger=CSVLogger(logs), enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
-        )  # fmt: skip
+            accelerator="cuda",
+            devices=1,
+            max_steps=steps,
+            precision=precision,
+            strategy=strategy,  # type: ignore[arg-type]
+            callbacks=[*callbacks, timer],
+            logger=CSVLogger(logs),
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(module, loader)
     gaps = [b - a for a, b in zip(timer.times[5:], timer.times[6:], strict=False)]
     return statistics.median(gaps)
@@ -208,8 +218,12 @@ def _gpu_monitor_overhead(ctx: CheckContext) -> Part:
         "DeviceStatsMonitor s/step": " ".join(f"{t:.4f}" for t in theirs),
         "ratio (median)": f"{ratio:.3f}",
     }
-    return Part(name="gpu_monitor_overhead", status="PASS" if ratio <= 1.05 else "FAIL",
-                detail="GPUMonitor step time over DeviceStatsMonitor's", figures=figures)  # fmt: skip
+    return Part(
+        name="gpu_monitor_overhead",
+        status="PASS" if ratio <= 1.05 else "FAIL",
+        detail="GPUMonitor step time over DeviceStatsMonitor's",
+        figures=figures,
+    )
 
 
 def _gpt_precision(ctx: CheckContext) -> Part:
@@ -263,13 +277,18 @@ def _mfu(ctx: CheckContext) -> Part:
         return Part(name="mfu", status="SKIP", detail=peak.reason, figures=figures)
     share = measured / peak.flops
     figures["matmul / table peak"] = f"{share:.2f}"
-    return Part(name="mfu", status="PASS" if 0.3 <= share <= 1.05 else "FAIL",
-                detail="the table's peak against a hand-timed matmul (expected 0.6-0.9)", figures=figures)  # fmt: skip
+    return Part(
+        name="mfu",
+        status="PASS" if 0.3 <= share <= 1.05 else "FAIL",
+        detail="the table's peak against a hand-timed matmul (expected 0.6-0.9)",
+        figures=figures,
+    )
 
 
 def _doctor(ctx: CheckContext) -> Part:
-    done = subprocess.run([sys.executable, "-m", "lightning_accel.doctor", "--json"], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_accel.doctor", "--json"], capture_output=True, text=True, timeout=120
+    )
     figures: dict[str, object] = {}
     try:
         checks = json.loads(done.stdout)["checks"]
@@ -291,8 +310,15 @@ def _one_step(strategy: object) -> Part:
     model = _gpt_class()(block_size=64, n_layer=2, n_head=4, n_embd=128)
     data = torch.randint(0, 256, (8, 65))
     loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=8)
-    trainer = pl.Trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=1,  # type: ignore[arg-type]
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,  # type: ignore[arg-type]
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(model, loader)
     return Part(name="", status="PASS", detail=f"1 step, global_step={trainer.global_step}")
 
@@ -375,8 +401,16 @@ def _micro_batch(ctx: CheckContext) -> Part:
         for name, finder in (("auto", MicroBatchFinder(grow_after=None)), ("fixed 8", MicroBatchFinder(8))):
             pl.seed_everything(0)
             model = (_OOMOnce if name == "auto" else _SGD)(block_size=256, n_layer=4, n_head=8, n_embd=512)
-            trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
-                                 enable_progress_bar=False, enable_model_summary=False, callbacks=[finder])  # fmt: skip
+            trainer = pl.Trainer(
+                accelerator="cuda",
+                devices=1,
+                max_steps=6,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[finder],
+            )
             started = time.perf_counter()
             trainer.fit(model, torch.utils.data.DataLoader(pairs, batch_size=128))
             runs[name] = (finder, time.perf_counter() - started, [p.detach().float().cpu() for p in model.parameters()])
@@ -386,17 +420,25 @@ def _micro_batch(ctx: CheckContext) -> Part:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
     finder, seconds, weights = runs["auto"]
     drift = max(float((a - b).abs().max()) for a, b in zip(weights, runs["fixed 8"][2], strict=True))
-    trials = ", ".join(f"{t.size}: {'fits' if t.fits else 'no'}" + (f" ({t.peak_bytes / 2**30:.2f} GiB)"
-                       if t.peak_bytes else "") for t in (finder.search.trials if finder.search else ()))  # fmt: skip
+    trials = ", ".join(
+        f"{t.size}: {'fits' if t.fits else 'no'}" + (f" ({t.peak_bytes / 2**30:.2f} GiB)" if t.peak_bytes else "")
+        for t in (finder.search.trials if finder.search else ())
+    )
     # >= 1: a real OOM of its own during training (the cap limits reserved memory, fragmentation included) is fine
     ok = finder.found is not None and finder.found < 128 and finder.oom_recoveries >= 1 and drift <= 1e-3
     ok = ok and finder.size is not None and finder.size <= finder.found // 2
-    return Part(name="micro_batch", status="PASS" if ok else "FAIL",
-                detail=f"cap {cap / 2**30:.0f} GiB, GPT 4x512, block 256, batch 128, 6 steps",
-                figures={"micro-batch found": str(finder.found), "trials": trials,
-                         "after the injected OOM": f"{finder.size} ({finder.oom_recoveries} recoveries)",
-                         "max |w_auto - w_fixed8|": f"{drift:.2e}", "fit s (auto, fixed 8)":
-                         f"{seconds:.1f}, {runs['fixed 8'][1]:.1f}"})  # fmt: skip
+    return Part(
+        name="micro_batch",
+        status="PASS" if ok else "FAIL",
+        detail=f"cap {cap / 2**30:.0f} GiB, GPT 4x512, block 256, batch 128, 6 steps",
+        figures={
+            "micro-batch found": str(finder.found),
+            "trials": trials,
+            "after the injected OOM": f"{finder.size} ({finder.oom_recoveries} recoveries)",
+            "max |w_auto - w_fixed8|": f"{drift:.2e}",
+            "fit s (auto, fixed 8)": f"{seconds:.1f}, {runs['fixed 8'][1]:.1f}",
+        },
+    )
 
 
 def _timed_fit(model: object, callbacks: list, steps: int, warmup: int, precision: str, batch_size: int) -> float:
@@ -420,11 +462,20 @@ def _timed_fit(model: object, callbacks: list, steps: int, warmup: int, precisio
     clock = _Clock()
     block = model.hparams["block_size"]  # type: ignore[attr-defined]
     data = torch.randint(0, 256, (steps * batch_size, block + 1), generator=torch.Generator().manual_seed(0))
-    loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=batch_size,
-                                         pin_memory=True)  # fmt: skip
-    trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=steps, precision=precision,  # type: ignore[arg-type]
-                         callbacks=[*callbacks, clock], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    loader = torch.utils.data.DataLoader(
+        list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=batch_size, pin_memory=True
+    )
+    trainer = pl.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=steps,
+        precision=precision,  # type: ignore[arg-type]
+        callbacks=[*callbacks, clock],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, loader)  # type: ignore[arg-type]
     return (clock.end - clock.start) / (steps - warmup)
 
@@ -454,22 +505,26 @@ def _gpu_monitor(ctx: CheckContext) -> Part:
         off.append(_timed_fit(model, [Compile()], steps=100, warmup=20, precision="bf16-mixed", batch_size=16))
     overhead = ratio(on, off)
     gpus = monitors[-1].report.gpus
-    readings = {name: max((run[name].mean for run in gpus.values() if name in run), default=math.nan)
-                for name in ("sm_activity_pct", "tensor_activity_pct", "utilization_pct", "power_w")}  # fmt: skip
+    readings = {
+        name: max((run[name].mean for run in gpus.values() if name in run), default=math.nan)
+        for name in ("sm_activity_pct", "tensor_activity_pct", "utilization_pct", "power_w")
+    }
     figures = {
         "s/step with GPUMonitor": " ".join(f"{t:.4f}" for t in on),
         "s/step without": " ".join(f"{t:.4f}" for t in off),
         "overhead (ratio, paired rounds)": f"{overhead.format('.4f')} ({verdict(overhead)})",
         **{f"GPM {k}" if "activity" in k else k: f"{v:.1f}" for k, v in readings.items()},
     }
-    problems = [f"no {name} reading" for name in ("sm_activity_pct", "tensor_activity_pct")
-                if not readings[name] > 0]  # fmt: skip
+    problems = [f"no {name} reading" for name in ("sm_activity_pct", "tensor_activity_pct") if not readings[name] > 0]
     if not (overhead.contains(1.0) or overhead.median <= 1 + OVERHEAD_LIMIT):
         problems.append(f"overhead {overhead.median - 1:.1%} is above {OVERHEAD_LIMIT:.0%} and outside the noise")
     ctx.facts["gpm"] = readings
-    return Part(name="gpu_monitor", status="FAIL" if problems else "PASS",
-                detail="; ".join(problems) or "compiled bf16 GPT-2 small, 3 alternating pairs of 100 steps",
-                figures=figures)  # fmt: skip
+    return Part(
+        name="gpu_monitor",
+        status="FAIL" if problems else "PASS",
+        detail="; ".join(problems) or "compiled bf16 GPT-2 small, 3 alternating pairs of 100 steps",
+        figures=figures,
+    )
 
 
 def _subprocess(command: list[str], log: Path, timeout: float) -> int:
@@ -491,22 +546,41 @@ def _tune(ctx: CheckContext) -> Part:
     """`accel-tune --profile gpu --time-budget 180` on GPT-2 small; its preset feeds the ladder's tuned stage."""
     _need_cuda()
     out, conf = ctx.out_dir / "tune", ctx.out_dir / "conf"
-    command = [sys.executable, "-m", "lightning_accel.tune", "--profile", "gpu", "--time-budget", "180", "--name",
-               "gpt2_small", "--config-dir", str(conf), "--out", str(out), "model=gpt2_small"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_accel.tune",
+        "--profile",
+        "gpu",
+        "--time-budget",
+        "180",
+        "--name",
+        "gpt2_small",
+        "--config-dir",
+        str(conf),
+        "--out",
+        str(out),
+        "model=gpt2_small",
+    ]
     code = _subprocess(command, ctx.out_dir / "tune.log", timeout=420 * ctx.timeout_scale)
     preset = conf / "preset" / "tuned_gpt2_small.yaml"
     figures = {"command": " ".join(command[1:]), "exit": str(code)}
     try:
         trace = json.loads((out / "tune.json").read_text())
-        figures.update({"pick": str(trace.get("pick")), "confirmed": str(trace.get("confirmed")),
-                        "seconds": f"{float(trace.get('total_s') or 0):.0f}", "stopped": str(trace.get("stop"))})
+        figures.update(
+            {
+                "pick": str(trace.get("pick")),
+                "confirmed": str(trace.get("confirmed")),
+                "seconds": f"{float(trace.get('total_s') or 0):.0f}",
+                "stopped": str(trace.get("stop")),
+            }
+        )
     except (OSError, ValueError) as err:
         figures["tune.json"] = f"unreadable: {err}"
     if code == 0 and preset.is_file():
         ctx.facts["tuned_preset"] = "tuned_gpt2_small"
         return Part(name="tune", status="PASS", detail=f"preset {preset.name}", figures=figures)
-    return Part(name="tune", status="FAIL", detail=f"exit {code}: {_tail(ctx.out_dir / 'tune.log')}",
-                figures=figures)  # fmt: skip
+    return Part(name="tune", status="FAIL", detail=f"exit {code}: {_tail(ctx.out_dir / 'tune.log')}", figures=figures)
 
 
 def ladder_verdict(stages: Sequence[dict], facts: dict[str, object]) -> tuple[list[str], dict[str, str]]:
@@ -516,8 +590,9 @@ def ladder_verdict(stages: Sequence[dict], facts: dict[str, object]) -> tuple[li
     `MFU_TARGET`, and every stage's metric stay within `QUALITY_TOLERANCE` of the first's.
     """
     figures: dict[str, str] = {}
-    problems = [f"{s['name']}: {s['status']} ({s.get('reason') or 'no reason given'})" for s in stages
-                if s["status"] != "ok"]  # fmt: skip
+    problems = [
+        f"{s['name']}: {s['status']} ({s.get('reason') or 'no reason given'})" for s in stages if s["status"] != "ok"
+    ]
     ran = [s for s in stages if s["status"] == "ok"]
     if len(ran) < 2:
         return [*problems, "fewer than two stages ran: no speedup to judge"], figures
@@ -525,8 +600,10 @@ def ladder_verdict(stages: Sequence[dict], facts: dict[str, object]) -> tuple[li
     for s in ran:
         interval = s.get("samples_interval") or {}
         speed = s.get("speedup_interval") or {}
-        cells = [f"{s['samples_per_s']:.1f} samples/s [{interval.get('low', math.nan):.1f}, "
-                 f"{interval.get('high', math.nan):.1f}]"]  # fmt: skip
+        cells = [
+            f"{s['samples_per_s']:.1f} samples/s [{interval.get('low', math.nan):.1f}, "
+            f"{interval.get('high', math.nan):.1f}]"
+        ]
         if s.get("speedup") is not None:
             cells.append(f"{s['speedup']:.2f}x [{speed.get('low', math.nan):.2f}, {speed.get('high', math.nan):.2f}]")
         if s.get("mfu") is not None:
@@ -539,8 +616,9 @@ def ladder_verdict(stages: Sequence[dict], facts: dict[str, object]) -> tuple[li
         figures[s["name"]] = "; ".join(cells)
         delta = s.get("quality_delta_pct")
         if s is not ran[0] and (s.get("quality") == "FAIL" or (delta is not None and delta > 100 * QUALITY_TOLERANCE)):
-            problems.append(f"{s['name']}: validation loss {delta:+.2f}% from the baseline's (limit "
-                            f"{QUALITY_TOLERANCE:.0%})")  # fmt: skip
+            problems.append(
+                f"{s['name']}: validation loss {delta:+.2f}% from the baseline's (limit {QUALITY_TOLERANCE:.0%})"
+            )
     tuned = next((s for s in ran if s["name"].startswith("tuned")), None)
     best = tuned or max(ran[1:], key=lambda s: s.get("speedup") or 0.0)
     speedup = best.get("speedup") or 0.0
@@ -552,8 +630,10 @@ def ladder_verdict(stages: Sequence[dict], facts: dict[str, object]) -> tuple[li
         mfu = compiled.get("mfu")
         figures["verdict: MFU"] = f"amp_compile {'n/a' if mfu is None else f'{mfu:.1%}'} against {MFU_TARGET:.0%}"
         if mfu is None or mfu < MFU_TARGET:
-            problems.append(f"amp_compile MFU {'n/a' if mfu is None else f'{mfu:.1%}'} is below {MFU_TARGET:.0%}"
-                            + (f" ({compiled.get('mfu_note')})" if compiled.get("mfu_note") else ""))  # fmt: skip
+            problems.append(
+                f"amp_compile MFU {'n/a' if mfu is None else f'{mfu:.1%}'} is below {MFU_TARGET:.0%}"
+                + (f" ({compiled.get('mfu_note')})" if compiled.get("mfu_note") else "")
+            )
     return problems, figures
 
 
@@ -570,30 +650,52 @@ def _run_ladder(ctx: CheckContext, bench_args: list[str], timeout: float) -> Par
         ladder.append(str(ctx.facts["tuned_preset"]))
         extra.append(f"hydra.searchpath=[file://{(ctx.out_dir / 'conf').resolve()}]")
     out = ctx.out_dir / "bench"
-    command = [sys.executable, "-m", "lightning_accel.bench", *bench_args, "--ladder", ",".join(ladder), "--out",
-               str(out), "--overwrite", *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_accel.bench",
+        *bench_args,
+        "--ladder",
+        ",".join(ladder),
+        "--out",
+        str(out),
+        "--overwrite",
+        *extra,
+    ]
     code = _subprocess(command, ctx.out_dir / "bench.log", timeout=timeout * ctx.timeout_scale)
     try:
         stages = json.loads((out / "bench.json").read_text())["stages"]
     except (OSError, ValueError, KeyError) as err:
-        return Part(name="ladder", status="FAIL", detail=f"exit {code}, no bench.json ({err}): "
-                    f"{_tail(ctx.out_dir / 'bench.log')}")  # fmt: skip
+        return Part(
+            name="ladder",
+            status="FAIL",
+            detail=f"exit {code}, no bench.json ({err}): {_tail(ctx.out_dir / 'bench.log')}",
+        )
     ctx.facts["ladder"] = stages
     problems, figures = ladder_verdict(stages, ctx.facts)
     figures = {"command": " ".join(command[1:]), **figures}
     if not ctx.facts.get("tuned_preset"):
         figures["tuned stage"] = "none: the tune part wrote no preset; the fastest stage is judged instead"
-    return Part(name="ladder", status="FAIL" if problems or code not in (0, 1) else "PASS",
-                detail="; ".join(problems) or f"{len(stages)} stages, exit {code}", figures=figures)  # fmt: skip
+    return Part(
+        name="ladder",
+        status="FAIL" if problems or code not in (0, 1) else "PASS",
+        detail="; ".join(problems) or f"{len(stages)} stages, exit {code}",
+        figures=figures,
+    )
 
 
 PARTS: dict[str, Callable[[CheckContext], Part]] = {
-    "nvml_vs_torch": _nvml_vs_torch, "gpu_monitor_overhead": _gpu_monitor_overhead, "gpt_precision": _gpt_precision,
-    "mfu": _mfu, "doctor": _doctor, "fsdp": _fsdp, "model_parallel": _model_parallel, "fp8": _fp8,
+    "nvml_vs_torch": _nvml_vs_torch,
+    "gpu_monitor_overhead": _gpu_monitor_overhead,
+    "gpt_precision": _gpt_precision,
+    "mfu": _mfu,
+    "doctor": _doctor,
+    "fsdp": _fsdp,
+    "model_parallel": _model_parallel,
+    "fp8": _fp8,
     "micro_batch": _micro_batch,
-}  # fmt: skip
-FULL_PARTS: dict[str, Callable[[CheckContext], Part]] = {"gpu_monitor": _gpu_monitor, "tune": _tune,
-                                                         "ladder": _ladder}  # fmt: skip
+}
+FULL_PARTS: dict[str, Callable[[CheckContext], Part]] = {"gpu_monitor": _gpu_monitor, "tune": _tune, "ladder": _ladder}
 """`--full`'s parts, run after `PARTS` in this order (the ladder's tuned stage is the tune part's preset)."""
 
 
@@ -613,8 +715,12 @@ def run_checks(names: Sequence[str] | None = None, ctx: CheckContext | None = No
         except _Skip as why:
             part = Part(name=name, status="SKIP", detail=str(why))
         except Exception as err:  # one broken part must not hide the others
-            part = Part(name=name, status="FAIL", detail=f"{type(err).__name__}: {err}",
-                        figures={"traceback": traceback.format_exc().strip().splitlines()[-1]})  # fmt: skip
+            part = Part(
+                name=name,
+                status="FAIL",
+                detail=f"{type(err).__name__}: {err}",
+                figures={"traceback": traceback.format_exc().strip().splitlines()[-1]},
+            )
         part.seconds = time.perf_counter() - started
         parts.append(part)
         print(f"{part.status:4}  {part.name} ({part.seconds:.0f} s): {part.detail}", flush=True)
@@ -637,16 +743,26 @@ def _machine() -> dict[str, str]:
                     nvml.shutdown_nvml()
         except Exception as err:  # the header must not stop the check
             driver = f"n/a ({type(err).__name__})"
-    return {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}", "device": device,
-            "driver": driver, "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
-            "python": f"{platform.python_version()} on {platform.platform()}"}  # fmt: skip
+    return {
+        "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        "device": device,
+        "driver": driver,
+        "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
+        "python": f"{platform.python_version()} on {platform.platform()}",
+    }
 
 
 def render(parts: Sequence[Part], machine: dict[str, str] | None = None) -> str:
     """The Markdown report: the machine, then one row per part and its figures."""
     machine = machine or _machine()
-    lines = ["# lightning_accel GPU check", "", *(f"- {key}: {value}" for key, value in machine.items()), "",
-             "| part | status | seconds | detail |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "# lightning_accel GPU check",
+        "",
+        *(f"- {key}: {value}" for key, value in machine.items()),
+        "",
+        "| part | status | seconds | detail |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {p.name} | {p.status} | {p.seconds:.0f} | {p.detail.replace('|', '/')} |" for p in parts]
     for part in parts:
         if part.figures:
@@ -656,8 +772,13 @@ def render(parts: Sequence[Part], machine: dict[str, str] | None = None) -> str:
 
 def to_json(parts: Sequence[Part], machine: dict[str, str], facts: dict[str, object]) -> dict[str, object]:
     """gpu_check.json: the machine, every part (status, detail, seconds, figures) and the ladder's stages."""
-    return {"schema_version": 1, **machine, "parts": [asdict(p) for p in parts],
-            "ladder": facts.get("ladder", []), "gpm": facts.get("gpm")}  # fmt: skip
+    return {
+        "schema_version": 1,
+        **machine,
+        "parts": [asdict(p) for p in parts],
+        "ladder": facts.get("ladder", []),
+        "gpm": facts.get("gpm"),
+    }
 
 
 def _no_plot(stages: Sequence[dict]) -> str | None:
@@ -685,8 +806,10 @@ def plot(stages: Sequence[dict], path: Path) -> str | None:
     ran = [s for s in stages if s.get("status") == "ok" and s.get("samples_per_s")]
     values = [s["samples_per_s"] for s in ran]
     intervals = [s.get("samples_interval") or {} for s in ran]
-    errors = [[v - i.get("low", v) for v, i in zip(values, intervals, strict=True)],
-              [i.get("high", v) - v for v, i in zip(values, intervals, strict=True)]]  # fmt: skip
+    errors = [
+        [v - i.get("low", v) for v, i in zip(values, intervals, strict=True)],
+        [i.get("high", v) - v for v, i in zip(values, intervals, strict=True)],
+    ]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(ran)), 4.0))
     colors = ["tab:red" if s.get("quality") == "FAIL" else "tab:blue" for s in ran]
     bars = ax.bar([s["name"] for s in ran], values, color=colors, yerr=errors, capsize=4, ecolor="black")
@@ -694,10 +817,21 @@ def plot(stages: Sequence[dict], path: Path) -> str | None:
         label = f"{s['speedup']:.2f}x" if s.get("speedup") is not None else ""
         if s.get("mfu") is not None:
             label += f"\nMFU {s['mfu']:.0%}"
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                    fontsize=9, xytext=(0, 3), textcoords="offset points")  # fmt: skip
-    ax.axhline(values[0] * ARTICLE_SPEEDUP, color="tab:green", linestyle="--",
-               label=f"the article's 4-GPU table: {ARTICLE_SPEEDUP}x")  # fmt: skip
+        ax.annotate(
+            label,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+            xytext=(0, 3),
+            textcoords="offset points",
+        )
+    ax.axhline(
+        values[0] * ARTICLE_SPEEDUP,
+        color="tab:green",
+        linestyle="--",
+        label=f"the article's 4-GPU table: {ARTICLE_SPEEDUP}x",
+    )
     ax.set_ylabel("samples/s, median [interval]")
     ax.set_title(f"GPU check ladder ({ran[0].get('device') or 'GPU'})", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
@@ -721,22 +855,37 @@ def write_report(parts: Sequence[Part], ctx: CheckContext, machine: dict[str, st
         with atomic_path(png) as tmp:
             plot(stages, tmp)
     text = render(parts, machine) + (f"\n{note}\n" if note else "\n![ladder](gpu_check.png)\n")
-    files = [atomic_write(ctx.out_dir / "gpu_check.md", text),
-             atomic_write(ctx.out_dir / "gpu_check.json", json.dumps(to_json(parts, machine, ctx.facts), indent=2,
-                                                                      default=str))]  # fmt: skip
+    files = [
+        atomic_write(ctx.out_dir / "gpu_check.md", text),
+        atomic_write(
+            ctx.out_dir / "gpu_check.json", json.dumps(to_json(parts, machine, ctx.facts), indent=2, default=str)
+        ),
+    ]
     return [*files, png] if note is None else files
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_accel.gpu_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("gpu_check"),
-                        help="the folder for gpu_check.md, gpu_check.json and gpu_check.png (default ./gpu_check)")
-    parser.add_argument("--full", action="store_true",
-                        help="also the GPM monitor run, accel-tune --time-budget 180 and the gpt2_small ladder "
-                        "(about 8 minutes on an H200; needs Hydra, as accel-bench does)")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("gpu_check"),
+        help="the folder for gpu_check.md, gpu_check.json and gpu_check.png (default ./gpu_check)",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="also the GPM monitor run, accel-tune --time-budget 180 and the gpt2_small ladder "
+        "(about 8 minutes on an H200; needs Hydra, as accel-bench does)",
+    )
     parser.add_argument("--parts", nargs="*", choices=[*PARTS, *FULL_PARTS], help="run only these parts")
-    parser.add_argument("--timeout-scale", type=float, default=1.0, metavar="X",
-                        help="multiply the subprocess timeouts of --full (a slower GPU than an H200; default 1)")
+    parser.add_argument(
+        "--timeout-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="multiply the subprocess timeouts of --full (a slower GPU than an H200; default 1)",
+    )
     args = parser.parse_args(argv)
     if not (args.timeout_scale > 0 and math.isfinite(args.timeout_scale)):
         parser.error(f"--timeout-scale must be a finite number > 0, got {args.timeout_scale}")

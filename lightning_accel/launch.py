@@ -61,9 +61,16 @@ _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_S
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 # Settings the child command sets itself, and launcher/sweeper choices that only the parent may use.
 _PARENT_ONLY = (
-    "hydra.run.dir", "hydra.output_subdir", "hydra.job.name", "hydra.mode",
-    "hydra.sweep.", "hydra/launcher", "hydra/sweeper", "hydra.launcher.", "hydra.sweeper.",
-)  # fmt: skip
+    "hydra.run.dir",
+    "hydra.output_subdir",
+    "hydra.job.name",
+    "hydra.mode",
+    "hydra.sweep.",
+    "hydra/launcher",
+    "hydra/sweeper",
+    "hydra.launcher.",
+    "hydra.sweeper.",
+)
 
 
 def _config_flags(argv: Sequence[str]) -> list[str]:
@@ -237,8 +244,10 @@ def check_output_root(argv: Sequence[str], env: Mapping[str, str] | None = None)
         while prefix and not os.path.lexists(prefix) and os.path.dirname(prefix) != prefix:
             prefix = os.path.dirname(prefix)
         if prefix and os.path.exists(prefix) and not os.path.isdir(prefix):
-            raise ConfigError(f"`{key}={value}`: {prefix!r} is a file, not a directory; point `paths.log_dir` (or "
-                              "ACCEL_LOG_DIR) at a writable directory.")  # fmt: skip
+            raise ConfigError(
+                f"`{key}={value}`: {prefix!r} is a file, not a directory; point `paths.log_dir` (or "
+                "ACCEL_LOG_DIR) at a writable directory."
+            )
         return
     root = value
     try:
@@ -247,8 +256,10 @@ def check_output_root(argv: Sequence[str], env: Mapping[str, str] | None = None)
             pass
     except OSError as err:
         shown = f"{key}={value}" if key != "ACCEL_LOG_DIR" else f"ACCEL_LOG_DIR={value}"
-        raise ConfigError(f"`{shown}`: runs cannot be written under {root!r} ({err.strerror or err}); point "
-                          "`paths.log_dir` (or ACCEL_LOG_DIR) at a writable directory.") from None  # fmt: skip
+        raise ConfigError(
+            f"`{shown}`: runs cannot be written under {root!r} ({err.strerror or err}); point "
+            "`paths.log_dir` (or ACCEL_LOG_DIR) at a writable directory."
+        ) from None
 
 
 def log_root(env: Mapping[str, str] | None = None) -> str:
@@ -261,8 +272,10 @@ def log_root(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     value = env.get("ACCEL_LOG_DIR")
     if value is not None and not value.strip():
-        raise ConfigError(f"`ACCEL_LOG_DIR={value!r}` is set but empty: runs would be written under `/runs` at the "
-                          "file system's root; unset it (`unset ACCEL_LOG_DIR`) or set it to a directory.")
+        raise ConfigError(
+            f"`ACCEL_LOG_DIR={value!r}` is set but empty: runs would be written under `/runs` at the "
+            "file system's root; unset it (`unset ACCEL_LOG_DIR`) or set it to a directory."
+        )
     return value or "outputs"
 
 

@@ -34,9 +34,20 @@ from typing import Any, Literal, TypeVar
 from lightning_accel.errors import ConfigError
 
 __all__ = [
-    "BOOTSTRAP_MIN", "INTERFERENCE_THRESHOLD", "STEAL_THRESHOLD", "Interference", "InterferenceProbe", "Interval",
-    "Verdict", "interleaved", "nvml_compute_pids", "ratio", "read_cpu_seconds", "summarize", "verdict",
-]  # fmt: skip
+    "BOOTSTRAP_MIN",
+    "INTERFERENCE_THRESHOLD",
+    "STEAL_THRESHOLD",
+    "Interference",
+    "InterferenceProbe",
+    "Interval",
+    "Verdict",
+    "interleaved",
+    "nvml_compute_pids",
+    "ratio",
+    "read_cpu_seconds",
+    "summarize",
+    "verdict",
+]
 
 BOOTSTRAP_MIN = 6
 """From this many values on, intervals are a 95% bootstrap of the median; below it, the values' range."""
@@ -258,10 +269,19 @@ class Interference:
         return f"quiet: others used {self.other_cpus:.2f} of {self.cpus} CPU(s)"
 
     def as_dict(self) -> dict[str, object]:
-        return {"wall_s": self.wall_s, "cpus": self.cpus, "other_cpu_s": self.other_cpu_s, "other_cpus":
-                self.other_cpus, "own_cpu_s": self.own_cpu_s, "steal_s": self.steal_s, "load_start": self.load_start,
-                "load_end": self.load_end, "gpu_processes": list(self.gpu_processes), "flagged": self.flagged,
-                "reasons": list(self.reasons)}  # fmt: skip
+        return {
+            "wall_s": self.wall_s,
+            "cpus": self.cpus,
+            "other_cpu_s": self.other_cpu_s,
+            "other_cpus": self.other_cpus,
+            "own_cpu_s": self.own_cpu_s,
+            "steal_s": self.steal_s,
+            "load_start": self.load_start,
+            "load_end": self.load_end,
+            "gpu_processes": list(self.gpu_processes),
+            "flagged": self.flagged,
+            "reasons": list(self.reasons),
+        }
 
 
 @dataclass(kw_only=True)
@@ -346,9 +366,18 @@ class InterferenceProbe:
             reasons.append(f"the hypervisor stole {steal / (wall * cpus):.0%} of the CPU time")
         if gpu:
             reasons.append(f"{len(gpu)} other process(es) on the GPU (pid {', '.join(map(str, gpu[:5]))})")
-        self.result = Interference(wall_s=wall, cpus=cpus, other_cpu_s=other, own_cpu_s=own, steal_s=steal,
-                                   load_start=load_start, load_end=_load_1m(), gpu_processes=gpu,
-                                   flagged=bool(reasons), reasons=tuple(reasons))  # fmt: skip
+        self.result = Interference(
+            wall_s=wall,
+            cpus=cpus,
+            other_cpu_s=other,
+            own_cpu_s=own,
+            steal_s=steal,
+            load_start=load_start,
+            load_end=_load_1m(),
+            gpu_processes=gpu,
+            flagged=bool(reasons),
+            reasons=tuple(reasons),
+        )
         self._start = None
         return self.result
 

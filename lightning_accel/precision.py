@@ -27,17 +27,31 @@ def _rank_zero_warn(message: str, **kwargs: Any) -> None:
 
 
 __all__ = [
-    "FLOAT32_MATMUL_PRECISIONS", "FP16_PRECISIONS", "LIGHTNING_PRECISIONS", "MODEL_PARALLEL_REFUSED",
-    "PIPELINE_PRECISIONS", "PRECISION_CHOICES",
-    "PRECISION_SENTINELS", "Hardware", "ResolvedPrecision", "apply_float32_matmul_precision", "resolve_precision",
-]  # fmt: skip
+    "FLOAT32_MATMUL_PRECISIONS",
+    "FP16_PRECISIONS",
+    "LIGHTNING_PRECISIONS",
+    "MODEL_PARALLEL_REFUSED",
+    "PIPELINE_PRECISIONS",
+    "PRECISION_CHOICES",
+    "PRECISION_SENTINELS",
+    "Hardware",
+    "ResolvedPrecision",
+    "apply_float32_matmul_precision",
+    "resolve_precision",
+]
 
 PRECISION_SENTINELS = ("amp", "fp8")
 """Requests resolved per hardware: `amp` (the best mixed precision the device runs) and `fp8` (float8 training)."""
 LIGHTNING_PRECISIONS = (
-    "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true",
+    "transformer-engine",
+    "transformer-engine-float16",
+    "16-true",
+    "16-mixed",
+    "bf16-true",
+    "bf16-mixed",
+    "32-true",
     "64-true",
-)  # fmt: skip
+)
 LIGHTNING_SHORT_PRECISIONS = ("16", "32", "64", "bf16")
 """Lightning's older short spellings, still accepted by `Trainer(precision=...)`."""
 PRECISION_CHOICES = PRECISION_SENTINELS + LIGHTNING_PRECISIONS + LIGHTNING_SHORT_PRECISIONS

@@ -87,10 +87,13 @@ def strategy_family(strategy: Any) -> str:
         from lightning_accel.strategies.pipeline import PipelineStrategy
 
         families = (
-            (PipelineStrategy, "pipeline"), (pl_strategies.DeepSpeedStrategy, "deepspeed"),
-            (pl_strategies.FSDPStrategy, "fsdp"), (pl_strategies.ModelParallelStrategy, "model_parallel"),
-            (pl_strategies.DDPStrategy, "ddp"), (pl_strategies.SingleDeviceStrategy, "single_device"),
-        )  # fmt: skip
+            (PipelineStrategy, "pipeline"),
+            (pl_strategies.DeepSpeedStrategy, "deepspeed"),
+            (pl_strategies.FSDPStrategy, "fsdp"),
+            (pl_strategies.ModelParallelStrategy, "model_parallel"),
+            (pl_strategies.DDPStrategy, "ddp"),
+            (pl_strategies.SingleDeviceStrategy, "single_device"),
+        )
         return next((family for base, family in families if issubclass(cls, base)), cls.__name__)
     name = str(strategy)
     for family in ("fsdp", "deepspeed", "ddp"):
@@ -243,10 +246,18 @@ _COMPRESSION_HOOKS = {
 
 
 _IMPLIED_DEFAULTS: dict[str, Any] = {
-    "precision": "32-true", "enable_progress_bar": True, "enable_checkpointing": True, "enable_model_summary": True,
-    "log_every_n_steps": 50, "limit_train_batches": 1.0, "limit_val_batches": 1.0, "limit_test_batches": 1.0,
-    "limit_predict_batches": 1.0, "val_check_interval": 1.0, "num_sanity_val_steps": 2,
-}  # fmt: skip
+    "precision": "32-true",
+    "enable_progress_bar": True,
+    "enable_checkpointing": True,
+    "enable_model_summary": True,
+    "log_every_n_steps": 50,
+    "limit_train_batches": 1.0,
+    "limit_val_batches": 1.0,
+    "limit_test_batches": 1.0,
+    "limit_predict_batches": 1.0,
+    "val_check_interval": 1.0,
+    "num_sanity_val_steps": 2,
+}
 
 
 def effective_trainer_settings(cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
@@ -355,9 +366,11 @@ def resolve_config_precision(cfg: DictConfig) -> ResolvedPrecision:
     raw = OmegaConf.to_container(cfg.trainer, resolve=False).get("precision", "32-true")  # type: ignore[union-attr]
     requested = re.match(r"\$\{accel_precision:([^,}]+)", str(raw))  # conf/precision/amp.yaml: resolved already
     try:
-        return resolve_precision(requested.group(1) if requested else cfg.trainer.get("precision", "32-true"),
-                                 accelerator if isinstance(accelerator, str) else "auto",
-                                 setting="trainer.precision")  # fmt: skip
+        return resolve_precision(
+            requested.group(1) if requested else cfg.trainer.get("precision", "32-true"),
+            accelerator if isinstance(accelerator, str) else "auto",
+            setting="trainer.precision",
+        )
     except ConfigError as err:  # `accelerator=...` is the Trainer's
         raise err.at("trainer") from None
 
@@ -389,10 +402,20 @@ def build_run_plan(cfg: DictConfig, *, visible_cuda: int | None = None) -> RunPl
 
             trace_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
             try:
-                nccl = nccl_plan(str(section.preset), socket_ifname=section.get("socket_ifname"),
-                                 num_nodes=shape.num_nodes, trace_dir=trace_dir)  # fmt: skip
+                nccl = nccl_plan(
+                    str(section.preset),
+                    socket_ifname=section.get("socket_ifname"),
+                    num_nodes=shape.num_nodes,
+                    trace_dir=trace_dir,
+                )
             except ConfigError as err:  # `preset=...` is `nccl.preset` in the config
                 raise err.at("nccl") from None
             notes.append(nccl.describe())
-    return RunPlan(shape=shape, precision=resolved, float32_matmul_precision=cfg.get("float32_matmul_precision"),
-                   comm_hook=hook, notes=tuple(notes), nccl=nccl)  # fmt: skip
+    return RunPlan(
+        shape=shape,
+        precision=resolved,
+        float32_matmul_precision=cfg.get("float32_matmul_precision"),
+        comm_hook=hook,
+        notes=tuple(notes),
+        nccl=nccl,
+    )

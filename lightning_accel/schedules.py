@@ -322,8 +322,10 @@ def _why_no_steps(trainer: pl.Trainer) -> str:
         return "`trainer.max_epochs=0`; use -1 or a number of epochs >= 1."
     if trainer.max_steps == 0:
         return "`trainer.max_steps=0`; use -1 or a number of steps >= 1."
-    return (f"the train DataLoader has {trainer.num_training_batches} batches (an empty training set, or fewer "
-            "samples than one batch with `drop_last`); give the data more samples, or lower `data.batch_size`.")
+    return (
+        f"the train DataLoader has {trainer.num_training_batches} batches (an empty training set, or fewer "
+        "samples than one batch with `drop_last`); give the data more samples, or lower `data.batch_size`."
+    )
 
 
 def _takes_total_steps(factory: SchedulerFactory) -> bool:

@@ -49,6 +49,10 @@ def raise_if_signalled(where: str = "") -> None:
         import signal
         import sys
 
-        print(f"{signal.Signals(signum).name} received{' during ' + where if where else ''}: stopping (exit "
-              f"{128 + signum})", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"{signal.Signals(signum).name} received{' during ' + where if where else ''}: stopping (exit "
+            f"{128 + signum})",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SignalExit(signum)

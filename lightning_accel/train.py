@@ -115,12 +115,17 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     plan = build_run_plan(cfg)
     shape = plan.shape
     ckpt = check_ckpt_path(cfg)
-    if ckpt is not None and Path(ckpt).is_dir() and shape.family not in ("pipeline", "model_parallel", "fsdp",
-                                                                         "deepspeed"):  # fmt: skip
-        raise ConfigError(f"`ckpt_path={ckpt}` is a distributed checkpoint directory (saved by a pipeline or model-"
-                          f"parallel run), which `strategy={shape.family}` cannot load; resume it with the strategy "
-                          "that saved it (e.g. `preset=pipeline trainer.devices=2`), or join it into one file with "
-                          "`lightning_accel.strategies.consolidate_checkpoint(path, out)` and pass `out`.")
+    if (
+        ckpt is not None
+        and Path(ckpt).is_dir()
+        and shape.family not in ("pipeline", "model_parallel", "fsdp", "deepspeed")
+    ):
+        raise ConfigError(
+            f"`ckpt_path={ckpt}` is a distributed checkpoint directory (saved by a pipeline or model-"
+            f"parallel run), which `strategy={shape.family}` cannot load; resume it with the strategy "
+            "that saved it (e.g. `preset=pipeline trainer.devices=2`), or join it into one file with "
+            "`lightning_accel.strategies.consolidate_checkpoint(path, out)` and pass `out`."
+        )
     check_checkpoint_dir(cfg)
     if (shape.distributed or (shape.world_size or 1) > 1) and shape.num_nodes == 1:
         check_master_port()
@@ -143,8 +148,9 @@ def build(cfg: DictConfig, plan: RunPlan) -> tuple[Any, Any, Any, RunStats]:
     callbacks += [cb for cb in plan.precision.callbacks if not any(type(have) is type(cb) for have in callbacks)]
     stats = RunStats()
     with config_paths(cfg):  # a strategy's argument error names `trainer.strategy.<argument>`
-        trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=[*callbacks, stats], logger=loggers or False,
-                                          **plan.trainer_kwargs(cfg))  # fmt: skip
+        trainer: pl.Trainer = instantiate(
+            cfg.trainer, callbacks=[*callbacks, stats], logger=loggers or False, **plan.trainer_kwargs(cfg)
+        )
     return datamodule, model, trainer, stats
 
 
@@ -186,9 +192,11 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
         if named is not None:
             raise named from None
         if isinstance(err, FileNotFoundError) and not Path(run_dir).exists():
-            raise NothingLearnedError(f"the run directory {run_dir} was removed while the run was going (at global "
-                                      f"step {trainer.global_step}: {err}); its checkpoints and logs went with it. "
-                                      "Start the run again in a directory that stays.") from None  # fmt: skip
+            raise NothingLearnedError(
+                f"the run directory {run_dir} was removed while the run was going (at global "
+                f"step {trainer.global_step}: {err}); its checkpoints and logs went with it. "
+                "Start the run again in a directory that stays."
+            ) from None
         message = f"rank {trainer.global_rank} failed at global step {trainer.global_step}: {type(err).__name__}: {err}"
         log.error(message)
         print(f"accel-train: error: {message}", file=sys.stderr, flush=True)
@@ -212,21 +220,27 @@ def check_learned(trainer: Any, stats: RunStats) -> None:
     from lightning_accel.callbacks import NonFiniteGuard
 
     if stats.batches and stats.batches_without_loss == stats.batches:
-        raise NothingLearnedError(f"every one of the {stats.batches} training batches ran a `training_step` that "
-                                  "returned None, so nothing was trained (Lightning skips the backward of a step "
-                                  "without a loss); return the loss from `training_step`.")  # fmt: skip
+        raise NothingLearnedError(
+            f"every one of the {stats.batches} training batches ran a `training_step` that "
+            "returned None, so nothing was trained (Lightning skips the backward of a step "
+            "without a loss); return the loss from `training_step`."
+        )
     guard = next((cb for cb in trainer.callbacks if isinstance(cb, NonFiniteGuard)), None)
     if guard is not None and stats.batches and guard.nonfinite_losses >= stats.batches:
-        raise NothingLearnedError(f"all {stats.batches} training batches had a non-finite loss and NonFiniteGuard "
-                                  "dropped every update: the weights are the initial ones. Lower "
-                                  "`model.optimizer.lr`, check the data for NaN/inf, or try `precision=fp32`.")
+        raise NothingLearnedError(
+            f"all {stats.batches} training batches had a non-finite loss and NonFiniteGuard "
+            "dropped every update: the weights are the initial ones. Lower "
+            "`model.optimizer.lr`, check the data for NaN/inf, or try `precision=fp32`."
+        )
     losses = {key: float(value) for key, value in trainer.callback_metrics.items() if "loss" in key}
     bad = {key: value for key, value in losses.items() if not math.isfinite(value)}
     if bad:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(bad.items()))
-        raise NothingLearnedError(f"the fit ended with a non-finite loss ({shown}): the weights are NaN/inf or the "
-                                  "data is. Lower `model.optimizer.lr` or use `gradient_clip_val`, check the data for "
-                                  "NaN/inf, or try `precision=fp32`.")  # fmt: skip
+        raise NothingLearnedError(
+            f"the fit ended with a non-finite loss ({shown}): the weights are NaN/inf or the "
+            "data is. Lower `model.optimizer.lr` or use `gradient_clip_val`, check the data for "
+            "NaN/inf, or try `precision=fp32`."
+        )
 
 
 def _fit_and_test(
@@ -253,8 +267,9 @@ def _fit_and_test(
             if not cfg.get("fit", True) and cfg.get("ckpt_path") is not None:  # test the weights asked for
                 ckpt = check_ckpt_path(cfg)  # checked before launch: here `last` is resolved to its file again
                 tested = f"checkpoint {ckpt}"
-            results = trainer.test(model, datamodule=datamodule, ckpt_path=ckpt, verbose=False,
-                                   **_weights_only(trainer.test))  # fmt: skip
+            results = trainer.test(
+                model, datamodule=datamodule, ckpt_path=ckpt, verbose=False, **_weights_only(trainer.test)
+            )
             metrics.update({k: float(v) for k, v in (results[0] if results else {}).items()})
         log.info("rank %d finished: %s", trainer.global_rank, metrics)
         if not trainer.is_global_zero:

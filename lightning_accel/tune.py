@@ -30,36 +30,70 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Trailing Hydra overrides are the run to tune: accel-tune --time-budget 600 model=classifier",
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of the run to tune")
-    parser.add_argument("--time-budget", type=float, default=600.0, metavar="S",
-                        help="seconds for the whole search, the confirmation included: a generation starts only "
-                        "when it and the confirmation, estimated from the runs so far, end inside it; the baseline's "
-                        "runs always happen (default 600)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=None, metavar="N",
-                        help="optimizer steps of the baseline's runs; every candidate trains the same samples "
-                        "(default 40, --profile gpu 64)")  # fmt: skip
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds for the whole search, the confirmation included: a generation starts only "
+        "when it and the confirmation, estimated from the runs so far, end inside it; the baseline's "
+        "runs always happen (default 600)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="optimizer steps of the baseline's runs; every candidate trains the same samples "
+        "(default 40, --profile gpu 64)",
+    )
     parser.add_argument("--repeats", type=int, default=2, metavar="N", help="rounds per generation (default 2)")
-    parser.add_argument("--per-generation", type=int, default=2, metavar="N",
-                        help="new candidates measured per generation (default 2)")  # fmt: skip
-    parser.add_argument("--confirm-steps", type=int, default=None, metavar="N",
-                        help="steps of the confirmation run of the pick (default 3 x --steps; 0: none)")  # fmt: skip
+    parser.add_argument(
+        "--per-generation", type=int, default=2, metavar="N", help="new candidates measured per generation (default 2)"
+    )
+    parser.add_argument(
+        "--confirm-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="steps of the confirmation run of the pick (default 3 x --steps; 0: none)",
+    )
     parser.add_argument("--metric", default="val/loss", help="the quality metric (default val/loss)")
-    parser.add_argument("--tolerance", type=float, default=0.02,
-                        help="a candidate's metric may be this much (relative) worse than the baseline's "
-                        "(default 0.02)")  # fmt: skip
-    parser.add_argument("--config-dir", type=Path, default=Path("conf"),
-                        help="where the preset goes: <dir>/preset/tuned_<name>.yaml (default ./conf)")  # fmt: skip
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        help="a candidate's metric may be this much (relative) worse than the baseline's (default 0.02)",
+    )
+    parser.add_argument(
+        "--config-dir",
+        type=Path,
+        default=Path("conf"),
+        help="where the preset goes: <dir>/preset/tuned_<name>.yaml (default ./conf)",
+    )
     parser.add_argument("--name", default=None, help="the preset's name (default: the model config's target)")
     parser.add_argument("--out", type=Path, default=None, help="the run directory (default outputs/tune/<time>)")
-    parser.add_argument("--profile", choices=("quick", "gpu"), default=None,
-                        help="size the runs as accel-bench's --profile does: quick, the smaller GPT example on a CPU; "
-                        "gpu, model=gpt2_small (unless you select a model) on one CUDA GPU, 10 warm-up batches")
+    parser.add_argument(
+        "--profile",
+        choices=("quick", "gpu"),
+        default=None,
+        help="size the runs as accel-bench's --profile does: quick, the smaller GPT example on a CPU; "
+        "gpu, model=gpt2_small (unless you select a model) on one CUDA GPU, 10 warm-up batches",
+    )
     parser.add_argument("--quick", action="store_const", const="quick", dest="profile", help="`--profile quick`")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="check the run and print what this machine and model allow and the moves the search may "
-                        "try, then exit: nothing trains and nothing is written")  # fmt: skip
-    parser.add_argument("--stage-timeout", type=float, default=None, metavar="S",
-                        help="a run that takes longer is ended and counts as failed (default 300, --profile gpu "
-                        "420)")  # fmt: skip
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the run and print what this machine and model allow and the moves the search may "
+        "try, then exit: nothing trains and nothing is written",
+    )
+    parser.add_argument(
+        "--stage-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a run that takes longer is ended and counts as failed (default 300, --profile gpu 420)",
+    )
     return parser
 
 
@@ -81,12 +115,20 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
     blocks = bool(OmegaConf.select(cfg, "parallel_plan.block_classes"))
     global_batch = OmegaConf.select(cfg, "callbacks.accumulation.global_batch_size")
     data = cfg.get("data")
-    loader_keys = frozenset(k for k in ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
-                            if data is not None and k in data)  # fmt: skip
-    space = Space(devices=max(1, int(devices or 1)), on_cuda=shape.on_cuda, bf16=bf16,
-                  compile=compile_problem(on_cuda=shape.on_cuda) is None, block_classes=blocks,
-                  global_batch=global_batch if isinstance(global_batch, int) else None,
-                  loader_keys=loader_keys)  # fmt: skip
+    loader_keys = frozenset(
+        k
+        for k in ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+        if data is not None and k in data
+    )
+    space = Space(
+        devices=max(1, int(devices or 1)),
+        on_cuda=shape.on_cuda,
+        bf16=bf16,
+        compile=compile_problem(on_cuda=shape.on_cuda) is None,
+        block_classes=blocks,
+        global_batch=global_batch if isinstance(global_batch, int) else None,
+        loader_keys=loader_keys,
+    )
     name = str(cfg.model.get("_target_", "model")).rsplit(".", 1)[-1]
     return space, "".join(ch if ch.isalnum() else "_" for ch in name).lower()
 
@@ -99,10 +141,13 @@ def print_space(space: object, name: str, config_dir: Path) -> None:
     print(f"accel-tune --dry-run: nothing ran. The space here: {space}")
     for move, applies in moves_here(space):  # type: ignore[arg-type]
         sets = ", ".join(f"{k}={v.format(devices=space.devices)}" for k, v in move.sets)  # type: ignore[attr-defined]
-        bound = ", ".join(a for a in move.addresses if a) + (" (or an unknown bottleneck)" if "" in move.addresses
-                                                             else "")  # fmt: skip
-        print(f"  {'may try' if applies else 'not here':9} {move.name} ({sets}) for {bound}"
-              + ("" if applies else f"; needs {', '.join(move.needs) or 'a different start'}"))  # fmt: skip
+        bound = ", ".join(a for a in move.addresses if a) + (
+            " (or an unknown bottleneck)" if "" in move.addresses else ""
+        )
+        print(
+            f"  {'may try' if applies else 'not here':9} {move.name} ({sets}) for {bound}"
+            + ("" if applies else f"; needs {', '.join(move.needs) or 'a different start'}")
+        )
     print(f"The pick would be written as {config_dir / 'preset' / f'tuned_{name}.yaml'}.")
 
 
@@ -125,8 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_profile(args.profile)
         if not 0 < timeout < math.inf:
             raise ConfigError(f"`--stage-timeout={timeout}` must be a finite number of seconds > 0.")
-        for flag, value in (("--steps", steps), ("--repeats", args.repeats),
-                            ("--per-generation", args.per_generation)):  # fmt: skip
+        for flag, value in (("--steps", steps), ("--repeats", args.repeats), ("--per-generation", args.per_generation)):
             if value < 1:
                 raise ConfigError(f"`{flag}={value}` must be >= 1.")
         if not 0 < args.time_budget < math.inf:  # nan would never end the search
@@ -143,20 +187,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             import tempfile
 
             with tempfile.TemporaryDirectory() as scratch:
-                space, model_name = detect_space([*profile_overrides(args.profile, args.overrides),
-                                                  *args.overrides], Path(scratch))  # fmt: skip
+                space, model_name = detect_space(
+                    [*profile_overrides(args.profile, args.overrides), *args.overrides], Path(scratch)
+                )
             print_space(space, args.name or model_name, args.config_dir)
             return 0
         out.mkdir(parents=True, exist_ok=True)
         space, model_name = detect_space([*profile_overrides(args.profile, args.overrides), *args.overrides], out)
         # the same samples for every candidate (a DDP or accumulation candidate runs fewer steps): the quality gate
         # compares runs over the same data, and samples/s is the throughput
-        bench = BenchSettings(steps=steps, match="samples", repeats=args.repeats, metric=args.metric,
-                              tolerance=args.tolerance, profile=args.profile, val_checks=2,
-                              stage_timeout_s=timeout)  # fmt: skip
-        settings = TuneSettings(time_budget_s=args.time_budget, per_generation=args.per_generation, bench=bench,
-                                confirm_steps=args.confirm_steps, config_dir=args.config_dir.resolve(),
-                                name=args.name or model_name)  # fmt: skip
+        bench = BenchSettings(
+            steps=steps,
+            match="samples",
+            repeats=args.repeats,
+            metric=args.metric,
+            tolerance=args.tolerance,
+            profile=args.profile,
+            val_checks=2,
+            stage_timeout_s=timeout,
+        )
+        settings = TuneSettings(
+            time_budget_s=args.time_budget,
+            per_generation=args.per_generation,
+            bench=bench,
+            confirm_steps=args.confirm_steps,
+            config_dir=args.config_dir.resolve(),
+            name=args.name or model_name,
+        )
         with terminate_as_interrupt() as received:  # SIGTERM as Ctrl-C: the best so far is written
             result = tune(args.overrides, space, settings, out, started=started)  # type: ignore[arg-type]
     except ConfigError as err:

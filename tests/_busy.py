@@ -21,8 +21,12 @@ def start_busy_processes(count: int = 1) -> list[int]:
     """Start `count` processes that spin in Python; returns their pids (kill them with `stop_processes`)."""
     pids = []
     for _ in range(count):
-        out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         pids.append(int(out))
     return pids
 

@@ -22,15 +22,27 @@ TESTS = Path(__file__).parent
 
 
 @contextmanager
-def dash_server(args: Sequence[str], module: str = "lightning_accel.dash",
-                env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen[str]]]:  # fmt: skip
-    full_env = clean_env(PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-                         PYTHONUNBUFFERED="1", **(env or {}))  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", "0", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True)  # fmt: skip
+def dash_server(
+    args: Sequence[str], module: str = "lightning_accel.dash", env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    full_env = clean_env(
+        PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1", **(env or {})
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+    )
     try:
-        line = wait_until(lambda: _first_line(proc), timeout_s=60, what="accel-dash to listen",
-                          detail=lambda: proc.stderr.read() if proc.poll() is not None else "")  # fmt: skip
+        line = wait_until(
+            lambda: _first_line(proc),
+            timeout_s=60,
+            what="accel-dash to listen",
+            detail=lambda: proc.stderr.read() if proc.poll() is not None else "",
+        )
         match = re.search(r"http://\S+/", line)
         assert match, line
         yield match.group(0).rstrip("/"), proc

@@ -6,8 +6,18 @@ import os
 
 # Set by an in-process distributed fit (Lightning's launcher writes them into os.environ); a subprocess that inherits
 # LOCAL_RANK believes its ranks were launched for it and waits for them forever.
-DISTRIBUTED_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                   "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")  # fmt: skip
+DISTRIBUTED_ENV = (
+    "LOCAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "PL_GLOBAL_SEED",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -15,8 +15,14 @@ if __name__ == "__main__":
 
     cards = [gpu for letter in os.environ.get("ACCEL_FAKE_GPUS", "a") for gpu in fake_gpus(letter, 0.0)]
     pid = int(os.environ.get("ACCEL_FAKE_PID", os.getpid()))
-    free = FakeGPU("GPU-zzzzzzzz-0000-0000-0000-000000000009", name="NVIDIA A100-SXM4-80GB", architecture=8,
-                   utilization=lambda t: 30.0 + 10 * (int(t) % 3), power_mw=150_000.0, processes=[pid])
+    free = FakeGPU(
+        "GPU-zzzzzzzz-0000-0000-0000-000000000009",
+        name="NVIDIA A100-SXM4-80GB",
+        architecture=8,
+        utilization=lambda t: 30.0 + 10 * (int(t) % 3),
+        power_mw=150_000.0,
+        processes=[pid],
+    )
     cards.append(free)
     nvml.pynvml = FakeNVML(cards, clock=time.monotonic)
     from lightning_accel.dash.cli import main

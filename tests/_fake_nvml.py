@@ -63,8 +63,13 @@ Reading = float | Callable[[float], float]
 class _GpmMetricsGet12(ctypes.Structure):
     """`c_nvmlGpmMetricsGet_t` as the 12.x binding lays it out (fewer metric slots)."""
 
-    _fields_ = [("version", ctypes.c_uint), ("numMetrics", ctypes.c_uint), ("sample1", _real.c_nvmlGpmSample_t),
-                ("sample2", _real.c_nvmlGpmSample_t), ("metrics", _real.c_nvmlGpmMetric_t * _GPM_SLOTS_12)]  # fmt: skip
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("numMetrics", ctypes.c_uint),
+        ("sample1", _real.c_nvmlGpmSample_t),
+        ("sample2", _real.c_nvmlGpmSample_t),
+        ("metrics", _real.c_nvmlGpmMetric_t * _GPM_SLOTS_12),
+    ]
 
 
 class FakeClock:
@@ -145,11 +150,22 @@ class FakeNVML:
     NVMLError = NVMLError
     nvmlExceptionClass = staticmethod(nvmlExceptionClass)
 
-    def __init__(self, gpus: list[FakeGPU], clock: Callable[[], float] | None = None, fail_at: float | None = None,
-                 init_error: int | None = None, *, driver_version: str = "550.54.15",
-                 cuda_driver_version: int | None = 12040, topology_level: int = 30, missing: set[str] | None = None,
-                 denied: set[int] | None = None, errors: dict[str, int] | None = None, binding: str = "13",
-                 pcie_block_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        gpus: list[FakeGPU],
+        clock: Callable[[], float] | None = None,
+        fail_at: float | None = None,
+        init_error: int | None = None,
+        *,
+        driver_version: str = "550.54.15",
+        cuda_driver_version: int | None = 12040,
+        topology_level: int = 30,
+        missing: set[str] | None = None,
+        denied: set[int] | None = None,
+        errors: dict[str, int] | None = None,
+        binding: str = "13",
+        pcie_block_s: float = 0.0,
+    ) -> None:
         assert binding in ("12", "13"), binding
         self.gpus = gpus
         self.driver_version = driver_version

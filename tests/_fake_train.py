@@ -22,16 +22,22 @@ POWER_W = (300.0, 350.0)  # per card
 def fake_gpus(letter: str, started: float) -> list[FakeGPU]:
     gpus = []
     for index, power_w in enumerate(POWER_W):
+
         def swing(low: float, high: float, period_s: float, phase: float = index) -> object:
             return lambda t: low + (high - low) * (0.5 + 0.5 * math.sin(2 * math.pi * (t - started) / period_s + phase))
 
-        gpus.append(FakeGPU(
-            f"GPU-{letter}{index}{letter * 6}-0000-0000-0000-00000000000{index}",
-            utilization=swing(85.0, 100.0, 7.0), memory_used_mib=lambda t, i=index: 30_000.0 + 1_000 * i,
-            power_mw=power_w * 1000.0, power_limit_mw=700_000.0, temperature_c=swing(55.0, 75.0, 11.0),
-            energy_mj=lambda t, p=power_w: 1e9 + p * 1000.0 * (t - started),
-            gpm={2: swing(40.0, 90.0, 5.0), 3: swing(20.0, 40.0, 9.0), 5: swing(10.0, 60.0, 6.0), 10: 30.0},
-        ))  # fmt: skip
+        gpus.append(
+            FakeGPU(
+                f"GPU-{letter}{index}{letter * 6}-0000-0000-0000-00000000000{index}",
+                utilization=swing(85.0, 100.0, 7.0),
+                memory_used_mib=lambda t, i=index: 30_000.0 + 1_000 * i,
+                power_mw=power_w * 1000.0,
+                power_limit_mw=700_000.0,
+                temperature_c=swing(55.0, 75.0, 11.0),
+                energy_mj=lambda t, p=power_w: 1e9 + p * 1000.0 * (t - started),
+                gpm={2: swing(40.0, 90.0, 5.0), 3: swing(20.0, 40.0, 9.0), 5: swing(10.0, 60.0, 6.0), 10: 30.0},
+            )
+        )
     return gpus
 
 

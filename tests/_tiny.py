@@ -48,8 +48,14 @@ class TinyRegression(pl.LightningModule):
         training_steps: `training_step` calls so far.
     """
 
-    def __init__(self, features: int = 4, lr: float = 0.01, momentum: float = 0.0, lr_decay: bool = False,
-                 seed: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        features: int = 4,
+        lr: float = 0.01,
+        momentum: float = 0.0,
+        lr_decay: bool = False,
+        seed: int | None = None,
+    ) -> None:
         super().__init__()
         if seed is not None:
             torch.manual_seed(seed)

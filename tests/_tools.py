@@ -10,8 +10,12 @@ import shutil
 import pytest
 
 REQUIRE_ENV = "ACCEL_REQUIRE_TOOLS"
-INSTALL = {"chromium": "apt-get install -y chromium", "prometheus": "apt-get install -y prometheus",
-           "promtool": "apt-get install -y prometheus", "playwright": "pip install 'lightning_accel[dev]'"}  # fmt: skip
+INSTALL = {
+    "chromium": "apt-get install -y chromium",
+    "prometheus": "apt-get install -y prometheus",
+    "promtool": "apt-get install -y prometheus",
+    "playwright": "pip install 'lightning_accel[dev]'",
+}
 
 
 def missing(what: str, why: str) -> None:

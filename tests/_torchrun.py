@@ -12,18 +12,30 @@ from typing import Any
 TESTS = Path(__file__).parent
 
 
-def torchrun(script: str | os.PathLike[str], *args: str, ranks: int = 2, env: dict[str, str] | None = None,
-             timeout: float = 600) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def torchrun(
+    script: str | os.PathLike[str], *args: str, ranks: int = 2, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     """`python -m torch.distributed.run --standalone --nproc-per-node=RANKS SCRIPT ARGS`, capturing output; the
     script's folder and `tests/` are on its PYTHONPATH (for its sibling and shared helper modules)."""
     path = os.pathsep.join([str(Path(script).parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)]
-    return subprocess.run([*command, *args], env={**os.environ, "PYTHONPATH": path, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [*command, *args],
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def rank_results(script: str | os.PathLike[str], out: Path, *args: str, ranks: int = 2,
-                 env: dict[str, str] | None = None, timeout: float = 600) -> list[dict[str, Any]]:  # fmt: skip
+def rank_results(
+    script: str | os.PathLike[str],
+    out: Path,
+    *args: str,
+    ranks: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> list[dict[str, Any]]:
     """Run `script OUT ARGS` under torchrun, assert it succeeded, and return each rank's `OUT/rank<k>.json`."""
     proc = torchrun(script, str(out), *args, ranks=ranks, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -9,8 +9,14 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(predicate: Callable[[], T], timeout_s: float, what: str, *, interval_s: float = 0.02,
-               detail: Callable[[], str] | None = None) -> T:  # fmt: skip
+def wait_until(
+    predicate: Callable[[], T],
+    timeout_s: float,
+    what: str,
+    *,
+    interval_s: float = 0.02,
+    detail: Callable[[], str] | None = None,
+) -> T:
     """Call `predicate` every `interval_s` until it returns something true, and return that.
 
     An exception raised by `predicate` ends the wait at once (an assertion that the awaited process still runs, say).

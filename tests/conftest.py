@@ -64,8 +64,13 @@ def compose_train(tmp_path: Path) -> Iterator:
     GlobalHydra.instance().clear()
 
 
-def _run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
-            module: str = "lightning_accel.train") -> subprocess.CompletedProcess[str]:  # fmt: skip
+def _run_cli(
+    args: Sequence[str],
+    cwd: Path,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    module: str = "lightning_accel.train",
+) -> subprocess.CompletedProcess[str]:
     """Run `python -m <module> ARGS` (what `accel-train` runs) in `cwd`, capturing output.
 
     Past `timeout` every process of the run (child ranks and DataLoader workers too) prints its Python stacks
@@ -79,16 +84,26 @@ def _run_cli(args: Sequence[str], cwd: Path, timeout: float = 300, env: dict[str
         "ACCEL_LOG_DIR": str(cwd / "outputs"),
         "XDG_CACHE_HOME": str(cwd / "cache"),
         **(env or {}),
-    }  # fmt: skip  (the tuner's cache: not the user's)
+    }  # the tuner's cache: not the user's
     command = [sys.executable, "-m", module, *args]
-    with subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:  # fmt: skip
+    with subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             stdout, stderr = _stacks_of_hung_run(proc)
-            pytest.fail(f"{' '.join(command[2:])} still ran after {timeout:.0f} s; its stacks:\n{stderr[-12000:]}\n"
-                        f"stdout:\n{stdout[-3000:]}", pytrace=False)  # fmt: skip
+            pytest.fail(
+                f"{' '.join(command[2:])} still ran after {timeout:.0f} s; its stacks:\n{stderr[-12000:]}\n"
+                f"stdout:\n{stdout[-3000:]}",
+                pytrace=False,
+            )
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 

@@ -35,13 +35,35 @@ from lightning_accel.benchmark.results import next_step
 from lightning_accel.telemetry.peak_flops import compute_dtype, lookup_peak_flops
 
 
-def _measurement(train_s: float, metric: float, *, world: int = 1, data_s: float = 0.1, backward_s: float = 0.5,
-                 device: str = "cpu", precision: str = "32-true") -> dict:  # fmt: skip
-    return {"world_size": world, "train_s": train_s, "steady_s": 1.0, "steady_batches": 10, "steady_samples": 320,
-            "steady_tokens": 20480, "data_s": data_s, "forward_s": 0.3, "backward_s": backward_s,
-            "optimizer_s": 0.6 - data_s - backward_s + 0.5, "final_metric": metric, "device": device,
-            "precision": precision, "float32_matmul_precision": "highest", "flops_per_batch": 1e9,
-            "peak_memory_bytes": 2**30, "memory_total_bytes": 2**34}  # fmt: skip
+def _measurement(
+    train_s: float,
+    metric: float,
+    *,
+    world: int = 1,
+    data_s: float = 0.1,
+    backward_s: float = 0.5,
+    device: str = "cpu",
+    precision: str = "32-true",
+) -> dict:
+    return {
+        "world_size": world,
+        "train_s": train_s,
+        "steady_s": 1.0,
+        "steady_batches": 10,
+        "steady_samples": 320,
+        "steady_tokens": 20480,
+        "data_s": data_s,
+        "forward_s": 0.3,
+        "backward_s": backward_s,
+        "optimizer_s": 0.6 - data_s - backward_s + 0.5,
+        "final_metric": metric,
+        "device": device,
+        "precision": precision,
+        "float32_matmul_precision": "highest",
+        "flops_per_batch": 1e9,
+        "peak_memory_bytes": 2**30,
+        "memory_total_bytes": 2**34,
+    }
 
 
 def _row(name: str, train_s: float, metric: float, **kwargs) -> StageResult:
@@ -61,8 +83,12 @@ def test_speedup_is_reference_time_over_stage_time_from_the_recorded_json() -> N
 
 
 def test_a_skipped_baseline_makes_the_first_stage_that_ran_the_reference() -> None:
-    rows = [StageResult(name="baseline", status="skipped", reason="no"), StageResult(name="amp", time_s=10.0),
-            StageResult(name="ddp", status="failed", reason="boom"), StageResult(name="mp", time_s=4.0)]  # fmt: skip
+    rows = [
+        StageResult(name="baseline", status="skipped", reason="no"),
+        StageResult(name="amp", time_s=10.0),
+        StageResult(name="ddp", status="failed", reason="boom"),
+        StageResult(name="mp", time_s=4.0),
+    ]
     assert speedups(rows) is rows[1]
     assert [r.speedup for r in rows] == [None, 1.0, None, 2.5]
 
@@ -89,8 +115,11 @@ def test_quality_verdict_at_the_tolerance_boundaries(value, mode, expected) -> N
 
 
 def test_quality_fails_a_stage_worse_than_baseline_and_the_table_shows_it() -> None:
-    rows = [_row("baseline", 10.0, 2.0), _row("amp", 5.0, 2.1), StageResult(name="ddp", status="skipped",
-            reason="`ddp` with one device (1 CPU(s)); it needs 2 or more")]  # fmt: skip
+    rows = [
+        _row("baseline", 10.0, 2.0),
+        _row("amp", 5.0, 2.1),
+        StageResult(name="ddp", status="skipped", reason="`ddp` with one device (1 CPU(s)); it needs 2 or more"),
+    ]
     finalize(rows, mode="min", tolerance=0.02)
     assert [r.quality for r in rows] == ["pass", "FAIL", "n/a"]
     table = markdown_table(rows, "val/loss", 0.02, None).splitlines()
@@ -176,8 +205,10 @@ def test_bottleneck_rules() -> None:
 
 
 def test_communication_is_the_backward_time_beyond_the_single_process_stage_and_advice_follows() -> None:
-    rows = [_row("amp", 10.0, 2.0, precision="bf16-mixed", backward_s=0.3),
-            _row("ddp", 6.0, 2.0, world=2, precision="bf16-mixed", backward_s=0.6)]  # fmt: skip
+    rows = [
+        _row("amp", 10.0, 2.0, precision="bf16-mixed", backward_s=0.3),
+        _row("ddp", 6.0, 2.0, world=2, precision="bf16-mixed", backward_s=0.6),
+    ]
     finalize(rows, mode="min", tolerance=0.02, settings={"amp": {"num_workers": 2, "precision": "bf16-mixed"}})
     assert rows[1].split["communication"] == pytest.approx(0.3)
     assert rows[1].bottleneck == "communication-bound" and "accumulation=fixed" in rows[1].next_step
@@ -210,8 +241,9 @@ def test_plan_skips_what_cannot_run_here_and_budgets_the_rest(tmp_path: Path) ->
     plans, _ = plan_stages(ladder, overrides, BenchSettings(steps=8), tmp_path, visible_cuda=0)
     assert [p.status for p in plans] == ["skipped"] * 3
     assert "fp16" in plans[0].reason and "CUDA" in plans[0].reason
-    plans, seed = plan_stages(ladder, ["trainer.accelerator=cpu", "trainer.devices=1"], BenchSettings(steps=8),
-                              tmp_path, visible_cuda=0)  # fmt: skip
+    plans, seed = plan_stages(
+        ladder, ["trainer.accelerator=cpu", "trainer.devices=1"], BenchSettings(steps=8), tmp_path, visible_cuda=0
+    )
     assert [p.status for p in plans] == ["ok", "skipped", "skipped"] and seed == 1234  # the config's seed
     assert "with one device" in plans[1].reason
     command = plans[0].command(tmp_path / "run0", seed + 1)
@@ -225,8 +257,13 @@ def test_plan_matches_samples_across_stages_with_bigger_global_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("lightning_accel.run_plan._usable_cpus", lambda: 2)  # 2 CPU ranks, on any machine
-    plans, _ = plan_stages(["baseline", "ddp", "model_parallel"], ["trainer.accelerator=cpu"],
-                           BenchSettings(steps=40), tmp_path, visible_cuda=0)  # fmt: skip
+    plans, _ = plan_stages(
+        ["baseline", "ddp", "model_parallel"],
+        ["trainer.accelerator=cpu"],
+        BenchSettings(steps=40),
+        tmp_path,
+        visible_cuda=0,
+    )
     assert [p.world_size for p in plans] == [1, 2, 2]
     assert [p.global_batch for p in plans] == [32, 64, 256]  # model_parallel: 2 ranks x accumulate 4
     assert [p.steps for p in plans] == [40, 20, 5]
@@ -277,8 +314,14 @@ def test_a_failing_stage_is_a_failed_row_and_the_ladder_goes_on(tmp_path: Path, 
 
     lines: list[str] = []
     monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([]))
-    run = run_bench(["baseline", "amp", "model_parallel"], ["trainer.accelerator=cpu"],
-                    BenchSettings(steps=4, repeats=2), tmp_path, launcher=launcher, echo=lines.append)  # fmt: skip
+    run = run_bench(
+        ["baseline", "amp", "model_parallel"],
+        ["trainer.accelerator=cpu"],
+        BenchSettings(steps=4, repeats=2),
+        tmp_path,
+        launcher=launcher,
+        echo=lines.append,
+    )
     statuses = {r.name: r.status for r in run.results}
     if statuses["model_parallel"] == "skipped":  # a 1-CPU machine
         assert "one device" in run.results[2].reason
@@ -313,15 +356,28 @@ def _quick_bench_runs() -> dict[str, QuickBench | str]:
 
 
 @pytest.fixture
-def quick_bench(_quick_bench_runs: dict[str, QuickBench | str], run_cli, tmp_path_factory: pytest.TempPathFactory
-                ) -> QuickBench:  # fmt: skip
+def quick_bench(
+    _quick_bench_runs: dict[str, QuickBench | str], run_cli, tmp_path_factory: pytest.TempPathFactory
+) -> QuickBench:
     """`accel-bench --quick` for real, at the tiniest settings, once for this module (the module-scoped cache; `run_cli`
     is function-scoped): two stages train twice each, round by round; ddp on one device is skipped."""
     if "run" not in _quick_bench_runs:
         tmp_path = tmp_path_factory.mktemp("quick_bench")
         out = tmp_path / "bench"
-        args = ["--quick", "--ladder", "baseline,amp,ddp", "--steps", "6", "--out", str(out), "trainer.devices=1",
-                "data.max_chars=120000", "model.n_layer=1", "--max-reruns", "0"]  # fmt: skip
+        args = [
+            "--quick",
+            "--ladder",
+            "baseline,amp,ddp",
+            "--steps",
+            "6",
+            "--out",
+            str(out),
+            "trainer.devices=1",
+            "data.max_chars=120000",
+            "model.n_layer=1",
+            "--max-reruns",
+            "0",
+        ]
         _quick_bench_runs["run"] = "it did not finish"  # a hang fails every test once, not each after 300 s
         started = time.perf_counter()
         result = run_cli(args, cwd=tmp_path, timeout=300, module="lightning_accel.bench")
@@ -409,10 +465,13 @@ def test_a_stage_past_its_timeout_is_stopped_with_its_children(tmp_path: Path) -
     from lightning_accel.benchmark.process import launch, run_once
 
     child = "import time; time.sleep(120)"
-    code = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); print(p.pid); " \
-        "sys.stdout.flush(); time.sleep(120)"  # fmt: skip
-    result = run_once([sys.executable, "-c", code], tmp_path / "0-slow", round_index=0, seed=None, timeout=3.0,
-                      launcher=launch)  # fmt: skip
+    code = (
+        f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); print(p.pid); "
+        "sys.stdout.flush(); time.sleep(120)"
+    )
+    result = run_once(
+        [sys.executable, "-c", code], tmp_path / "0-slow", round_index=0, seed=None, timeout=3.0, launcher=launch
+    )
     assert result.status == "failed" and "--stage-timeout=3 s" in result.reason
     grandchild = int((tmp_path / "0-slow" / "stdout.log").read_text().split()[0])
 
@@ -436,8 +495,12 @@ def test_paths_become_hydra_values() -> None:
 def test_quick_ladder_on_a_gpu_measures_mfu_and_utilisation(run_cli, tmp_path: Path) -> None:
     """On a CUDA machine: MFU from the peak table and GPU utilisation from GPUMonitor are filled in."""
     out = tmp_path / "bench"
-    result = run_cli(["--quick", "--ladder", "baseline,amp", "--out", str(out)], cwd=tmp_path, timeout=600,
-                     module="lightning_accel.bench")  # fmt: skip
+    result = run_cli(
+        ["--quick", "--ladder", "baseline,amp", "--out", str(out)],
+        cwd=tmp_path,
+        timeout=600,
+        module="lightning_accel.bench",
+    )
     assert result.returncode in (0, 1), result.stderr[-3000:]
     stages = json.loads((out / "bench.json").read_text())["stages"]
     for stage in stages:
@@ -456,8 +519,9 @@ def test_your_own_model_from_your_own_config_directory(tmp_path: Path) -> None:
         "  _target_: lightning_accel.examples.DigitsClassifier\n  hidden_dim: 32\n"
     )
     overrides = [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=tiny_mlp", "trainer.accelerator=cpu"]
-    plans, _ = plan_stages(["baseline", "amp"], overrides, BenchSettings(steps=10, profile="quick"), tmp_path / "out",
-                           visible_cuda=0)  # fmt: skip
+    plans, _ = plan_stages(
+        ["baseline", "amp"], overrides, BenchSettings(steps=10, profile="quick"), tmp_path / "out", visible_cuda=0
+    )
     assert [p.status for p in plans] == ["ok", "ok"], [p.reason for p in plans]
     assert [p.global_batch for p in plans] == [64, 64]  # data=digits' batch size
     for plan in plans:
@@ -488,8 +552,9 @@ def test_gpu_profile_plans_gpt2_small_with_compile_kept_out_of_the_rates(tmp_pat
         assert "++callbacks.bench_monitor.warmup_batches=10" in command
         assert "++callbacks.bench_monitor.split_every_n_batches=10" in command
     assert "++callbacks.dataloader_tuner.max_tuning_time_s=10" in by_name["amp"].command(tmp_path, 1)
-    mine, _ = plan_stages(["baseline"], ["model=classifier", "trainer.accelerator=gpu"], settings, tmp_path / "o2",
-                          visible_cuda=1)  # fmt: skip
+    mine, _ = plan_stages(
+        ["baseline"], ["model=classifier", "trainer.accelerator=gpu"], settings, tmp_path / "o2", visible_cuda=1
+    )
     assert "model=gpt2_small" not in mine[0].command(tmp_path, 1) and "model=classifier" in mine[0].overrides
 
 
@@ -513,9 +578,19 @@ def test_quick_bounds_a_dataloader_tuner_search() -> None:
 
 @pytest.mark.parametrize(
     ("metric", "higher"),
-    [("val/acc", True), ("val/top1_acc", True), ("val/map_50", True), ("val/f1", True), ("val/loss", False),
-     ("val/bpc", False), ("val/mape", False), ("val/smape", False), ("val/acc_error", False), ("val/wer", False)],
-)  # fmt: skip
+    [
+        ("val/acc", True),
+        ("val/top1_acc", True),
+        ("val/map_50", True),
+        ("val/f1", True),
+        ("val/loss", False),
+        ("val/bpc", False),
+        ("val/mape", False),
+        ("val/smape", False),
+        ("val/acc_error", False),
+        ("val/wer", False),
+    ],
+)
 def test_metric_direction_from_whole_words(metric: str, higher: bool) -> None:
     assert higher_is_better(metric) is higher
 
@@ -565,8 +640,10 @@ def test_fp32_on_a_gpu_without_tf32_is_measured_against_its_fp32_peak() -> None:
     )
     _derive(row, None)
     assert row.dtype == "fp32" and row.mfu is not None
-    ampere = StageResult(name="baseline", measurement={**row.measurement, "device": "NVIDIA A100-SXM4-80GB",
-                                                       "compute_capability": [8, 0]})  # fmt: skip
+    ampere = StageResult(
+        name="baseline",
+        measurement={**row.measurement, "device": "NVIDIA A100-SXM4-80GB", "compute_capability": [8, 0]},
+    )
     _derive(ampere, None)
     assert ampere.dtype == "tf32"
 
@@ -603,8 +680,17 @@ class _ScriptedProbe:
         flagged = self.flags[self.calls] if self.calls < len(self.flags) else False
         self.calls += 1
         reasons = ("other processes used 1.00 of 2 CPU(s) (50%)",) if flagged else ()
-        result = Interference(wall_s=1.0, cpus=2, other_cpu_s=1.0 if flagged else 0.01, own_cpu_s=1.0,
-                              steal_s=0.0, load_start=1.0, load_end=1.0, flagged=flagged, reasons=reasons)  # fmt: skip
+        result = Interference(
+            wall_s=1.0,
+            cpus=2,
+            other_cpu_s=1.0 if flagged else 0.01,
+            own_cpu_s=1.0,
+            steal_s=0.0,
+            load_start=1.0,
+            load_end=1.0,
+            flagged=flagged,
+            reasons=reasons,
+        )
 
         class Probe:
             def start(self) -> None:
@@ -622,8 +708,14 @@ def test_rounds_interleave_and_a_flagged_run_is_run_again(tmp_path: Path, monkey
     probe = _ScriptedProbe([False, True, False, False, False, False, False])
     monkeypatch.setattr("lightning_accel.benchmark.run._probe", probe)
     lines: list[str] = []
-    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
-                    BenchSettings(steps=4, repeats=3), tmp_path, launcher=launcher, echo=lines.append)  # fmt: skip
+    run = run_bench(
+        ["baseline", "amp"],
+        ["trainer.accelerator=cpu", "trainer.devices=1"],
+        BenchSettings(steps=4, repeats=3),
+        tmp_path,
+        launcher=launcher,
+        echo=lines.append,
+    )
     assert calls == ["baseline", "amp", "amp", "amp", "baseline", "baseline", "amp"]  # round 2 in reverse order
     amp = run.results[1]
     assert [(r.round, r.flagged, r.replaced) for r in amp.runs] == [
@@ -646,9 +738,14 @@ def test_a_stage_under_interference_in_every_run_is_flagged_in_every_output(
     probe = _ScriptedProbe([False, True, True, True, False])  # amp: flagged, rerun flagged, in both rounds
     monkeypatch.setattr("lightning_accel.benchmark.run._probe", probe)
     lines: list[str] = []
-    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
-                    BenchSettings(steps=4, repeats=2, max_reruns=1), tmp_path, launcher=launcher,
-                    echo=lines.append)  # fmt: skip
+    run = run_bench(
+        ["baseline", "amp"],
+        ["trainer.accelerator=cpu", "trainer.devices=1"],
+        BenchSettings(steps=4, repeats=2, max_reruns=1),
+        tmp_path,
+        launcher=launcher,
+        echo=lines.append,
+    )
     assert calls == ["baseline", "amp", "amp", "amp", "baseline"]  # one rerun in all (--max-reruns 1); round 2 reversed
     amp = run.results[1]
     assert amp.interference and "FLAGGED" in run.table and "(interference)" in run.table
@@ -664,8 +761,14 @@ def test_a_speedup_whose_interval_holds_one_is_no_clear_difference(
 ) -> None:
     monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([]))  # quiet, whatever the machine
     launcher, _ = _fake_launcher({"baseline": [10.0, 10.0, 10.0], "amp": [9.0, 10.5, 10.0]})
-    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
-                    BenchSettings(steps=4, repeats=3), tmp_path, launcher=launcher, echo=lambda _: None)  # fmt: skip
+    run = run_bench(
+        ["baseline", "amp"],
+        ["trainer.accelerator=cpu", "trainer.devices=1"],
+        BenchSettings(steps=4, repeats=3),
+        tmp_path,
+        launcher=launcher,
+        echo=lambda _: None,
+    )
     amp = run.results[1]
     assert amp.speedup_verdict == "no clear difference"
     assert "no clear difference [0.95, 1.11]x" in run.table
@@ -683,10 +786,17 @@ def test_quality_fails_only_beyond_both_the_tolerance_and_the_references_own_noi
 
 def test_repeats_one_runs_the_reference_twice_for_its_noise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([]))
-    launcher, calls = _fake_launcher({"baseline": [10.0, 10.0], "amp": [5.0]},
-                                     metrics={"baseline": [2.0, 2.1], "amp": [2.09]})  # fmt: skip
-    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
-                    BenchSettings(steps=4, repeats=1), tmp_path, launcher=launcher, echo=lambda _: None)  # fmt: skip
+    launcher, calls = _fake_launcher(
+        {"baseline": [10.0, 10.0], "amp": [5.0]}, metrics={"baseline": [2.0, 2.1], "amp": [2.09]}
+    )
+    run = run_bench(
+        ["baseline", "amp"],
+        ["trainer.accelerator=cpu", "trainer.devices=1"],
+        BenchSettings(steps=4, repeats=1),
+        tmp_path,
+        launcher=launcher,
+        echo=lambda _: None,
+    )
     assert calls == ["baseline", "amp", "baseline"]
     base, amp = run.results
     assert [r.seed for r in base.runs] == [1234, 1235]
@@ -708,9 +818,25 @@ def test_a_broken_learning_rate_still_fails_quality(run_cli, tmp_path: Path) -> 
     conf.mkdir(parents=True)
     (conf / "hot.yaml").write_text("# @package _global_\nmodel:\n  optimizer:\n    lr: 0.00003\n")
     out = tmp_path / "bench"
-    args = ["--ladder", "baseline,hot", "--steps", "30", "--repeats", "1", "--val-checks", "1", "--out", str(out),
-            "--max-reruns", "0", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "data.max_chars=120000",
-            "model.n_layer=1", "model.n_embd=32", "trainer.limit_val_batches=4"]  # fmt: skip
+    args = [
+        "--ladder",
+        "baseline,hot",
+        "--steps",
+        "30",
+        "--repeats",
+        "1",
+        "--val-checks",
+        "1",
+        "--out",
+        str(out),
+        "--max-reruns",
+        "0",
+        f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+        "data.max_chars=120000",
+        "model.n_layer=1",
+        "model.n_embd=32",
+        "trainer.limit_val_batches=4",
+    ]
     result = run_cli(args, cwd=tmp_path, timeout=300, module="lightning_accel.bench")
     stages = {s["name"]: s for s in json.loads((out / "bench.json").read_text())["stages"]}
     assert stages["hot"]["quality"] == "FAIL", (stages["hot"]["metric_interval"], stages["baseline"]["metric_interval"])
@@ -763,8 +889,14 @@ def test_a_failed_rerun_leaves_the_flagged_run_counted(tmp_path: Path, monkeypat
 
     monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([False, True, False]))
     lines: list[str] = []
-    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
-                    BenchSettings(steps=4, repeats=1), tmp_path, launcher=launcher, echo=lines.append)  # fmt: skip
+    run = run_bench(
+        ["baseline", "amp"],
+        ["trainer.accelerator=cpu", "trainer.devices=1"],
+        BenchSettings(steps=4, repeats=1),
+        tmp_path,
+        launcher=launcher,
+        echo=lines.append,
+    )
     amp = run.results[1]
     assert [(r.status, r.flagged, r.replaced) for r in amp.runs] == [("ok", True, False), ("failed", False, False)]
     assert amp.status == "ok" and amp.time_s == 5.0 and amp.interference
@@ -780,8 +912,14 @@ def test_a_rerun_into_the_same_out_never_reports_an_old_result(tmp_path: Path, m
     def trains_nothing(command: list[str], stage_dir: Path, timeout: float | None) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(command, 0, "", "")  # `fit=false`: exit 0, no measurement
 
-    run = run_bench(["baseline"], ["trainer.accelerator=cpu", "trainer.devices=1"], BenchSettings(steps=4, repeats=1),
-                    tmp_path, launcher=trains_nothing, echo=lambda _: None)  # fmt: skip
+    run = run_bench(
+        ["baseline"],
+        ["trainer.accelerator=cpu", "trainer.devices=1"],
+        BenchSettings(steps=4, repeats=1),
+        tmp_path,
+        launcher=trains_nothing,
+        echo=lambda _: None,
+    )
     assert run.results[0].status == "failed" and "wrote no measurement" in run.results[0].reason
 
 
@@ -800,8 +938,14 @@ def test_ctrl_c_keeps_the_runs_that_finished(tmp_path: Path, monkeypatch: pytest
             raise KeyboardInterrupt
         return inner(command, stage_dir, timeout)
 
-    run = run_bench(["baseline", "amp"], ["trainer.accelerator=cpu", "trainer.devices=1"],
-                    BenchSettings(steps=4, repeats=2), tmp_path, launcher=launcher, echo=lambda _: None)  # fmt: skip
+    run = run_bench(
+        ["baseline", "amp"],
+        ["trainer.accelerator=cpu", "trainer.devices=1"],
+        BenchSettings(steps=4, repeats=2),
+        tmp_path,
+        launcher=launcher,
+        echo=lambda _: None,
+    )
     assert run.interrupted and calls == ["baseline", "amp", "amp"]
     assert [r.status for r in run.results] == ["ok", "ok"] and run.results[1].speedup == 2.0
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -812,8 +956,13 @@ def test_ctrl_c_keeps_the_runs_that_finished(tmp_path: Path, monkeypatch: pytest
 def test_what_a_stage_changes_names_compile_and_micro_batch(tmp_path: Path) -> None:
     from lightning_accel.benchmark.plan import describe_changes, plan_stage
 
-    plans = [plan_stage(name, [*overrides, "trainer.accelerator=cpu"], str(tmp_path / name)) for name, overrides in
-             (("baseline", ["preset=baseline"]), ("compiled", ["preset=baseline", "compile=max-autotune"]),
-              ("sized", ["preset=baseline", "micro_batch=auto"]))]  # fmt: skip
+    plans = [
+        plan_stage(name, [*overrides, "trainer.accelerator=cpu"], str(tmp_path / name))
+        for name, overrides in (
+            ("baseline", ["preset=baseline"]),
+            ("compiled", ["preset=baseline", "compile=max-autotune"]),
+            ("sized", ["preset=baseline", "micro_batch=auto"]),
+        )
+    ]
     described = describe_changes(plans)
     assert described["compiled"] == "compile=max-autotune" and described["sized"] == "micro_batch=auto"

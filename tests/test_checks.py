@@ -93,16 +93,24 @@ _LIGHTNING_ACC = "lightning.pytorch.callbacks.GradientAccumulationScheduler"
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["accumulation=schedule", "trainer.accumulate_grad_batches=4"],
-         "`trainer.accumulate_grad_batches=4` conflicts with `callbacks.accumulation`"),
-        (["accumulation=global_batch", "callbacks.accumulation.global_batch_size=100"],
-         "`global_batch_size=100` is not a multiple of micro-batch size 32 x world size 1 = 32; use 96 or 128"),
-        (["accumulation=global_batch", "trainer.devices=3", "strategy=ddp", "trainer.accelerator=cpu"],
-         "`global_batch_size=128` is not a multiple of micro-batch size 32 x world size 3 = 96"),
-        (["accumulation=schedule", f"+callbacks.lightning_acc._target_={_LIGHTNING_ACC}"],
-         "are all accumulation callbacks"),
+        (
+            ["accumulation=schedule", "trainer.accumulate_grad_batches=4"],
+            "`trainer.accumulate_grad_batches=4` conflicts with `callbacks.accumulation`",
+        ),
+        (
+            ["accumulation=global_batch", "callbacks.accumulation.global_batch_size=100"],
+            "`global_batch_size=100` is not a multiple of micro-batch size 32 x world size 1 = 32; use 96 or 128",
+        ),
+        (
+            ["accumulation=global_batch", "trainer.devices=3", "strategy=ddp", "trainer.accelerator=cpu"],
+            "`global_batch_size=128` is not a multiple of micro-batch size 32 x world size 3 = 96",
+        ),
+        (
+            ["accumulation=schedule", f"+callbacks.lightning_acc._target_={_LIGHTNING_ACC}"],
+            "are all accumulation callbacks",
+        ),
     ],
-)  # fmt: skip
+)
 def test_accumulation_conflicts_fail_before_launch(compose_train, overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         check_config(compose_train(overrides))
@@ -122,33 +130,76 @@ _FP16_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_com
 @pytest.mark.parametrize(
     ("visible", "overrides", "message", "fix"),
     [
-        (0, ["trainer.accelerator=gpu"], "`trainer.accelerator=gpu` but this process sees no CUDA device",
-         "use `trainer.accelerator=cpu`"),
-        (2, ["trainer.accelerator=gpu", "trainer.devices=4", "strategy=ddp"],
-         "`trainer.devices=4` but only 2 CUDA device(s) are visible", "use `trainer.devices=2`"),
-        (2, ["trainer.accelerator=cuda", "trainer.devices=[0,3]", "strategy=ddp"], "names device(s) [3]",
-         "use indices below 2"),
+        (
+            0,
+            ["trainer.accelerator=gpu"],
+            "`trainer.accelerator=gpu` but this process sees no CUDA device",
+            "use `trainer.accelerator=cpu`",
+        ),
+        (
+            2,
+            ["trainer.accelerator=gpu", "trainer.devices=4", "strategy=ddp"],
+            "`trainer.devices=4` but only 2 CUDA device(s) are visible",
+            "use `trainer.devices=2`",
+        ),
+        (
+            2,
+            ["trainer.accelerator=cuda", "trainer.devices=[0,3]", "strategy=ddp"],
+            "names device(s) [3]",
+            "use indices below 2",
+        ),
         (2, ["trainer.devices='0,2'", "strategy=ddp"], "names device(s) [2]", "use indices below 2"),
-        (0, ["trainer.strategy=fsdp"], "`trainer.strategy='fsdp'` needs CUDA GPUs",
-         "use `strategy=model_parallel`"),
+        (0, ["trainer.strategy=fsdp"], "`trainer.strategy='fsdp'` needs CUDA GPUs", "use `strategy=model_parallel`"),
         (0, ["trainer.strategy=deepspeed_stage_2", "trainer.accelerator=cpu"], "needs CUDA GPUs", "use `strategy=ddp`"),
-        (2, [f"trainer.strategy={{_target_: {_MODEL_PARALLEL}}}", "precision=fp16_mixed"],
-         "`trainer.precision=16-mixed` is not supported by `strategy=model_parallel`", "use `precision=bf16_mixed`"),
-        (0, ["trainer.precision=transformer-engine"], "needs a CUDA GPU (Transformer Engine)",
-         "use `precision=bf16_mixed`"),
-        (0, ["strategy=ddp", "trainer.accelerator=cpu", f"+trainer.strategy.ddp_comm_hook._target_={_GET_METHOD}",
-             f"+trainer.strategy.ddp_comm_hook.path={_FP16_HOOK}"],
-         "has no effect on the CPU", "remove it (`~trainer.strategy.ddp_comm_hook`)"),
-        (0, ["micro_batch=auto", "strategy=model_parallel", "precision=bf16_mixed"],
-         "(MicroBatchFinder, `micro_batch=auto`) runs on one device or under DDP", "use `micro_batch=none`"),
-        (0, ["micro_batch=auto", "strategy=pipeline", "trainer.devices=2"], "not with `strategy=pipeline`",
-         "or `strategy=ddp`"),
-        (0, ["compile=default", "strategy=pipeline", "trainer.devices=2"],
-         "(Compile, `compile=...`) cannot compile the model under `strategy=pipeline`", "use `compile=none`"),
-        (0, ["compile=max-autotune", "strategy=model_parallel", "precision=bf16_mixed", "parallel_plan=null"],
-         "compiles each block through `callbacks.parallelize`", "`parallel_plan.block_classes`"),
+        (
+            2,
+            [f"trainer.strategy={{_target_: {_MODEL_PARALLEL}}}", "precision=fp16_mixed"],
+            "`trainer.precision=16-mixed` is not supported by `strategy=model_parallel`",
+            "use `precision=bf16_mixed`",
+        ),
+        (
+            0,
+            ["trainer.precision=transformer-engine"],
+            "needs a CUDA GPU (Transformer Engine)",
+            "use `precision=bf16_mixed`",
+        ),
+        (
+            0,
+            [
+                "strategy=ddp",
+                "trainer.accelerator=cpu",
+                f"+trainer.strategy.ddp_comm_hook._target_={_GET_METHOD}",
+                f"+trainer.strategy.ddp_comm_hook.path={_FP16_HOOK}",
+            ],
+            "has no effect on the CPU",
+            "remove it (`~trainer.strategy.ddp_comm_hook`)",
+        ),
+        (
+            0,
+            ["micro_batch=auto", "strategy=model_parallel", "precision=bf16_mixed"],
+            "(MicroBatchFinder, `micro_batch=auto`) runs on one device or under DDP",
+            "use `micro_batch=none`",
+        ),
+        (
+            0,
+            ["micro_batch=auto", "strategy=pipeline", "trainer.devices=2"],
+            "not with `strategy=pipeline`",
+            "or `strategy=ddp`",
+        ),
+        (
+            0,
+            ["compile=default", "strategy=pipeline", "trainer.devices=2"],
+            "(Compile, `compile=...`) cannot compile the model under `strategy=pipeline`",
+            "use `compile=none`",
+        ),
+        (
+            0,
+            ["compile=max-autotune", "strategy=model_parallel", "precision=bf16_mixed", "parallel_plan=null"],
+            "compiles each block through `callbacks.parallelize`",
+            "`parallel_plan.block_classes`",
+        ),
     ],
-)  # fmt: skip
+)
 def test_invalid_combination_names_the_fix(
     compose_train, monkeypatch: pytest.MonkeyPatch, visible: int, overrides: list[str], message: str, fix: str
 ) -> None:
@@ -205,8 +256,9 @@ def test_ddp_grad_compression_sets_the_comm_hook_on_cuda(compose_train) -> None:
     hook, note = plan_grad_compression(cfg, run_shape(cfg, visible_cuda=2))
     assert hook is not None and note is not None and "bf16" in note
     precision = ResolvedPrecision(requested="32-true", value="32-true", device="cuda", reason="as asked")
-    plan = RunPlan(shape=run_shape(cfg, visible_cuda=2), precision=precision,
-                   float32_matmul_precision=None, comm_hook=hook)  # fmt: skip
+    plan = RunPlan(
+        shape=run_shape(cfg, visible_cuda=2), precision=precision, float32_matmul_precision=None, comm_hook=hook
+    )
     strategy = plan.trainer_kwargs(cfg)["strategy"]
     assert strategy._ddp_comm_hook is default_hooks.bf16_compress_hook
     assert OmegaConf.to_yaml(cfg) == before and "ddp_comm_hook" not in cfg.trainer.strategy
@@ -253,11 +305,16 @@ def test_count_devices_reads_every_form_of_trainer_devices(devices: object, coun
 
 @pytest.mark.parametrize(
     ("strategy", "family"),
-    [("auto", "auto"), ("ddp_spawn", "ddp"), ("fsdp_cpu_offload", "fsdp"),
-     ({"_target_": "lightning.pytorch.strategies.DDPStrategy"}, "ddp"),
-     ({"_target_": "lightning_accel.strategies.pipeline.PipelineStrategy"}, "pipeline"),
-     ({"_target_": "my.MyPipelineStrategy"}, "MyPipelineStrategy"), ({"_target_": "my.Other"}, "Other")],
-)  # fmt: skip
+    [
+        ("auto", "auto"),
+        ("ddp_spawn", "ddp"),
+        ("fsdp_cpu_offload", "fsdp"),
+        ({"_target_": "lightning.pytorch.strategies.DDPStrategy"}, "ddp"),
+        ({"_target_": "lightning_accel.strategies.pipeline.PipelineStrategy"}, "pipeline"),
+        ({"_target_": "my.MyPipelineStrategy"}, "MyPipelineStrategy"),
+        ({"_target_": "my.Other"}, "Other"),
+    ],
+)
 def test_strategy_family_names_registry_names_and_targets(strategy: object, family: str) -> None:
     from lightning_accel.run_plan import strategy_family
 
@@ -267,13 +324,25 @@ def test_strategy_family_names_registry_names_and_targets(strategy: object, fami
 def test_run_shape_is_computed_once_from_the_config() -> None:
     from lightning_accel.run_plan import run_shape
 
-    cfg = OmegaConf.create({
-        "trainer": {"accelerator": "auto", "devices": "0,1", "num_nodes": 2, "precision": "bf16-mixed",
-                    "strategy": {"_target_": "lightning_accel.strategies.pipeline.PipelineStrategy",
-                                 "data_parallel_size": 2}},
-        "callbacks": {"acc": {"_target_": "lightning.pytorch.callbacks.GradientAccumulationScheduler"},
-                      "other": {"_target_": "x.NotAnAccumulationSchedulerAtAll"}, "off": None},
-    })  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "trainer": {
+                "accelerator": "auto",
+                "devices": "0,1",
+                "num_nodes": 2,
+                "precision": "bf16-mixed",
+                "strategy": {
+                    "_target_": "lightning_accel.strategies.pipeline.PipelineStrategy",
+                    "data_parallel_size": 2,
+                },
+            },
+            "callbacks": {
+                "acc": {"_target_": "lightning.pytorch.callbacks.GradientAccumulationScheduler"},
+                "other": {"_target_": "x.NotAnAccumulationSchedulerAtAll"},
+                "off": None,
+            },
+        }
+    )
     shape = run_shape(cfg, visible_cuda=2, cpus=3)
     assert (shape.on_cuda, shape.visible_cuda, shape.cpus) == (True, 2, 3)
     assert (shape.devices_per_node, shape.num_nodes, shape.world_size) == (2, 2, 4)
@@ -301,10 +370,17 @@ def test_a_pipeline_global_batch_splits_over_its_data_parallel_replicas_not_its_
     from lightning_accel.run_plan import run_shape
 
     def cfg(strategy: object, global_batch: int) -> object:
-        scheduler = {"_target_": "lightning_accel.callbacks.AccumulationScheduler",
-                     "global_batch_size": global_batch, "micro_batch_size": 16}  # fmt: skip
-        return OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": strategy},
-                                 "callbacks": {"accumulation": scheduler}})  # fmt: skip
+        scheduler = {
+            "_target_": "lightning_accel.callbacks.AccumulationScheduler",
+            "global_batch_size": global_batch,
+            "micro_batch_size": 16,
+        }
+        return OmegaConf.create(
+            {
+                "trainer": {"accelerator": "cpu", "devices": 2, "strategy": strategy},
+                "callbacks": {"accumulation": scheduler},
+            }
+        )
 
     pipeline = {"_target_": "lightning_accel.strategies.pipeline.PipelineStrategy", "data_parallel_size": 1}
     piped = cfg(pipeline, 48)
@@ -317,12 +393,14 @@ def test_a_pipeline_global_batch_splits_over_its_data_parallel_replicas_not_its_
 def test_your_own_pipeline_strategy_is_not_checked_as_ours() -> None:
     """A `_target_` of your own whose name says pipeline keeps its own arguments (ours refuses unknown ones)."""
     strategy = {"_target_": "my_pkg.MyPipelineStrategy", "extra_knob": 3}
-    check_combinations(OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": strategy}}),
-                       visible_cuda=0)  # fmt: skip
+    check_combinations(
+        OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": strategy}}), visible_cuda=0
+    )
     ours = {"_target_": "lightning_accel.strategies.pipeline.PipelineStrategy", "extra_knob": 3}
     with pytest.raises(ConfigError, match="extra_knob"):
-        check_combinations(OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": ours}}),
-                           visible_cuda=0)  # fmt: skip
+        check_combinations(
+            OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": 2, "strategy": ours}}), visible_cuda=0
+        )
 
 
 def test_compile_without_a_compiler_is_refused_before_launch(compose_train, monkeypatch: pytest.MonkeyPatch) -> None:

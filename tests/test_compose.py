@@ -20,8 +20,9 @@ class TemplateStyleDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         data = TensorDataset(torch.arange(32.0).reshape(16, 2))
-        return DataLoader(data, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory)  # fmt: skip
+        return DataLoader(
+            data, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, pin_memory=self.pin_memory
+        )
 
     def val_dataloader(self) -> list[DataLoader]:
         return [DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=self.batch_size)]
@@ -32,8 +33,9 @@ TARGET = f"{__name__}.TemplateStyleDataModule"
 
 def test_settings_it_takes_go_to_its_constructor_the_others_to_its_loaders() -> None:
     """`preset=amp` sets `data.num_workers=2` and `data.persistent_workers=true`: a TypeError before."""
-    datamodule = instantiate_datamodule({"_target_": TARGET, "batch_size": 4, "num_workers": 2,
-                                         "persistent_workers": True})  # fmt: skip
+    datamodule = instantiate_datamodule(
+        {"_target_": TARGET, "batch_size": 4, "num_workers": 2, "persistent_workers": True}
+    )
     assert datamodule.num_workers == 2
     train = datamodule.train_dataloader()
     assert train.num_workers == 2 and train.persistent_workers and train.batch_size == 4
@@ -49,8 +51,9 @@ def test_a_setting_that_is_no_loader_argument_is_named_before_anything_is_built(
 
 
 def test_a_datamodule_that_takes_them_gets_them_unchanged() -> None:
-    taken, loader = split_data_config({"_target_": "lightning_accel.examples.StdlibTextDataModule", "num_workers": 2,
-                                       "persistent_workers": True})  # fmt: skip
+    taken, loader = split_data_config(
+        {"_target_": "lightning_accel.examples.StdlibTextDataModule", "num_workers": 2, "persistent_workers": True}
+    )
     assert loader == {} and taken["persistent_workers"] is True
 
 
@@ -62,8 +65,16 @@ def test_config_paths_names_the_config_path_of_a_constructor_argument() -> None:
     from lightning_accel.errors import ConfigError, ConfigTypeError
 
     strategy = {"_target_": "lightning_accel.strategies.ModelParallelStrategy", "tensor_parallel_size": 0}
-    cfg = OmegaConf.create({"trainer": {"_target_": "lightning.pytorch.Trainer", "accelerator": "cpu",
-                                        "num_nodes": 1, "strategy": strategy}})  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "trainer": {
+                "_target_": "lightning.pytorch.Trainer",
+                "accelerator": "cpu",
+                "num_nodes": 1,
+                "strategy": strategy,
+            }
+        }
+    )
     with pytest.raises(ConfigError, match=r"^`trainer.strategy.tensor_parallel_size=0` must be a positive") as caught:
         with config_paths(cfg):
             instantiate(cfg.trainer)  # Hydra wraps the constructor's error; config_paths unwraps it
@@ -89,6 +100,7 @@ def test_a_schedule_error_names_its_config_path_and_at_is_idempotent() -> None:
     cfg = OmegaConf.create({"trainer": {}, "scheduler": {"_target_": "x", "warmup_steps": 1.5}})
     with pytest.raises(ConfigError, match=r"^`scheduler.warmup_steps=1.5` as a fraction") as caught:
         with config_paths(cfg):
-            cosine_schedule(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), total_steps=10,
-                            warmup_steps=1.5)  # fmt: skip
+            cosine_schedule(
+                torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), total_steps=10, warmup_steps=1.5
+            )
     assert str(caught.value.at("scheduler")) == str(caught.value)  # already there: not prefixed twice

@@ -64,15 +64,39 @@ def _restore_matmul_precision():
 
 def test_listing_covers_the_documented_groups() -> None:
     groups = {group for group, _ in OPTIONS}
-    assert groups >= {"trainer", "precision", "strategy", "accumulation", "scheduler", "callbacks", "logger", "model",
-                      "data", "preset", "paths", "hydra"}  # fmt: skip
+    assert groups >= {
+        "trainer",
+        "precision",
+        "strategy",
+        "accumulation",
+        "scheduler",
+        "callbacks",
+        "logger",
+        "model",
+        "data",
+        "preset",
+        "paths",
+        "hydra",
+    }
     options = set(OPTIONS)
     assert {option for group, option in OPTIONS if group == "precision"} == set(PRECISIONS)
-    for required in [("precision", "fp32"), ("precision", "bf16_mixed"), ("precision", "fp16_mixed"),
-                     ("strategy", "auto"), ("strategy", "ddp"), ("scheduler", "none"), ("scheduler", "cosine"),
-                     ("scheduler", "onecycle"), ("accumulation", "none"), ("accumulation", "fixed"),
-                     ("preset", "baseline"), ("preset", "amp"), ("preset", "ddp"), ("logger", "csv"),
-                     ("logger", "tensorboard")]:  # fmt: skip
+    for required in [
+        ("precision", "fp32"),
+        ("precision", "bf16_mixed"),
+        ("precision", "fp16_mixed"),
+        ("strategy", "auto"),
+        ("strategy", "ddp"),
+        ("scheduler", "none"),
+        ("scheduler", "cosine"),
+        ("scheduler", "onecycle"),
+        ("accumulation", "none"),
+        ("accumulation", "fixed"),
+        ("preset", "baseline"),
+        ("preset", "amp"),
+        ("preset", "ddp"),
+        ("logger", "csv"),
+        ("logger", "tensorboard"),
+    ]:
         assert required in options
 
 
@@ -211,8 +235,12 @@ def test_slurm_launcher_sends_the_signal_lightning_requeues_on(compose_train, tm
 
     launcher = compose_train(["hydra/launcher=accel_slurm", "hydra.launcher.signal_delay_s=300"]).hydra.launcher
     extra = OmegaConf.to_container(launcher.additional_parameters, resolve=True)
-    script = _make_sbatch_string(command="python -m lightning_accel.train", folder=tmp_path,
-                                 signal_delay_s=launcher.signal_delay_s, additional_parameters=extra)  # fmt: skip
+    script = _make_sbatch_string(
+        command="python -m lightning_accel.train",
+        folder=tmp_path,
+        signal_delay_s=launcher.signal_delay_s,
+        additional_parameters=extra,
+    )
     assert "#SBATCH --signal=USR1@300" in script and "USR2" not in script
     assert SLURMEnvironment().requeue_signal == signal.SIGUSR1
 
@@ -225,7 +253,10 @@ def test_schedule_keys_change_from_the_command_line(compose_train) -> None:
     cfg = compose_train(["accumulation=schedule", "callbacks.accumulation.scheduling=[[0,1],[50,2]]"])
     assert instantiate(cfg.callbacks.accumulation).scheduling == {0: 1, 50: 2}
     assert instantiate(compose_train(["accumulation=schedule"]).callbacks.accumulation).scheduling == {
-        0: 1, 100: 2, 300: 4}  # fmt: skip
+        0: 1,
+        100: 2,
+        300: 4,
+    }
 
 
 def test_precision_amp_builds_a_trainer_in_an_app_that_never_calls_apply_precision(tmp_path) -> None:
@@ -243,9 +274,21 @@ def test_precision_amp_builds_a_trainer_in_an_app_that_never_calls_apply_precisi
         "    print('PRECISION', trainer.precision)\n\n"
         "if __name__ == '__main__':\n    main()\n"
     )
-    done = subprocess.run([sys.executable, str(app), "hydra.searchpath=[pkg://lightning_accel.conf]", "precision=amp",
-                           "trainer.accelerator=cpu", "~trainer.plugins", f"hydra.run.dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(app),
+            "hydra.searchpath=[pkg://lightning_accel.conf]",
+            "precision=amp",
+            "trainer.accelerator=cpu",
+            "~trainer.plugins",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "PRECISION bf16-mixed" in done.stdout or "PRECISION 32-true" in done.stdout
 
@@ -265,10 +308,12 @@ def test_the_example_optimizers_fuse_on_cuda_only(compose_train, monkeypatch) ->
         assert OmegaConf.to_container(cfg.model.optimizer)["fused"].startswith("${accel_fused:")
 
 
-@pytest.mark.parametrize(("preset", "precision", "tf32"), [("baseline", "highest", False), ("amp", "high", True),
-                                                             ("ddp", "high", True)])  # fmt: skip
-def test_each_preset_sets_the_cuda_matmul_precision_explicitly(compose_train, preset: str, precision: str,
-                                                               tf32: bool) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("preset", "precision", "tf32"), [("baseline", "highest", False), ("amp", "high", True), ("ddp", "high", True)]
+)
+def test_each_preset_sets_the_cuda_matmul_precision_explicitly(
+    compose_train, preset: str, precision: str, tf32: bool
+) -> None:
     """The fp32 baseline is true fp32 (TF32 off in cuBLAS), the amp rungs let CUDA's fp32 matmuls use TF32."""
     cfg = compose_train([f"preset={preset}", "trainer.accelerator=cpu"])
     assert cfg.float32_matmul_precision == precision

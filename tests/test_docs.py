@@ -60,8 +60,15 @@ def snippets() -> list[Snippet]:
                 end = next(i for i in range(index + 1, len(lines)) if lines[i].startswith("```"))
                 above = next((lines[i] for i in range(start - 1, -1, -1) if lines[i].strip()), "")
                 marker = re.match(r"<!-- docs: (\w+)", above)
-                found.append(Snippet(path, start + 1, line[3:].strip(), "\n".join(lines[start + 1:end]),
-                                     marker.group(1) if marker else ""))  # fmt: skip
+                found.append(
+                    Snippet(
+                        path,
+                        start + 1,
+                        line[3:].strip(),
+                        "\n".join(lines[start + 1 : end]),
+                        marker.group(1) if marker else "",
+                    )
+                )
                 index = end
             index += 1
     return found
@@ -138,7 +145,7 @@ def _sweep(overrides: list[str]) -> list[list[str]]:
     for index, override in enumerate(overrides):
         key, _, value = override.partition("=")
         if "," in value and not value.startswith(("[", "'[", '"[')):
-            return [[*overrides[:index], f"{key}={v}", *overrides[index + 1:]] for v in value.split(",")]
+            return [[*overrides[:index], f"{key}={v}", *overrides[index + 1 :]] for v in value.split(",")]
     return [overrides]
 
 
@@ -149,8 +156,11 @@ def check_accel_train(args: list[str], run_dir: Path) -> None:
     from lightning_accel.compose import split_data_config
 
     multirun = "-m" in args or "--multirun" in args
-    overrides = [a for a in args if a not in ("-m", "--multirun", "--resolve") and not a.startswith("--cfg")
-                 and a not in ("job", "hydra", "all")]  # fmt: skip
+    overrides = [
+        a
+        for a in args
+        if a not in ("-m", "--multirun", "--resolve") and not a.startswith("--cfg") and a not in ("job", "hydra", "all")
+    ]
     for case in _sweep(overrides) if multirun else [overrides]:
         cfg = compose_config(case, str(run_dir))
         check_config(cfg)
@@ -201,8 +211,9 @@ def test_bash_command_runs(snippet: Snippet, command: str, user_tree: Path) -> N
 @pytest.mark.slow
 @pytest.mark.parametrize(("snippet", "command"), SCRIPTS, ids=[f"{s.id}:{c[:60]}" for s, c in SCRIPTS])
 def test_example_script_runs(snippet: Snippet, command: str) -> None:
-    done = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, *shlex.split(command)[1:]], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 

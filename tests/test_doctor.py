@@ -18,10 +18,12 @@ from lightning_accel.system import CHECKS
 def fake_machine(root: Path, monkeypatch: pytest.MonkeyPatch, *, cpu_max: str, shm_mib: int, cuda_driver: int) -> Path:
     """A container (cgroup v2 quota `cpu_max`), `shm_mib` MiB of /dev/shm, two H100s on a `cuda_driver` driver."""
     files = {
-        "proc/self/cgroup": "0::/\n", "proc/self/mountinfo": "1 0 0:1 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
-        "sys/fs/cgroup/cpu.max": cpu_max, "proc/meminfo": "MemTotal: 1048576000 kB\n",
+        "proc/self/cgroup": "0::/\n",
+        "proc/self/mountinfo": "1 0 0:1 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+        "sys/fs/cgroup/cpu.max": cpu_max,
+        "proc/meminfo": "MemTotal: 1048576000 kB\n",
         "proc/cpuinfo": "processor\t: 0\nmodel name\t: Fake Xeon\nflags\t\t: fpu amx_bf16\n\n",
-    }  # fmt: skip
+    }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
@@ -30,8 +32,10 @@ def fake_machine(root: Path, monkeypatch: pytest.MonkeyPatch, *, cpu_max: str, s
     real = os.statvfs
     fake = SimpleNamespace(f_frsize=4096, f_bsize=4096, f_blocks=shm_mib * 256, f_bavail=shm_mib * 256)
     monkeypatch.setattr(os, "statvfs", lambda path: fake if str(path) == str(shm) else real(path))
-    install(monkeypatch, FakeNVML([FakeGPU("GPU-a", nvlinks=18), FakeGPU("GPU-b", nvlinks=18)],
-                                  cuda_driver_version=cuda_driver))  # fmt: skip
+    install(
+        monkeypatch,
+        FakeNVML([FakeGPU("GPU-a", nvlinks=18), FakeGPU("GPU-b", nvlinks=18)], cuda_driver_version=cuda_driver),
+    )
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
     return root
@@ -47,8 +51,9 @@ def test_healthy_gpu_node_exits_0_with_a_table(tmp_path: Path, monkeypatch: pyte
     assert "FAIL" not in out.replace("0 FAIL", "")
 
 
-def test_failures_exit_1_and_json_lists_checks_and_facts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         capsys) -> None:  # fmt: skip
+def test_failures_exit_1_and_json_lists_checks_and_facts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     root = fake_machine(tmp_path, monkeypatch, cpu_max="150000 100000\n", shm_mib=64, cuda_driver=11080)
     code = doctor.main(["--root", str(root), "--json", "--num-workers", "2", "--devices", "2"], env={})
     document = json.loads(capsys.readouterr().out)
@@ -74,8 +79,17 @@ def test_only_the_named_checks_run(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert [c["name"] for c in json.loads(capsys.readouterr().out)["checks"]] == ["cpus", "bf16"]
 
 
-@pytest.mark.parametrize("argv", [["--devices", "-1"], ["--num-workers", "many"], ["--check", "gpu"], ["--bogus"],
-                                  ["--num-nodes", "0"], ["--root", "/nonexistent"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--devices", "-1"],
+        ["--num-workers", "many"],
+        ["--check", "gpu"],
+        ["--bogus"],
+        ["--num-nodes", "0"],
+        ["--root", "/nonexistent"],
+    ],
+)
 def test_usage_errors_exit_2(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         doctor.main(argv)

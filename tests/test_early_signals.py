@@ -24,9 +24,18 @@ from _env import clean_env
 from _wait import wait_until
 
 DEADLINE_S = 30.0
-BASE = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000", "strategy=ddp", "trainer.devices=2",
-        "test=false", "trainer.max_steps=100000", "trainer.max_epochs=-1", "trainer.limit_val_batches=0",
-        "+callbacks.aaa_phase._target_=phasemod.Phase"]  # fmt: skip
+BASE = [
+    "trainer=smoke",
+    "trainer.accelerator=cpu",
+    "data.max_chars=200000",
+    "strategy=ddp",
+    "trainer.devices=2",
+    "test=false",
+    "trainer.max_steps=100000",
+    "trainer.max_epochs=-1",
+    "trainer.limit_val_batches=0",
+    "+callbacks.aaa_phase._target_=phasemod.Phase",
+]
 
 _PHASE_CALLBACK = """
 import sys
@@ -48,8 +57,15 @@ class Phase(pl.Callback):
 
 POINTS = {
     # (overrides, the marker, seconds to wait after it: inside the phase)
-    "tuner": (["'callbacks=[default,dataloader_tuner]'", "++callbacks.dataloader_tuner.max_tuning_time_s=60",
-               "++callbacks.dataloader_tuner.use_cache=false"], "fit_start", 3.0),
+    "tuner": (
+        [
+            "'callbacks=[default,dataloader_tuner]'",
+            "++callbacks.dataloader_tuner.max_tuning_time_s=60",
+            "++callbacks.dataloader_tuner.use_cache=false",
+        ],
+        "fit_start",
+        3.0,
+    ),
     "search": (["micro_batch=auto", "data.batch_size=256"], "train_start", 0.5),
     "first_step": ([], "train_start", 0.0),
     "compile": (["compile=default"], "train_start", 3.0),
@@ -60,17 +76,27 @@ def interrupt_at(tmp_path: Path, point: str) -> tuple[float, int, str]:
     """Start a 2-rank run, SIGTERM rank 0 inside `point`; (seconds until every rank ended, rank 0's exit, log)."""
     overrides, marker, delay = POINTS[point]
     (tmp_path / "phasemod.py").write_text(_PHASE_CALLBACK)
-    env = clean_env(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH",
-                                                                                                    "")]))  # fmt: skip
-    command = [sys.executable, "-m", "lightning_accel.train", *BASE, *[o.strip("'") for o in overrides],
-               f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    env = clean_env(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_accel.train",
+        *BASE,
+        *[o.strip("'") for o in overrides],
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     log_path = tmp_path / "log.txt"
     with log_path.open("w") as log:
-        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            wait_until(lambda: f"PHASE {marker}" in log_path.read_text() or proc.poll() is not None, 240,
-                       f"the phase {marker}", detail=lambda: log_path.read_text()[-3000:])  # fmt: skip
+            wait_until(
+                lambda: f"PHASE {marker}" in log_path.read_text() or proc.poll() is not None,
+                240,
+                f"the phase {marker}",
+                detail=lambda: log_path.read_text()[-3000:],
+            )
             assert proc.poll() is None, log_path.read_text()[-3000:]
             time.sleep(delay)
             ranks = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
@@ -106,5 +132,7 @@ def test_sigterm_matrix_ten_times_each(tmp_path: Path, point: str) -> None:
         assert code != 0 and elapsed < DEADLINE_S, (point, attempt, elapsed, code, log[-2000:])
         times.append(elapsed)
         codes.append(code)
-    print(f"SIGTERM during {point}: 10/10 every rank ended non-zero (exit {sorted(set(codes))}), slowest "
-          f"{max(times):.1f} s, median {sorted(times)[5]:.1f} s")  # fmt: skip
+    print(
+        f"SIGTERM during {point}: 10/10 every rank ended non-zero (exit {sorted(set(codes))}), slowest "
+        f"{max(times):.1f} s, median {sorted(times)[5]:.1f} s"
+    )

@@ -31,8 +31,12 @@ FULL_CUDA_PARTS = ("gpu_monitor", "tune", "ladder")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skips of a machine without CUDA")
 def test_full_on_a_cpu_machine_skips_each_cuda_part_with_its_reason(tmp_path: Path) -> None:
     out = tmp_path / "check"
-    done = subprocess.run([sys.executable, "-m", "lightning_accel.gpu_check", "--full", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_accel.gpu_check", "--full", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     text = (out / "gpu_check.md").read_text()
     assert text.startswith("# lightning_accel GPU check") and "- torch: " in text and "- driver: " in text
     for name in (*CUDA_PARTS, *FULL_CUDA_PARTS):
@@ -46,14 +50,20 @@ def test_full_on_a_cpu_machine_skips_each_cuda_part_with_its_reason(tmp_path: Pa
 
 def test_out_must_be_a_folder(tmp_path: Path) -> None:
     (tmp_path / "file.md").write_text("")
-    done = subprocess.run([sys.executable, "-m", "lightning_accel.gpu_check", "--parts", "fp8", "--out",
-                           str(tmp_path / "file.md")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_accel.gpu_check", "--parts", "fp8", "--out", str(tmp_path / "file.md")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "--out" in done.stderr and "is a file" in done.stderr
 
 
 def test_the_check_imports_no_hydra() -> None:
-    code = ("import sys, lightning_accel.gpu_check; "
-            "sys.exit(any(m == 'hydra' or m.startswith('hydra.') for m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys, lightning_accel.gpu_check; "
+        "sys.exit(any(m == 'hydra' or m.startswith('hydra.') for m in sys.modules))"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
@@ -68,13 +78,30 @@ def test_a_part_that_breaks_is_a_fail_and_the_others_still_run(monkeypatch: pyte
     assert "| mfu | FAIL | 0 | RuntimeError: boom |" in gpu_check.render(list(parts.values()), {"device": "x"})
 
 
-def _stage(name: str, samples_per_s: float, speedup: float | None, *, mfu: float | None = None,
-           quality: str = "pass", delta: float | None = 0.3, status: str = "ok") -> StageResult:  # fmt: skip
-    return StageResult(name=name, status=status, samples_per_s=samples_per_s, speedup=speedup, mfu=mfu,  # type: ignore[arg-type]
-                       samples_interval={"low": 0.95 * samples_per_s, "high": 1.05 * samples_per_s},
-                       speedup_interval=None if speedup is None else {"low": 0.95 * speedup, "high": 1.05 * speedup},
-                       energy_j_per_sample=1.5 / max(samples_per_s, 1.0), metric_value=2.5, quality=quality,
-                       quality_delta_pct=delta, device="NVIDIA H200")  # fmt: skip
+def _stage(
+    name: str,
+    samples_per_s: float,
+    speedup: float | None,
+    *,
+    mfu: float | None = None,
+    quality: str = "pass",
+    delta: float | None = 0.3,
+    status: str = "ok",
+) -> StageResult:
+    return StageResult(
+        name=name,
+        status=status,
+        samples_per_s=samples_per_s,
+        speedup=speedup,
+        mfu=mfu,  # type: ignore[arg-type]
+        samples_interval={"low": 0.95 * samples_per_s, "high": 1.05 * samples_per_s},
+        speedup_interval=None if speedup is None else {"low": 0.95 * speedup, "high": 1.05 * speedup},
+        energy_j_per_sample=1.5 / max(samples_per_s, 1.0),
+        metric_value=2.5,
+        quality=quality,
+        quality_delta_pct=delta,
+        device="NVIDIA H200",
+    )
 
 
 def _bench_json(*stages: StageResult) -> list[dict]:
@@ -82,8 +109,12 @@ def _bench_json(*stages: StageResult) -> list[dict]:
     return json.loads(json.dumps(to_json(list(stages), {}), default=str))["stages"]
 
 
-GOOD = (_stage("baseline", 50.0, None, mfu=0.05), _stage("amp", 300.0, 6.0, mfu=0.33),
-        _stage("amp_compile", 460.0, 9.2, mfu=0.52), _stage("tuned_gpt2_small", 470.0, 9.4, mfu=0.53))  # fmt: skip
+GOOD = (
+    _stage("baseline", 50.0, None, mfu=0.05),
+    _stage("amp", 300.0, 6.0, mfu=0.33),
+    _stage("amp_compile", 460.0, 9.2, mfu=0.52),
+    _stage("tuned_gpt2_small", 470.0, 9.4, mfu=0.53),
+)
 FACTS = {"matmul_tflops": 790.0, "table_peak_tflops": 989.4}
 
 
@@ -96,12 +127,15 @@ def test_ladder_verdict_passes_the_article_table_mfu_and_quality() -> None:
     assert "J/sample" in figures["baseline"] and "[47.5, 52.5]" in figures["baseline"]
 
 
-@pytest.mark.parametrize(("change", "expected"), [
-    (lambda s: _stage("tuned_gpt2_small", 250.0, 5.0, mfu=0.3), "tuned_gpt2_small runs 5.00x"),
-    (lambda s: _stage("amp_compile", 400.0, 8.0, mfu=0.41), "amp_compile MFU 41.0% is below 50%"),
-    (lambda s: _stage("amp", 300.0, 6.0, quality="FAIL", delta=3.1), "amp: validation loss +3.10%"),
-    (lambda s: _stage("amp_compile", 0.0, None, status="failed"), "amp_compile: failed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda s: _stage("tuned_gpt2_small", 250.0, 5.0, mfu=0.3), "tuned_gpt2_small runs 5.00x"),
+        (lambda s: _stage("amp_compile", 400.0, 8.0, mfu=0.41), "amp_compile MFU 41.0% is below 50%"),
+        (lambda s: _stage("amp", 300.0, 6.0, quality="FAIL", delta=3.1), "amp: validation loss +3.10%"),
+        (lambda s: _stage("amp_compile", 0.0, None, status="failed"), "amp_compile: failed"),
+    ],
+)
 def test_ladder_verdict_names_what_falls_short(change, expected: str) -> None:
     stages = [change(s) if s.name == change(s).name else s for s in GOOD]
     problems, _ = gpu_check.ladder_verdict(_bench_json(*stages), FACTS)
@@ -151,6 +185,10 @@ def test_micro_batch_finder_on_a_real_gpu_recovers_from_real_cuda_out_of_memory(
 @pytest.mark.gpu
 def test_full_check_on_a_real_gpu(tmp_path: Path) -> None:
     """`--full` on the GPU machine: every part passes (the README's "Verified on a GPU" table comes from it)."""
-    done = subprocess.run([sys.executable, "-m", "lightning_accel.gpu_check", "--full", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=1200)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_accel.gpu_check", "--full", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0, (tmp_path / "gpu_check.md").read_text()

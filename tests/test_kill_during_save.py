@@ -66,9 +66,16 @@ class KillDuringSave(pl.Callback):
         dcp.save = wrap(dcp.save, dir_target, lambda t: "last.ckpt.saving-" in t, dir_half)
 '''
 
-COMMON = ["trainer.accelerator=cpu", "data.max_chars=200000", "test=false", "trainer.limit_val_batches=0",
-          "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.save_top_k=0",
-          "callbacks.model_checkpoint.every_n_train_steps=5", "trainer.max_epochs=-1"]  # fmt: skip
+COMMON = [
+    "trainer.accelerator=cpu",
+    "data.max_chars=200000",
+    "test=false",
+    "trainer.limit_val_batches=0",
+    "callbacks.model_checkpoint.monitor=null",
+    "callbacks.model_checkpoint.save_top_k=0",
+    "callbacks.model_checkpoint.every_n_train_steps=5",
+    "trainer.max_epochs=-1",
+]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -80,11 +87,20 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 def _killed_run(tmp_path: Path, args: list[str], killed_rank: int = 0) -> Path:
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "lightning_accel.train", *COMMON, *args, "trainer.max_steps=1000",
-               "+callbacks.killer._target_=killmod.KillDuringSave", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_accel.train",
+        *COMMON,
+        *args,
+        "trainer.max_steps=1000",
+        "+callbacks.killer._target_=killmod.KillDuringSave",
+        f"hydra.run.dir={run_dir}",
+    ]
     with (tmp_path / "log.txt").open("w") as log:
-        proc = subprocess.Popen(command, cwd=tmp_path, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            command, cwd=tmp_path, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=240)
         finally:
@@ -107,9 +123,23 @@ def _in_group(process: psutil.Process, pgid: int) -> bool:
 
 
 def _resume(tmp_path: Path, args: list[str], last: Path, steps: int) -> None:
-    done = subprocess.run([sys.executable, "-m", "lightning_accel.train", *COMMON, *args, f"trainer.max_steps={steps}",
-                           f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'resumed'}"], cwd=tmp_path,
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_accel.train",
+            *COMMON,
+            *args,
+            f"trainer.max_steps={steps}",
+            f"ckpt_path={last}",
+            f"hydra.run.dir={tmp_path / 'resumed'}",
+        ],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -23,19 +23,28 @@ def test_config_flags_are_kept_and_overrides_dropped() -> None:
 def test_child_command_is_the_job_in_run_mode(compose_train, monkeypatch, tmp_path) -> None:
     cfg = compose_train(["seed=2", "trainer.devices=2"])  # this job's own overrides
     OmegaConf.set_readonly(cfg.hydra, False)
-    cfg.hydra.overrides.hydra = ["hydra.mode=MULTIRUN", "hydra.sweep.dir=/s", "hydra.job.chdir=false",
-                                 "hydra/launcher=basic"]  # fmt: skip
+    cfg.hydra.overrides.hydra = [
+        "hydra.mode=MULTIRUN",
+        "hydra.sweep.dir=/s",
+        "hydra.job.chdir=false",
+        "hydra/launcher=basic",
+    ]
     HydraConfig.instance().set_config(cfg)
     monkeypatch.setattr(sys, "argv", ["/bin/app.py", "-m", "seed=1,2", "-cn", "train"])
     monkeypatch.setattr(__main__, "__spec__", None)  # a script, whether pytest runs as `pytest` or `python -m pytest`
     command, cwd = child_rank_command(local_rank=1)
     assert command[:2] == [sys.executable, "/bin/app.py"]
     assert command[2:] == [
-        "-cn", "train",                              # the primary config choice is kept
-        "hydra.job.chdir=false",                     # hydra overrides, less sweep/launcher/mode ones
-        "seed=2", "trainer.devices=2",               # the job's overrides, not the sweep's
-        f"hydra.run.dir='{tmp_path}'", "hydra.output_subdir=null", "hydra.job.name=train_rank1", "hydra.mode=RUN",
-    ]  # fmt: skip
+        "-cn",
+        "train",  # the primary config choice is kept
+        "hydra.job.chdir=false",  # hydra overrides, less sweep/launcher/mode ones
+        "seed=2",
+        "trainer.devices=2",  # the job's overrides, not the sweep's
+        f"hydra.run.dir='{tmp_path}'",
+        "hydra.output_subdir=null",
+        "hydra.job.name=train_rank1",
+        "hydra.mode=RUN",
+    ]
     assert cwd == os.getcwd()
 
 

@@ -60,8 +60,9 @@ def _loaded_after_import(modules: list[str]) -> dict[str, list[str]]:
         "    out[name] = sorted(set(sys.modules) - before)\n"
         "print(json.dumps(out))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(modules)], capture_output=True, text=True,
-                          timeout=300, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(modules)], capture_output=True, text=True, timeout=300, check=True
+    )
     return json.loads(done.stdout)
 
 
@@ -146,13 +147,21 @@ def test_every_all_is_complete_and_true() -> None:
         if public is None:
             problems.append(f"{info.name}: no __all__")
             continue
-        problems += [f"{info.name}.__all__ names {name}, which does not exist" for name in public
-                     if not hasattr(module, name)]  # fmt: skip
-        defined = [name for name, value in vars(module).items()
-                   if not name.startswith("_") and (inspect.isfunction(value) or inspect.isclass(value))
-                   and value.__module__ == info.name]  # fmt: skip
-        problems += [f"{info.name} defines {name}, which its __all__ leaves out (or name it _{name})"
-                     for name in defined if name not in public]  # fmt: skip
+        problems += [
+            f"{info.name}.__all__ names {name}, which does not exist" for name in public if not hasattr(module, name)
+        ]
+        defined = [
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_")
+            and (inspect.isfunction(value) or inspect.isclass(value))
+            and value.__module__ == info.name
+        ]
+        problems += [
+            f"{info.name} defines {name}, which its __all__ leaves out (or name it _{name})"
+            for name in defined
+            if name not in public
+        ]
         for name, where in sorted(imported.get(info.name, ())):
             submodule = info.ispkg and importlib.util.find_spec(f"{info.name}.{name}") is not None
             if not name.startswith("_") and name != "*" and name not in public and not submodule:

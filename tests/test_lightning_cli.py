@@ -16,14 +16,27 @@ ROOT = Path(__file__).resolve().parents[1]
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = clean_env()
     examples = ROOT / "examples"
-    command = [sys.executable, str(examples / "cli.py"), "fit", "--config", str(examples / "cli.yaml"),
-               f"--trainer.default_root_dir={tmp_path}", "--data.max_chars=200000", *args]  # fmt: skip
+    command = [
+        sys.executable,
+        str(examples / "cli.py"),
+        "fit",
+        "--config",
+        str(examples / "cli.yaml"),
+        f"--trainer.default_root_dir={tmp_path}",
+        "--data.max_chars=200000",
+        *args,
+    ]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_the_cli_example_trains_on_two_ranks_with_our_callbacks_and_lightnings_timeout(tmp_path: Path) -> None:
-    done = _cli(tmp_path, "--trainer.devices=2", "--trainer.max_steps=6", "--trainer.val_check_interval=3",
-                "--trainer.limit_val_batches=1")  # fmt: skip
+    done = _cli(
+        tmp_path,
+        "--trainer.devices=2",
+        "--trainer.max_steps=6",
+        "--trainer.val_check_interval=3",
+        "--trainer.limit_val_batches=1",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     last = next(tmp_path.rglob("last.ckpt"))
     state = torch.load(last, map_location="cpu", weights_only=True)

@@ -70,8 +70,11 @@ class _CpuTimes:
         for cpu in range(max(ours) + 2):
             share = 1 / len(ours) if cpu in ours else 0.0
             busy = self.busy * share if cpu in ours else 1e5  # the last one: not ours, busy, ignored
-            times.append(SimpleNamespace(user=busy, nice=0.0, system=0.0, idle=1000.0, irq=0.0, softirq=0.0,
-                                         steal=self.steal * share))  # fmt: skip
+            times.append(
+                SimpleNamespace(
+                    user=busy, nice=0.0, system=0.0, idle=1000.0, irq=0.0, softirq=0.0, steal=self.steal * share
+                )
+            )
         return times
 
 

@@ -44,9 +44,16 @@ class _FailsMidEpoch(BoringModel):
 
 def test_no_loop_patch_remains_after_a_fit_that_raises_mid_epoch(tmp_path) -> None:
     """AccumulationScheduler's loop patches were undone only in teardown, which Lightning skips after an exception."""
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_epochs=1, limit_train_batches=10, logger=False,
-                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                         callbacks=[AccumulationScheduler({0: 2})])  # fmt: skip
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=1,
+        limit_train_batches=10,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[AccumulationScheduler({0: 2})],
+    )
     with pytest.raises(RuntimeError, match="mid-epoch failure"):
         trainer.fit(_FailsMidEpoch())
     epoch_loop = trainer.fit_loop.epoch_loop
@@ -67,8 +74,15 @@ def test_no_patch_of_any_callback_remains_after_a_fit_that_raises_mid_epoch(tmp_
 
     model = Fails(lr_decay=True)
     callbacks = [AccumulationScheduler({0: 2}), NonFiniteGuard(action="skip"), Parallelize()]
-    trainer = pl.Trainer(default_root_dir=tmp_path, max_epochs=1, logger=False, enable_progress_bar=False,
-                         enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     with pytest.raises(RuntimeError, match="mid-epoch failure"):
         trainer.fit(model, tiny_loader(64))
     assert model.training_steps == 5  # it did train, with the patches in place, before the error

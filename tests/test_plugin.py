@@ -122,8 +122,14 @@ def test_users_app_selects_packaged_presets_and_trains(tmp_path: Path, run_cli) 
 
     def app(*overrides: str) -> dict:
         env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # the DataLoaderTuner's decision cache
-        result = subprocess.run([sys.executable, "app.py", *overrides, "hydra.run.dir=run"], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "app.py", *overrides, "hydra.run.dir=run"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         return _result(result.stdout)
 

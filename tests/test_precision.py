@@ -214,8 +214,9 @@ def test_probe_without_cuda_reads_the_cpu_root(tmp_path: Path) -> None:
 
 
 def test_probe_reads_capability_through_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = install(monkeypatch, FakeNVML([FakeGPU("GPU-a", name="NVIDIA H200", compute_capability=(9, 0))],
-                                         binding="12"))  # fmt: skip
+    fake = install(
+        monkeypatch, FakeNVML([FakeGPU("GPU-a", name="NVIDIA H200", compute_capability=(9, 0))], binding="12")
+    )
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert precision_module._probe_cuda() == ((9, 0), "NVIDIA H200")
     assert fake.inits == fake.shutdowns == 1

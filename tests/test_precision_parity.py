@@ -14,12 +14,25 @@ from lightning_accel.train import run
 
 STEPS = 500
 SMALL_GPT = [
-    "data.max_chars=400000", "data.block_size=32", "data.batch_size=32", "model.n_embd=64", "model.n_head=4",
-    "model.n_layer=2", f"trainer.max_steps={STEPS}", "trainer.max_epochs=-1", "+trainer.check_val_every_n_epoch=null",
-    f"trainer.val_check_interval={STEPS}", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
-    "++trainer.enable_checkpointing=false", "++trainer.enable_model_summary=false", "callbacks=none",
-    "logger=none", "test=false", "seed=3",
-]  # fmt: skip
+    "data.max_chars=400000",
+    "data.block_size=32",
+    "data.batch_size=32",
+    "model.n_embd=64",
+    "model.n_head=4",
+    "model.n_layer=2",
+    f"trainer.max_steps={STEPS}",
+    "trainer.max_epochs=-1",
+    "+trainer.check_val_every_n_epoch=null",
+    f"trainer.val_check_interval={STEPS}",
+    "trainer.accelerator=cpu",
+    "trainer.enable_progress_bar=false",
+    "++trainer.enable_checkpointing=false",
+    "++trainer.enable_model_summary=false",
+    "callbacks=none",
+    "logger=none",
+    "test=false",
+    "seed=3",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +52,11 @@ def test_amp_matches_fp32_validation_loss_within_2_percent(compose_train) -> Non
         assert summary is not None
         results[option] = (cfg.trainer.precision, summary.metrics["val/loss"], summary.fit_time_s)
     (fp32_precision, fp32_loss, fp32_s), (mixed_precision, mixed_loss, mixed_s) = results["fp32"], results[mixed]
-    print(f"\nfp32 ({fp32_precision}): val/loss {fp32_loss:.4f} in {fp32_s:.1f} s; "
-          f"{mixed} ({mixed_precision}): val/loss {mixed_loss:.4f} in {mixed_s:.1f} s; "
-          f"difference {100 * (mixed_loss / fp32_loss - 1):+.2f}%")  # fmt: skip
+    print(
+        f"\nfp32 ({fp32_precision}): val/loss {fp32_loss:.4f} in {fp32_s:.1f} s; "
+        f"{mixed} ({mixed_precision}): val/loss {mixed_loss:.4f} in {mixed_s:.1f} s; "
+        f"difference {100 * (mixed_loss / fp32_loss - 1):+.2f}%"
+    )
     assert fp32_precision == "32-true"
     assert mixed_precision == "bf16-mixed"  # the mixed run really ran in mixed precision
     assert fp32_loss < 2.5  # both learned: the unigram baseline is about 3.1 nats (4.5 bits) per byte

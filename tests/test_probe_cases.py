@@ -30,10 +30,21 @@ from lightning_accel.errors import ConfigError
 SMOKE = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000"]
 
 
-def _train(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300,
-           module: str = "lightning_accel.train") -> subprocess.CompletedProcess[str]:  # fmt: skip
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=clean_env(**(env or {})))  # fmt: skip
+def _train(
+    args: list[str],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    module: str = "lightning_accel.train",
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(**(env or {})),
+    )
 
 
 # --- item 7 and 9: values checked at the edge, before anything is built ----------------------------------------------
@@ -48,7 +59,7 @@ REFUSED = [
     (["model.vocab_size=10"], "`model.vocab_size=10` is smaller than the 256 byte values"),
     (["trainer.max_epochs=0"], "`trainer.max_epochs=0` trains nothing"),
     (["+trainer.limit_train_batches=0"], "`trainer.limit_train_batches=0` trains on no batch at all"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("overrides", "message"), REFUSED, ids=[o[0] for o, _ in REFUSED])
@@ -66,25 +77,31 @@ def test_the_command_line_exits_2_with_the_message(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"ACCEL_LOG_DIR": ""}, "`ACCEL_LOG_DIR=''` is set but empty"),
-    ({"ACCEL_RUN_ID": "x" * 300}, "`ACCEL_RUN_ID` is 300 characters long"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"ACCEL_LOG_DIR": ""}, "`ACCEL_LOG_DIR=''` is set but empty"),
+        ({"ACCEL_RUN_ID": "x" * 300}, "`ACCEL_RUN_ID` is 300 characters long"),
+    ],
+)
 def test_an_environment_that_would_misplace_the_run_is_refused(tmp_path: Path, env, message) -> None:
     done = _train(["check=true"], tmp_path, env=env)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
     assert not Path("/runs").exists() or not any(Path("/runs").iterdir())
 
 
-@pytest.mark.parametrize(("module", "args", "message"), [
-    ("lightning_accel.tune", ["--tolerance", "nan"], "`--tolerance=nan` must be a fraction"),
-    ("lightning_accel.tune", ["--time-budget", "nan"], "`--time-budget=nan` must be a finite number"),
-    ("lightning_accel.tune", ["--confirm-steps", "-5"], "`--confirm-steps=-5` must be >= 0"),
-    ("lightning_accel.tune", ["--stage-timeout", "nan"], "`--stage-timeout=nan` must be a finite number"),
-    ("lightning_accel.bench", ["--stage-timeout", "nan"], "expected a finite float > 0, got nan"),
-    ("lightning_accel.bench", ["--peak-tflops", "nan"], "expected a finite float > 0, got nan"),
-    ("lightning_accel.bench", ["--target", "nan"], "`--target=nan` must be a finite value"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("module", "args", "message"),
+    [
+        ("lightning_accel.tune", ["--tolerance", "nan"], "`--tolerance=nan` must be a fraction"),
+        ("lightning_accel.tune", ["--time-budget", "nan"], "`--time-budget=nan` must be a finite number"),
+        ("lightning_accel.tune", ["--confirm-steps", "-5"], "`--confirm-steps=-5` must be >= 0"),
+        ("lightning_accel.tune", ["--stage-timeout", "nan"], "`--stage-timeout=nan` must be a finite number"),
+        ("lightning_accel.bench", ["--stage-timeout", "nan"], "expected a finite float > 0, got nan"),
+        ("lightning_accel.bench", ["--peak-tflops", "nan"], "expected a finite float > 0, got nan"),
+        ("lightning_accel.bench", ["--target", "nan"], "`--target=nan` must be a finite value"),
+    ],
+)
 def test_a_flag_that_would_turn_a_safeguard_off_is_refused(tmp_path: Path, module, args, message) -> None:
     done = _train([*args, "trainer.accelerator=cpu"], tmp_path, module=module, timeout=120)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
@@ -130,8 +147,9 @@ def test_a_checkpoint_of_another_architecture_is_refused_before_launch(trained: 
 
 def test_fit_false_tests_the_weights_of_ckpt_path(trained: Path, tmp_path: Path) -> None:
     """It tested untrained weights (test loss 5.58) and said `tested weights: final`."""
-    done = _train([*SMOKE, "fit=false", "test=true", f"ckpt_path={trained}", f"hydra.run.dir={tmp_path / 'run'}"],
-                  tmp_path)  # fmt: skip
+    done = _train(
+        [*SMOKE, "fit=false", "test=true", f"ckpt_path={trained}", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["tested_weights"] == f"checkpoint {trained}"
@@ -142,8 +160,9 @@ def test_fit_false_tests_the_weights_of_ckpt_path(trained: Path, tmp_path: Path)
 def test_a_distributed_checkpoint_on_a_single_device_strategy_is_named(tmp_path: Path) -> None:
     from lightning_accel.strategies.pipeline.checkpoint import save_pipeline_checkpoint
 
-    one_rank = type("R", (), {"broadcast": staticmethod(lambda x: x), "barrier": staticmethod(lambda: None),
-                              "global_rank": 0})()  # fmt: skip
+    one_rank = type(
+        "R", (), {"broadcast": staticmethod(lambda x: x), "barrier": staticmethod(lambda: None), "global_rank": 0}
+    )()
     save_pipeline_checkpoint(one_rank, {"state_dict": {"w": torch.ones(1)}, "epoch": 0}, tmp_path / "dir.ckpt")
     done = _train([*SMOKE, f"ckpt_path={tmp_path / 'dir.ckpt'}", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert done.returncode == 2 and "is a distributed checkpoint directory" in done.stderr
@@ -162,8 +181,9 @@ def test_an_unwritable_checkpoint_directory_is_refused_before_training(tmp_path:
 @pytest.mark.slow
 def test_a_missing_monitor_is_named_before_any_training_step(tmp_path: Path) -> None:
     """It was found after training, at the first save (step 5)."""
-    done = _train([*SMOKE, "callbacks.model_checkpoint.monitor=val/nope", f"hydra.run.dir={tmp_path / 'run'}"],
-                  tmp_path)  # fmt: skip
+    done = _train(
+        [*SMOKE, "callbacks.model_checkpoint.monitor=val/nope", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "`ModelCheckpoint(monitor='val/nope')` is not a metric this run logs" in done.stderr
     assert "val/loss" in done.stderr and not list((tmp_path / "run").rglob("*.ckpt"))
@@ -203,16 +223,28 @@ def test_a_taken_master_port_is_refused_at_once(tmp_path: Path) -> None:
         held.listen()
         port = held.getsockname()[1]
         started = time.monotonic()
-        done = _train([*SMOKE, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
-                      env={"MASTER_PORT": str(port)})  # fmt: skip
+        done = _train(
+            [*SMOKE, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"],
+            tmp_path,
+            env={"MASTER_PORT": str(port)},
+        )
     assert done.returncode == 2 and f"`MASTER_PORT={port}` is taken by another process" in done.stderr
     assert time.monotonic() - started < 60
 
 
 @pytest.mark.slow
 def test_resuming_with_another_accumulation_says_so(trained: Path, tmp_path: Path) -> None:
-    done = _train([*SMOKE, "trainer.accumulate_grad_batches=2", "trainer.max_steps=12", f"ckpt_path={trained}",
-                   "test=false", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)  # fmt: skip
+    done = _train(
+        [
+            *SMOKE,
+            "trainer.accumulate_grad_batches=2",
+            "trainer.max_steps=12",
+            f"ckpt_path={trained}",
+            "test=false",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "accumulated accumulate_grad_batches=1 and now accumulates accumulate_grad_batches=2" in done.stderr
 
@@ -250,14 +282,20 @@ class ReturnsNothing(GPTLanguageModel):
 """
 
 
-@pytest.mark.parametrize(("model", "message"), [
-    ("NaNFromTheStart", "had a non-finite loss and NonFiniteGuard dropped every update"),
-    ("ReturnsNothing", "ran a `training_step` that returned None"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("NaNFromTheStart", "had a non-finite loss and NonFiniteGuard dropped every update"),
+        ("ReturnsNothing", "ran a `training_step` that returned None"),
+    ],
+)
 def test_a_run_that_learned_nothing_exits_1_with_the_reason(tmp_path: Path, model: str, message: str) -> None:
     (tmp_path / "badmodels.py").write_text(_MODELS)
-    done = _train([*SMOKE, f"model._target_=badmodels.{model}", "test=false", f"hydra.run.dir={tmp_path / 'run'}"],
-                  tmp_path, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    done = _train(
+        [*SMOKE, f"model._target_=badmodels.{model}", "test=false", f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     assert message in done.stderr
 
@@ -274,9 +312,12 @@ def _decision(key: str, prefetch: int = 2) -> object:
     from lightning_accel.tuning.dataloader.decision import TunerDecision
     from lightning_accel.tuning.dataloader.timing import LoaderSettings
 
-    return TunerDecision(fingerprint=key, settings=LoaderSettings(num_workers=2, prefetch_factor=prefetch,
-                                                                  persistent_workers=True),
-                         samples_per_s=100.0, wait_share=0.1)  # fmt: skip
+    return TunerDecision(
+        fingerprint=key,
+        settings=LoaderSettings(num_workers=2, prefetch_factor=prefetch, persistent_workers=True),
+        samples_per_s=100.0,
+        wait_share=0.1,
+    )
 
 
 def test_a_cached_prefetch_factor_beyond_any_setting_is_a_miss(tmp_path: Path) -> None:
@@ -348,22 +389,36 @@ def test_a_full_disk_while_the_report_is_written_truncates_nothing(tmp_path: Pat
     assert not (out / "bench.csv").exists() and not list(out.glob(".*.tmp"))  # nothing half-written left
 
 
-@pytest.mark.parametrize("module", ["lightning_accel.bench", pytest.param("lightning_accel.tune",
-                                                                          marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "module", ["lightning_accel.bench", pytest.param("lightning_accel.tune", marks=pytest.mark.slow)]
+)
 def test_sigterm_to_bench_or_tune_ends_the_stage_and_writes_the_outputs(tmp_path: Path, module: str) -> None:
     """The running stage's training process stayed behind, and accel-tune wrote no tune.md."""
     out = tmp_path / "out"
     args = ["--quick", "--out", str(out), "trainer.accelerator=cpu", "data.read_delay_ms=20"]
-    args += ["--steps", "200"] if module.endswith("bench") else ["--time-budget", "600", "--config-dir",
-                                                                 str(tmp_path / "conf")]  # fmt: skip
+    args += (
+        ["--steps", "200"]
+        if module.endswith("bench")
+        else ["--time-budget", "600", "--config-dir", str(tmp_path / "conf")]
+    )
     log = (tmp_path / "log.txt").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=tmp_path, env=clean_env(), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
+
         def stage() -> list[psutil.Process]:
             assert proc.poll() is None, (tmp_path / "log.txt").read_text()[-3000:]
-            return [p for p in psutil.Process(proc.pid).children(recursive=True)
-                    if "lightning_accel.train" in " ".join(p.cmdline())]  # fmt: skip
+            return [
+                p
+                for p in psutil.Process(proc.pid).children(recursive=True)
+                if "lightning_accel.train" in " ".join(p.cmdline())
+            ]
 
         stages = wait_until(stage, 180, "a stage's training process")
         time.sleep(2)
@@ -425,9 +480,14 @@ def test_unit_a_missing_monitor_at_the_first_validation(tmp_path: Path) -> None:
         def on_train_batch_end(self, *args: object) -> None:
             steps.append(1)
 
-    trainer = pl.Trainer(accelerator="cpu", max_steps=20, logger=False, enable_progress_bar=False,
-                         default_root_dir=str(tmp_path), callbacks=[RunStats(), Count(), ModelCheckpoint(
-                             dirpath=tmp_path, monitor="val/nope")])  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=20,
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[RunStats(), Count(), ModelCheckpoint(dirpath=tmp_path, monitor="val/nope")],
+    )
     with pytest.raises(ConfigError, match="`ModelCheckpoint\\(monitor='val/nope'\\)` is not a metric this run logs"):
         trainer.fit(Logged(), tiny_loader(64), tiny_loader(16))
     assert steps == []  # the sanity check found it, before any training step
@@ -466,14 +526,29 @@ def test_unit_resuming_with_another_accumulation_warns(tmp_path: Path) -> None:
     from lightning_accel.callbacks import RunStats
     from lightning_accel.errors import LightningAccelWarning
 
-    first = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
-                       default_root_dir=str(tmp_path), callbacks=[RunStats()])  # fmt: skip
+    first = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[RunStats()],
+    )
     first.fit(TinyRegression(), tiny_loader(64))
     first.save_checkpoint(tmp_path / "a.ckpt")
-    second = pl.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
-                        accumulate_grad_batches=2, default_root_dir=str(tmp_path), callbacks=[RunStats()])  # fmt: skip
-    with pytest.warns(LightningAccelWarning, match="accumulated accumulate_grad_batches=1 and now accumulates "
-                                                   "accumulate_grad_batches=2"):  # fmt: skip
+    second = pl.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        accumulate_grad_batches=2,
+        default_root_dir=str(tmp_path),
+        callbacks=[RunStats()],
+    )
+    with pytest.warns(
+        LightningAccelWarning,
+        match="accumulated accumulate_grad_batches=1 and now accumulates accumulate_grad_batches=2",
+    ):
         second.fit(TinyRegression(), tiny_loader(64), ckpt_path=tmp_path / "a.ckpt", weights_only=True)
 
 
@@ -497,7 +572,10 @@ class Delete(pl.Callback):
 def test_a_run_directory_removed_under_the_run_is_named(tmp_path: Path) -> None:
     (tmp_path / "delmod.py").write_text(_DELETE)
     run = tmp_path / "run"
-    done = _train([*SMOKE, "+callbacks.del._target_=delmod.Delete", f"+callbacks.del.path={run}",
-                   f"hydra.run.dir={run}"], tmp_path, env={"PYTHONPATH": str(tmp_path)})  # fmt: skip
+    done = _train(
+        [*SMOKE, "+callbacks.del._target_=delmod.Delete", f"+callbacks.del.path={run}", f"hydra.run.dir={run}"],
+        tmp_path,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
     assert done.returncode == 1 and f"the run directory {run} was removed while the run was going" in done.stderr
     assert "Traceback" not in done.stderr

@@ -91,8 +91,14 @@ def _estimates(tmp_path, **trainer_kwargs) -> tuple[object, object]:
                 ours = err
             raise _Estimates(lightning, ours)
 
-    trainer = pl.Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
-                         enable_checkpointing=False, enable_model_summary=False, **trainer_kwargs)  # fmt: skip
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
     with pytest.raises(_Estimates) as got:
         trainer.fit(Model())
     return got.value.args[0], got.value.args[1]

@@ -23,8 +23,14 @@ from lightning_accel.errors import ConfigError
 
 
 def ok(candidate: Candidate, rate: float, spread: float = 0.05, bottleneck: str = "", quality: str = "pass") -> Outcome:
-    return Outcome(candidate, samples_per_s=rate, low=rate * (1 - spread), high=rate * (1 + spread),
-                   bottleneck=bottleneck, quality=quality)  # type: ignore[arg-type]  # fmt: skip
+    return Outcome(
+        candidate,
+        samples_per_s=rate,
+        low=rate * (1 - spread),
+        high=rate * (1 + spread),
+        bottleneck=bottleneck,
+        quality=quality,
+    )  # type: ignore[arg-type]
 
 
 def move(name: str):
@@ -54,10 +60,15 @@ def test_the_incumbents_bottleneck_picks_the_first_moves() -> None:
 
 def test_moves_that_the_machine_cannot_run_are_left_out() -> None:
     cpu_one = Space(devices=1, on_cuda=False, bf16=False, compile=False, block_classes=False)
-    names = {c.name for c in next_candidates([ok(baseline(), 100.0, bottleneck="communication-bound")], cpu_one,
-                                             limit=20).candidates}  # fmt: skip
-    assert not any("strategy=" in n or "compile=" in n or "ddp_grad_compression" in n or "bf16_true" in n
-                   for n in names), names  # fmt: skip
+    names = {
+        c.name
+        for c in next_candidates(
+            [ok(baseline(), 100.0, bottleneck="communication-bound")], cpu_one, limit=20
+        ).candidates
+    }
+    assert not any(
+        "strategy=" in n or "compile=" in n or "ddp_grad_compression" in n or "bf16_true" in n for n in names
+    ), names
     assert "accumulation=fixed" in names and "precision=amp" in names
 
 
@@ -80,8 +91,11 @@ def test_the_search_builds_on_the_winner_and_never_repeats_or_retries_a_failure(
     base = baseline()
     amp = apply_move(base, move("mixed precision"), space)
     compiled = apply_move(base, move("torch.compile"), space)
-    history = [ok(base, 100.0, bottleneck="compute-bound"), ok(amp, 150.0, bottleneck="compute-bound"),
-               Outcome(compiled, status="failed", reason="no compiler")]  # fmt: skip
+    history = [
+        ok(base, 100.0, bottleneck="compute-bound"),
+        ok(amp, 150.0, bottleneck="compute-bound"),
+        Outcome(compiled, status="failed", reason="no compiler"),
+    ]
     following = next_candidates(history, space, limit=10).candidates
     assert following and all(c.parent == "precision=amp" and c.get("precision") == "amp" for c in following)
     assert not any(c.get("compile") == "default" for c in following)  # compile=default failed: ruled out
@@ -134,13 +148,20 @@ def test_what_a_run_settled_is_pinned_in_the_preset_and_composes(tmp_path: Path)
     from lightning_accel.launch import register_resolvers
 
     space = Space()
-    tuned = apply_move(apply_move(baseline(), move("DataLoader workers by experiment"), space),
-                       move("micro-batches sized to memory"), space)  # fmt: skip
+    tuned = apply_move(
+        apply_move(baseline(), move("DataLoader workers by experiment"), space),
+        move("micro-batches sized to memory"),
+        space,
+    )
     loader = {"num_workers": 3, "prefetch_factor": 4, "pin_memory": False, "persistent_workers": True}
     settled = settled_of(loader, 8, True, tuned.choices)
-    assert dict(settled) == {"data.num_workers": "3", "data.prefetch_factor": "4", "data.pin_memory": "false",
-                             "data.persistent_workers": "true",
-                             "callbacks.micro_batch.micro_batch_size": "8"}  # fmt: skip
+    assert dict(settled) == {
+        "data.num_workers": "3",
+        "data.prefetch_factor": "4",
+        "data.pin_memory": "false",
+        "data.persistent_workers": "true",
+        "callbacks.micro_batch.micro_batch_size": "8",
+    }
     assert settled_of({"num_workers": 0, "prefetch_factor": None}, 32, False, ()) == (("data.num_workers", "0"),)
     assert settled_of(None, 8, True, ()) == ()  # a size not searched for (the user's own finder) is not pinned
     keys = {"num_workers", "pin_memory", "persistent_workers"}
@@ -170,8 +191,9 @@ def test_choices_that_do_not_run_together_are_never_proposed() -> None:
 
     space = Space(devices=2, block_classes=True)
     sized = apply_move(baseline(), move("micro-batches sized to memory"), space)
-    following = next_candidates([ok(baseline(), 100.0, bottleneck="memory-bound"),
-                                 ok(sized, 200.0, bottleneck="memory-bound")], space, limit=20).candidates  # fmt: skip
+    following = next_candidates(
+        [ok(baseline(), 100.0, bottleneck="memory-bound"), ok(sized, 200.0, bottleneck="memory-bound")], space, limit=20
+    ).candidates
     strategies = {c.get("strategy") for c in following}
     assert "ddp" in strategies and not strategies & {"model_parallel", "pipeline"}  # micro_batch=auto runs with DDP
     assert not compatible(Candidate((("compile", "default"), ("strategy", "pipeline"))))

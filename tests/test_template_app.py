@@ -24,7 +24,7 @@ SECTION = "## From lightning-hydra-template"
 def guide_patch() -> str:
     """The ```diff blocks of the guide's template section, in order: what a user applies."""
     text = GUIDE.read_text()
-    section = text[text.index(SECTION):]
+    section = text[text.index(SECTION) :]
     section = section[: section.index("\n## ", len(SECTION))]
     blocks = re.findall(r"```diff\n(.*?)```", section, re.S)
     assert len(blocks) == 4, f"the guide's template section should hold 4 diff blocks, found {len(blocks)}"
@@ -36,15 +36,20 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The template app: upstream files, the guide's patch applied with `git apply`, the offline datamodule."""
     app = tmp_path_factory.mktemp("template") / "app"
     shutil.copytree(APP / "upstream", app)
-    done = subprocess.run(["git", "apply", "--verbose", "-"], input=guide_patch(), cwd=app, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["git", "apply", "--verbose", "-"], input=guide_patch(), cwd=app, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, f"the guide's patch does not apply to the template:\n{done.stderr}"
     shutil.copytree(APP / "overlay", app, dirs_exist_ok=True)
     return app
 
 
 def run_template(
-    app: Path, tmp_path: Path, *overrides: str, timeout: float = 420, command: list[str] | None = None,
+    app: Path,
+    tmp_path: Path,
+    *overrides: str,
+    timeout: float = 420,
+    command: list[str] | None = None,
     env: dict[str, str] | None = None,
 ) -> tuple[dict[int, dict], str]:
     """`python src/train.py data=digits trainer.max_epochs=2 <overrides>` in the app; the probe's record of every
@@ -52,12 +57,26 @@ def run_template(
     probe = tmp_path / "probe"
     # test=False: the template at bddbc24 pickles its net and optimizer partials into the checkpoint hyperparameters,
     # which torch >= 2.6 refuses to load weights-only; its test phase fails without this package too (README)
-    args = ["data=digits", "trainer.max_epochs=2", "test=False", "+callbacks.probe._target_=probe.Probe",
-            f"+callbacks.probe.path={probe}", f"hydra.run.dir={tmp_path / 'run'}", *overrides]  # fmt: skip
-    environment = clean_env(PYTHONPATH=os.pathsep.join([str(APP), os.environ.get("PYTHONPATH", "")]),
-                            PYTHONUNBUFFERED="1", **(env or {}))  # fmt: skip
-    done = subprocess.run([*(command or [sys.executable]), "src/train.py", *args], cwd=app, env=environment,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    args = [
+        "data=digits",
+        "trainer.max_epochs=2",
+        "test=False",
+        "+callbacks.probe._target_=probe.Probe",
+        f"+callbacks.probe.path={probe}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *overrides,
+    ]
+    environment = clean_env(
+        PYTHONPATH=os.pathsep.join([str(APP), os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1", **(env or {})
+    )
+    done = subprocess.run(
+        [*(command or [sys.executable]), "src/train.py", *args],
+        cwd=app,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     records = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in probe.glob("rank*.json")}
@@ -112,8 +131,13 @@ class TestEverySettingIsApplied:
         assert lrs[-1] < peak / 1000 and len(set(lrs)) == len(lrs)  # a new LR every step (it stayed at 1e-3)
 
     def test_accumulation_global_batch(self, template: Path, tmp_path: Path) -> None:
-        records, output = run_template(template, tmp_path, "accumulation=global_batch",
-                                       "callbacks.accumulation.global_batch_size=256", "trainer=ddp_sim")  # fmt: skip
+        records, output = run_template(
+            template,
+            tmp_path,
+            "accumulation=global_batch",
+            "callbacks.accumulation.global_batch_size=256",
+            "trainer=ddp_sim",
+        )
         steps, epochs = samples_per_step(records), [s["epoch"] for s in records[0]["steps"]]
         last_of_epoch = {max(i for i, e in enumerate(epochs) if e == epoch) for epoch in set(epochs)}
         assert {n for i, n in enumerate(steps) if i not in last_of_epoch} == {256}  # an epoch's last may be partial
@@ -144,8 +168,10 @@ def test_a_scheduler_nothing_reads_warns_naming_where_the_model_expects_it(templ
     original = (APP / "upstream" / "configs" / "model" / "mnist.yaml").read_text()
     (template / "configs" / "model" / "unpatched.yaml").write_text(original)
     _, output = run_template(template, tmp_path, "model=unpatched", "scheduler=onecycle", "trainer.max_epochs=1")
-    assert "`scheduler=onecycle` sets the top-level `scheduler`, but nothing in your config reads it; your model " \
-           "reads `model.scheduler` (torch.optim.lr_scheduler.ReduceLROnPlateau) instead" in output
+    assert (
+        "`scheduler=onecycle` sets the top-level `scheduler`, but nothing in your config reads it; your model "
+        "reads `model.scheduler` (torch.optim.lr_scheduler.ReduceLROnPlateau) instead" in output
+    )
 
 
 def _free_port() -> int:
@@ -192,16 +218,39 @@ def test_slurm(template: Path, tmp_path: Path) -> None:
     port = str(_free_port())
     procs = []
     for rank in range(2):
-        env = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(rank),
-               "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
-               "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", "MASTER_PORT": port}  # fmt: skip
+        env = {
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_ID": "0",
+            "SLURM_JOB_NAME": "train",
+            "SLURM_NODELIST": "localhost",
+            "MASTER_PORT": port,
+        }
         environment = clean_env(PYTHONPATH=os.pathsep.join([str(APP), os.environ.get("PYTHONPATH", "")]), **env)
-        args = ["data=digits", "trainer.max_epochs=2", "test=False", "trainer=ddp_sim", "trainer.strategy=ddp",
-                "+callbacks.probe._target_=probe.Probe", f"+callbacks.probe.path={tmp_path / 'probe'}",
-                f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+        args = [
+            "data=digits",
+            "trainer.max_epochs=2",
+            "test=False",
+            "trainer=ddp_sim",
+            "trainer.strategy=ddp",
+            "+callbacks.probe._target_=probe.Probe",
+            f"+callbacks.probe.path={tmp_path / 'probe'}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ]
         log = (tmp_path / f"task{rank}.log").open("w")
-        procs.append(subprocess.Popen([sys.executable, "src/train.py", *args], cwd=template, env=environment,
-                                      stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "src/train.py", *args],
+                cwd=template,
+                env=environment,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     codes = [p.wait(timeout=420) for p in procs]
     assert codes == [0, 0], (tmp_path / "task0.log").read_text()[-3000:] + (tmp_path / "task1.log").read_text()[-3000:]
     records = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in (tmp_path / "probe").glob("*.json")}

@@ -30,8 +30,11 @@ def test_default_run_beats_chance(run_cli, tmp_path: Path) -> None:
     elapsed = time.perf_counter() - started
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    bpc, unigram, uniform = summary["metrics"]["test/bpc"], summary["baselines"]["unigram_bpc"], summary["baselines"][
-        "uniform_bpc"]  # fmt: skip
+    bpc, unigram, uniform = (
+        summary["metrics"]["test/bpc"],
+        summary["baselines"]["unigram_bpc"],
+        summary["baselines"]["uniform_bpc"],
+    )
     print(f"default run: {elapsed:.1f} s wall, test/bpc={bpc:.3f}, unigram={unigram:.3f}, uniform={uniform:.3f}")
     assert bpc < unigram - 1.0 < uniform
     assert summary["tested_weights"] == "best" and Path(summary["best_checkpoint"]).is_file()
@@ -60,8 +63,12 @@ def test_ddp_preset_tunes_the_dataloader_once_for_both_ranks(run_cli, tmp_path: 
 
     On a busy machine the first decision may be measured under interference: then it is applied but not cached (the
     log says so) and the rerun tunes again, which is asserted instead of the cache hit."""
-    tuning = ["callbacks.dataloader_tuner.max_tuning_time_s=20", "callbacks.dataloader_tuner.steps_per_trial=4",
-              "precision=fp32", "trainer.devices=2"]  # fmt: skip
+    tuning = [
+        "callbacks.dataloader_tuner.max_tuning_time_s=20",
+        "callbacks.dataloader_tuner.steps_per_trial=4",
+        "precision=fp32",
+        "trainer.devices=2",
+    ]
     cached_first = True
     for attempt in ("tuned", "cached"):
         run_dir = tmp_path / attempt
@@ -69,8 +76,11 @@ def test_ddp_preset_tunes_the_dataloader_once_for_both_ranks(run_cli, tmp_path: 
         assert result.returncode == 0, result.stderr[-3000:]
         rows = (run_dir / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
         header = rows[0].split(",")
-        logged = next(dict(zip(header, row.split(","), strict=True)) for row in rows[1:]
-                      if row.split(",")[header.index("dataloader_tuner/num_workers")])  # fmt: skip
+        logged = next(
+            dict(zip(header, row.split(","), strict=True))
+            for row in rows[1:]
+            if row.split(",")[header.index("dataloader_tuner/num_workers")]
+        )
         hit = attempt == "cached" and cached_first
         assert float(logged["dataloader_tuner/cache_hit"]) == hit
         assert float(logged["dataloader_tuner/trials"]) >= (0 if hit else 2)
@@ -126,13 +136,23 @@ def test_killed_run_leaves_no_half_written_checkpoint(tmp_path: Path) -> None:
     """SIGKILL while checkpoints are written every step: every .ckpt file left behind loads."""
     run_dir = tmp_path / "run"
     args = [
-        *SMOKE, "trainer.max_steps=500", "model.n_embd=256", "callbacks.model_checkpoint.every_n_train_steps=1",
-        "callbacks.model_checkpoint.save_top_k=-1", "callbacks.model_checkpoint.monitor=null",
-        "callbacks.model_checkpoint.filename='s{step}'", f"hydra.run.dir={run_dir}",
-    ]  # fmt: skip
+        *SMOKE,
+        "trainer.max_steps=500",
+        "model.n_embd=256",
+        "callbacks.model_checkpoint.every_n_train_steps=1",
+        "callbacks.model_checkpoint.save_top_k=-1",
+        "callbacks.model_checkpoint.monitor=null",
+        "callbacks.model_checkpoint.filename='s{step}'",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_accel.train", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lightning_accel.train", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ckpt_dir = run_dir / "checkpoints"
 
     def four_checkpoints() -> bool:
@@ -169,8 +189,14 @@ def _run_with_a_failing_rank(run_cli, tmp_path: Path) -> tuple[subprocess.Comple
     """A 2-rank DDP run whose rank 1 raises at step 3 (within `run_cli`'s 120 s, or it fails); (result, seconds)."""
     (tmp_path / "failmod.py").write_text(_FAILING_CALLBACK)
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    args = ["trainer=smoke", "trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp",
-            "+callbacks.fail._target_=failmod.FailAt", "test=false"]  # fmt: skip
+    args = [
+        "trainer=smoke",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "strategy=ddp",
+        "+callbacks.fail._target_=failmod.FailAt",
+        "test=false",
+    ]
     started = time.monotonic()
     proc = run_cli(args, tmp_path, timeout=120, env=env)
     return proc, time.monotonic() - started
@@ -233,7 +259,7 @@ def test_two_nodes_under_torchrun_share_one_run_directory(tmp_path: Path) -> Non
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for rank in (0, 1)
     ]
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
@@ -250,8 +276,10 @@ def test_two_runs_started_together_get_two_run_directories(tmp_path: Path) -> No
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "ACCEL_RUN_ID", "SLURM_JOB_ID")}
     env["ACCEL_LOG_DIR"] = str(tmp_path / "outputs")
     command = [sys.executable, "-m", "lightning_accel.train", "check=true", "trainer.accelerator=cpu"]
-    procs = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     for proc in procs:
         assert proc.wait(timeout=120) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
     runs = sorted((tmp_path / "outputs" / "runs").iterdir())
@@ -295,9 +323,18 @@ def test_the_log_dir_check_leaves_help_and_interpolations_alone(tmp_path: Path) 
 def _run_with_a_missing_node(run_cli, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], float]:
     """`trainer.num_nodes=2` with one node and `init_timeout_s=3` (within `run_cli`'s 120 s, or it fails)."""
     started = time.monotonic()
-    result = run_cli([*SMOKE, "strategy=ddp", "trainer.num_nodes=2", "trainer.devices=1",
-                      "trainer.strategy.init_timeout_s=3", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
-                     timeout=120)  # fmt: skip
+    result = run_cli(
+        [
+            *SMOKE,
+            "strategy=ddp",
+            "trainer.num_nodes=2",
+            "trainer.devices=1",
+            "trainer.strategy.init_timeout_s=3",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        timeout=120,
+    )
     return result, time.monotonic() - started
 
 
@@ -400,14 +437,14 @@ def test_a_planted_payload_in_a_checkpoint_never_runs_on_resume(run_cli, tmp_pat
     marker = tmp_path / "payload-ran"
     if fmt == "file":
         planted = tmp_path / "planted.ckpt"
-        torch.save({"state_dict": {"w": torch.ones(2)}, "global_step": 3, "hyper_parameters": {"x": _Payload(marker)}},
-                   planted)  # fmt: skip
+        torch.save(
+            {"state_dict": {"w": torch.ones(2)}, "global_step": 3, "hyper_parameters": {"x": _Payload(marker)}}, planted
+        )
     else:
         planted = tmp_path / "planted_dir"
         dcp.save({"state_dict": {"w": torch.ones(2)}}, checkpoint_id=planted)
         torch.save({"global_step": 3, "hyper_parameters": {"x": _Payload(marker)}}, planted / "meta.pt")
-    result = run_cli([*SMOKE, f"ckpt_path={planted}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
-                     timeout=120)  # fmt: skip
+    result = run_cli([*SMOKE, f"ckpt_path={planted}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "could run code" in result.stderr and "Unsupported global" in result.stderr
     assert "Traceback" not in result.stderr

@@ -19,9 +19,18 @@ import torch
 from _env import clean_env
 from _wait import wait_until
 
-SMOKE = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000", "strategy=ddp", "trainer.devices=2",
-         "test=false", "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.every_n_train_steps=5",
-         "trainer.val_check_interval=1000000", "trainer.limit_val_batches=0"]  # fmt: skip
+SMOKE = [
+    "trainer=smoke",
+    "trainer.accelerator=cpu",
+    "data.max_chars=200000",
+    "strategy=ddp",
+    "trainer.devices=2",
+    "test=false",
+    "callbacks.model_checkpoint.monitor=null",
+    "callbacks.model_checkpoint.every_n_train_steps=5",
+    "trainer.val_check_interval=1000000",
+    "trainer.limit_val_batches=0",
+]
 DEADLINE_S = 30.0
 
 
@@ -50,7 +59,8 @@ def _env() -> dict[str, str]:
 def _alive(proc: subprocess.Popen, log: Path | None = None) -> bool:
     """True; an AssertionError (with the log's tail) once `proc` has exited."""
     assert proc.poll() is None, f"accel-train exited early with {proc.returncode}" + (
-        f":\n{log.read_text()[-3000:]}" if log is not None else "")  # fmt: skip
+        f":\n{log.read_text()[-3000:]}" if log is not None else ""
+    )
     return True
 
 
@@ -73,19 +83,31 @@ def interrupt_once(tmp_path: Path, signum: int, target: str) -> tuple[float, int
     """
     run_dir, ready = tmp_path / "run", tmp_path / "ready"
     (tmp_path / "readymod.py").write_text(_READY_CALLBACK)
-    command = [sys.executable, "-m", "lightning_accel.train", *SMOKE, "trainer.max_steps=100000",
-               "+callbacks.ready._target_=readymod.Ready", f"+callbacks.ready.path={ready}",
-               "+callbacks.ready.after=5", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_accel.train",
+        *SMOKE,
+        "trainer.max_steps=100000",
+        "+callbacks.ready._target_=readymod.Ready",
+        f"+callbacks.ready.path={ready}",
+        "+callbacks.ready.after=5",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {**_env(), "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     log = (tmp_path / "log.txt").open("w")
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     last = run_dir / "checkpoints" / "last.ckpt"
     try:
         ranks = _ranks(proc)
-        wait_until(lambda: _alive(proc, tmp_path / "log.txt") and ready.exists(), 180,
-                   "a training step past the first checkpoint (step 5)",
-                   detail=lambda: (tmp_path / "log.txt").read_text()[-3000:])  # fmt: skip
+        wait_until(
+            lambda: _alive(proc, tmp_path / "log.txt") and ready.exists(),
+            180,
+            "a training step past the first checkpoint (step 5)",
+            detail=lambda: (tmp_path / "log.txt").read_text()[-3000:],
+        )
         assert last.exists()
         sent = time.monotonic()
         if target == "group":
@@ -110,9 +132,22 @@ def _resume(tmp_path: Path, step: int) -> None:
     run_dir = tmp_path / "run"
     last = run_dir / "checkpoints" / "last.ckpt"
     target = (step // 5 + 1) * 5
-    done = subprocess.run([sys.executable, "-m", "lightning_accel.train", *SMOKE, f"trainer.max_steps={target}",
-                           f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'resumed'}"],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_accel.train",
+            *SMOKE,
+            f"trainer.max_steps={target}",
+            f"ckpt_path={last}",
+            f"hydra.run.dir={tmp_path / 'resumed'}",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert resumed["global_step"] == target
@@ -148,8 +183,10 @@ def test_signal_matrix_ten_times_each(tmp_path, signum, target) -> None:
         times.append(elapsed)
         if attempt == 0:
             _resume(folder, step)
-    print(f"{signum.name} to {target}: 10/10 ended, exit {128 + signum}, slowest {max(times):.1f} s, "
-          f"median {sorted(times)[5]:.1f} s")  # fmt: skip
+    print(
+        f"{signum.name} to {target}: 10/10 ended, exit {128 + signum}, slowest {max(times):.1f} s, "
+        f"median {sorted(times)[5]:.1f} s"
+    )
 
 
 def _slurm_env(tmp_path: Path) -> dict[str, str]:
@@ -159,9 +196,16 @@ def _slurm_env(tmp_path: Path) -> dict[str, str]:
     scontrol = bin_dir / "scontrol"
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
     scontrol.chmod(0o755)
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
-             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train",
-             "SLURM_NODELIST": "localhost"}  # fmt: skip
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NODELIST": "localhost",
+    }
     env = {**_env(), **slurm, "ACCEL_LOG_DIR": str(tmp_path / "outputs")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     return env
@@ -171,17 +215,32 @@ def test_slurm_requeue_signal_saves_the_hpc_checkpoint_requeues_and_the_requeued
     """SIGUSR1 (what accel_slurm asks SLURM to send before the time limit) to a SLURM task: Lightning's HPC checkpoint
     in the run directory `slurm-4242.0`, `scontrol requeue 4242`, exit 138; the requeued job, same job and step ids,
     finds that directory and resumes from the checkpoint."""
-    single = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000", "test=false",
-              "callbacks.model_checkpoint.monitor=null", "callbacks.model_checkpoint.every_n_train_steps=5",
-              "trainer.limit_val_batches=0"]  # fmt: skip
+    single = [
+        "trainer=smoke",
+        "trainer.accelerator=cpu",
+        "data.max_chars=200000",
+        "test=false",
+        "callbacks.model_checkpoint.monitor=null",
+        "callbacks.model_checkpoint.every_n_train_steps=5",
+        "trainer.limit_val_batches=0",
+    ]
     env = _slurm_env(tmp_path)
     run_dir = tmp_path / "outputs" / "runs" / "slurm-4242.0"
     command = [sys.executable, "-m", "lightning_accel.train", *single]
     with (tmp_path / "log.txt").open("w") as log:
-        proc = subprocess.Popen([*command, "trainer.max_steps=100000", "trainer.max_epochs=-1"], cwd=tmp_path,
-                                env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-        wait_until(lambda: _alive(proc, tmp_path / "log.txt") and (run_dir / "checkpoints" / "last.ckpt").exists(),
-                   180, "the first checkpoint", detail=lambda: (tmp_path / "log.txt").read_text()[-3000:])  # fmt: skip
+        proc = subprocess.Popen(
+            [*command, "trainer.max_steps=100000", "trainer.max_epochs=-1"],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_until(
+            lambda: _alive(proc, tmp_path / "log.txt") and (run_dir / "checkpoints" / "last.ckpt").exists(),
+            180,
+            "the first checkpoint",
+            detail=lambda: (tmp_path / "log.txt").read_text()[-3000:],
+        )
         proc.send_signal(signal.SIGUSR1)
         code = proc.wait(timeout=60)
     output = (tmp_path / "log.txt").read_text()
@@ -192,8 +251,14 @@ def test_slurm_requeue_signal_saves_the_hpc_checkpoint_requeues_and_the_requeued
     assert step >= 5
 
     env["SLURM_RESTART_COUNT"] = "1"
-    done = subprocess.run([*command, f"trainer.max_steps={step + 2}", "trainer.max_epochs=-1"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [*command, f"trainer.max_steps={step + 2}", "trainer.max_epochs=-1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "hpc_ckpt_1.ckpt" in done.stdout + done.stderr  # Lightning: "Restoring states from the checkpoint path at"
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)

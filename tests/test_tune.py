@@ -35,9 +35,15 @@ def _candidate_of(command: list[str]) -> str:
     return (folder / "preset" / f"{preset}.yaml").read_text().splitlines()[1].lstrip("# ").strip()
 
 
-def world(rates: dict[str, float], metrics: dict[str, float] | None = None, fails: tuple[str, ...] = (),
-          data_share: dict[str, float] | None = None, on_call: Callable[[int], None] | None = None,
-          oom: tuple[str, ...] = (), records: dict[str, dict[str, object]] | None = None):  # fmt: skip
+def world(
+    rates: dict[str, float],
+    metrics: dict[str, float] | None = None,
+    fails: tuple[str, ...] = (),
+    data_share: dict[str, float] | None = None,
+    on_call: Callable[[int], None] | None = None,
+    oom: tuple[str, ...] = (),
+    records: dict[str, dict[str, object]] | None = None,
+):
     """A launcher whose runs measure `rates[candidate]` samples/s (+-1% by round), the metric `metrics[candidate]`
     (2.0), a data-wait share (input-bound above 0.2), and fail for the candidates in `fails`; `records[candidate]`
     adds to its BenchMonitor record (what a DataLoaderTuner or MicroBatchFinder decided)."""
@@ -67,8 +73,9 @@ def world(rates: dict[str, float], metrics: dict[str, float] | None = None, fail
 
 
 def settings(tmp_path: Path, **kwargs) -> TuneSettings:
-    return TuneSettings(bench=BenchSettings(steps=4, repeats=2, match="steps"), config_dir=tmp_path / "conf",
-                        name="tiny", **kwargs)  # fmt: skip
+    return TuneSettings(
+        bench=BenchSettings(steps=4, repeats=2, match="steps"), config_dir=tmp_path / "conf", name="tiny", **kwargs
+    )
 
 
 def test_the_search_follows_the_bottleneck_keeps_quality_and_writes_the_preset(tmp_path: Path) -> None:
@@ -77,8 +84,9 @@ def test_the_search_follows_the_bottleneck_keeps_quality_and_writes_the_preset(t
     rates["compile=default"] = 400.0
     launcher, calls = world(rates, metrics, fails=("compile=default+precision=amp",))
     lines: list[str] = []
-    result = tune(USER, Space(devices=2, compile=True), settings(tmp_path), tmp_path / "out", launcher=launcher,
-                  echo=lines.append)  # fmt: skip
+    result = tune(
+        USER, Space(devices=2, compile=True), settings(tmp_path), tmp_path / "out", launcher=launcher, echo=lines.append
+    )
     assert result.pick is not None and result.pick.candidate.name == "precision=amp+strategy=ddp+devices=2"
     assert result.confirmed is True
     names = [o.candidate.name for o in result.history]
@@ -109,8 +117,14 @@ def test_a_pick_the_confirmation_does_not_uphold_leaves_the_baseline(tmp_path: P
             rates["precision=amp"] = 101.0  # the longer run shows no real gain
         return launcher(command, stage_dir, timeout)
 
-    result = tune(USER, Space(devices=1, compile=False), settings(tmp_path), tmp_path / "out",
-                  launcher=confirm_aware, echo=lambda _: None)  # fmt: skip
+    result = tune(
+        USER,
+        Space(devices=1, compile=False),
+        settings(tmp_path),
+        tmp_path / "out",
+        launcher=confirm_aware,
+        echo=lambda _: None,
+    )
     assert result.confirmed is False and result.pick is not None and result.pick.candidate.name == "baseline"
     assert "override" not in (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()  # the user's config as is
 
@@ -128,14 +142,28 @@ def test_the_search_and_its_confirmation_end_inside_the_time_budget_and_ctrl_c_k
         now[0] += 30.0 if "confirm" in stage_dir.parts else 10.0
         return launcher(command, stage_dir, timeout)
 
-    result = tune(USER, Space(devices=2, compile=True), settings(tmp_path, time_budget_s=250), tmp_path / "out",
-                  launcher=timed, echo=lambda _: None, clock=lambda: now[0])  # fmt: skip
+    result = tune(
+        USER,
+        Space(devices=2, compile=True),
+        settings(tmp_path, time_budget_s=250),
+        tmp_path / "out",
+        launcher=timed,
+        echo=lambda _: None,
+        clock=lambda: now[0],
+    )
     assert result.generations == 2 and result.confirmed is True  # 20 s + 60 s + the confirmation's 120 s
     assert "would end past the time budget of 250 s (170 s left)" in result.stop_reason, result.stop_reason
     assert now[0] == 200.0 <= 250
     now[0] = 0.0
-    result = tune(USER, Space(devices=2, compile=True), settings(tmp_path / "tight", time_budget_s=150),
-                  tmp_path / "out_tight", launcher=timed, echo=lambda _: None, clock=lambda: now[0])  # fmt: skip
+    result = tune(
+        USER,
+        Space(devices=2, compile=True),
+        settings(tmp_path / "tight", time_budget_s=150),
+        tmp_path / "out_tight",
+        launcher=timed,
+        echo=lambda _: None,
+        clock=lambda: now[0],
+    )
     assert result.generations == 1 and result.pick is not None and result.pick.candidate.name == "baseline"
     assert now[0] == 20.0  # 20 s + 60 s + 120 s would not fit: only the baseline, no confirmation needed
 
@@ -144,8 +172,14 @@ def test_the_search_and_its_confirmation_end_inside_the_time_budget_and_ctrl_c_k
             raise KeyboardInterrupt
 
     launcher, calls = world({"baseline": 100.0, "precision=amp": 150.0}, on_call=interrupt)
-    result = tune(USER, Space(devices=2, compile=True), settings(tmp_path / "second"), tmp_path / "out2",
-                  launcher=launcher, echo=lambda _: None)  # fmt: skip
+    result = tune(
+        USER,
+        Space(devices=2, compile=True),
+        settings(tmp_path / "second"),
+        tmp_path / "out2",
+        launcher=launcher,
+        echo=lambda _: None,
+    )
     assert result.interrupted and result.stop_reason == "interrupted (Ctrl-C)" and result.confirmed is None
     assert result.pick is not None  # the best measured before Ctrl-C
     assert (tmp_path / "second" / "conf" / "preset" / "tuned_tiny.yaml").is_file()
@@ -155,10 +189,17 @@ def test_the_search_and_its_confirmation_end_inside_the_time_budget_and_ctrl_c_k
 def test_an_input_bound_baseline_tries_the_dataloader_tuner_first(tmp_path: Path) -> None:
     tuner = "dataloader_tuner"
     decision = {"num_workers": 4, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": True}
-    launcher, calls = world({"baseline": 100.0, tuner: 300.0}, data_share={"baseline": 0.6},
-                            records={tuner: {"loader": decision}})  # fmt: skip
-    result = tune(USER, Space(devices=1, compile=False), settings(tmp_path, per_generation=1, confirm_steps=0),
-                  tmp_path / "out", launcher=launcher, echo=lambda _: None)  # fmt: skip
+    launcher, calls = world(
+        {"baseline": 100.0, tuner: 300.0}, data_share={"baseline": 0.6}, records={tuner: {"loader": decision}}
+    )
+    result = tune(
+        USER,
+        Space(devices=1, compile=False),
+        settings(tmp_path, per_generation=1, confirm_steps=0),
+        tmp_path / "out",
+        launcher=launcher,
+        echo=lambda _: None,
+    )
     assert result.history[1].candidate.name == tuner  # the first move for input-bound
     assert result.pick is not None and result.pick.candidate.name.startswith(tuner)
     preset = (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
@@ -180,10 +221,19 @@ def test_the_command_line_refuses_bad_settings_before_anything_runs(
 
 def test_a_run_that_does_not_fit_is_tuned_to_one_that_does(tmp_path: Path) -> None:
     """The baseline runs out of memory; micro_batch=auto fits and becomes the pick (confirmed without a baseline)."""
-    launcher, calls = world({"baseline": 100.0, "micro_batch=auto": 90.0}, oom=("baseline",),
-                            records={"micro_batch=auto": {"micro_batch": 8, "micro_batch_auto": True}})  # fmt: skip
-    result = tune(USER, Space(devices=1, compile=False), settings(tmp_path, per_generation=1), tmp_path / "out",
-                  launcher=launcher, echo=lambda _: None)  # fmt: skip
+    launcher, calls = world(
+        {"baseline": 100.0, "micro_batch=auto": 90.0},
+        oom=("baseline",),
+        records={"micro_batch=auto": {"micro_batch": 8, "micro_batch_auto": True}},
+    )
+    result = tune(
+        USER,
+        Space(devices=1, compile=False),
+        settings(tmp_path, per_generation=1),
+        tmp_path / "out",
+        launcher=launcher,
+        echo=lambda _: None,
+    )
     assert result.history[0].status == "failed"
     assert result.pick is not None and result.pick.candidate.name == "micro_batch=auto" and result.confirmed
     preset = (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
@@ -200,8 +250,10 @@ def test_the_confirmation_is_estimated_from_the_training_part_of_a_run() -> None
     assert "(~30 s) and the confirmation (~60 s)" in _over_budget(20.0, 3, 5.0, 1.0, tune_settings)
     assert _over_budget(20.0, 3, 5.0, 0.25, tune_settings) == ""  # 20 s + 30 s + 30 s
     assert _over_budget(100.0, 1, 0.0, 1.0, tune_settings) == "the time budget of 100 s is spent"
-    assert _over_budget(20.0, 3, 5.0, 1.0, TuneSettings(bench=tune_settings.bench, time_budget_s=100,
-                                                        confirm_steps=0)) == ""  # fmt: skip
+    assert (
+        _over_budget(20.0, 3, 5.0, 1.0, TuneSettings(bench=tune_settings.bench, time_budget_s=100, confirm_steps=0))
+        == ""
+    )
 
 
 def test_a_win_on_top_of_a_win_must_hold_up_against_its_parent_in_the_confirmation(tmp_path: Path) -> None:
@@ -218,8 +270,14 @@ def test_a_win_on_top_of_a_win_must_hold_up_against_its_parent_in_the_confirmati
         return launcher(command, stage_dir, timeout)
 
     lines: list[str] = []
-    result = tune(USER, Space(devices=1, compile=True), settings(tmp_path), tmp_path / "out",
-                  launcher=confirm_aware, echo=lines.append)  # fmt: skip
+    result = tune(
+        USER,
+        Space(devices=1, compile=True),
+        settings(tmp_path),
+        tmp_path / "out",
+        launcher=confirm_aware,
+        echo=lines.append,
+    )
     assert set(confirm_ladders) == {"baseline", "precision=amp", "compile=default+precision=amp"}
     assert result.pick is not None and result.pick.candidate.name == "precision=amp" and result.confirmed is True
     assert any("did not uphold compile=default+precision=amp" in line for line in lines)
@@ -238,8 +296,14 @@ def test_ctrl_c_in_the_confirmation_keeps_the_searchs_pick_unconfirmed(tmp_path:
             raise KeyboardInterrupt
         return launcher(command, stage_dir, timeout)
 
-    result = tune(USER, Space(devices=1, compile=False), settings(tmp_path), tmp_path / "out",
-                  launcher=interrupt_confirmation, echo=lambda _: None)  # fmt: skip
+    result = tune(
+        USER,
+        Space(devices=1, compile=False),
+        settings(tmp_path),
+        tmp_path / "out",
+        launcher=interrupt_confirmation,
+        echo=lambda _: None,
+    )
     assert result.interrupted and result.confirmed is None and "confirmation was interrupted" in result.stop_reason
     assert result.pick is not None and result.pick.candidate.name == "precision=amp"
     assert "override /precision: amp" in (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()
@@ -253,11 +317,17 @@ def test_a_row_measured_under_interference_cannot_win() -> None:
     from lightning_accel.benchmark.search import Candidate, incumbent
 
     amp = Candidate((("precision", "amp"),))
-    row = StageResult(name="cand1", samples_per_s=300.0, samples_interval={"low": 290.0, "high": 310.0},
-                      quality="pass", interference=True)  # fmt: skip
+    row = StageResult(
+        name="cand1",
+        samples_per_s=300.0,
+        samples_interval={"low": 290.0, "high": 310.0},
+        quality="pass",
+        interference=True,
+    )
     busy = outcome_of(amp, row)
-    base = outcome_of(Candidate(), StageResult(name="as_is", samples_per_s=100.0,
-                                               samples_interval={"low": 99.0, "high": 101.0}))  # fmt: skip
+    base = outcome_of(
+        Candidate(), StageResult(name="as_is", samples_per_s=100.0, samples_interval={"low": 99.0, "high": 101.0})
+    )
     assert busy.interference and incumbent([base, busy]) == base
     assert _verdict(busy, base, base, {}).startswith("lost: measured under interference")
 
@@ -269,8 +339,14 @@ def test_on_a_busy_machine_nothing_wins_and_the_report_says_why(tmp_path: Path, 
     monkeypatch.setattr("lightning_accel.benchmark.run._probe", _ScriptedProbe([True] * 1000))
     launcher, calls = world({"baseline": 100.0, "precision=amp": 150.0})
     lines: list[str] = []
-    result = tune(USER, Space(devices=1, compile=False), settings(tmp_path), tmp_path / "out", launcher=launcher,
-                  echo=lines.append)  # fmt: skip
+    result = tune(
+        USER,
+        Space(devices=1, compile=False),
+        settings(tmp_path),
+        tmp_path / "out",
+        launcher=launcher,
+        echo=lines.append,
+    )
     assert result.pick is not None and result.pick.candidate.name == "baseline"
     amp = next(o for o in result.history if o.candidate.name == "precision=amp")
     assert amp.interference and amp.samples_per_s is not None and amp.samples_per_s > 140

@@ -22,8 +22,10 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
 
 def test_wheel_in_fresh_venv_runs_accel_train(tmp_path: Path) -> None:
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(REPO)],
-         cwd=tmp_path)  # fmt: skip
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(REPO)],
+        cwd=tmp_path,
+    )
     wheel = next(dist.glob("lightning_accel-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for shipped in (
@@ -39,7 +41,7 @@ def test_wheel_in_fresh_venv_runs_accel_train(tmp_path: Path) -> None:
         "lightning_accel/examples/monitoring/grafana/dashboards/lightning-accel.json",
         "lightning_accel/examples/monitoring/grafana/provisioning/dashboards/lightning-accel.yml",
     ):
-        assert shipped in names  # fmt: skip
+        assert shipped in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "[hydra.plugins]" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -47,17 +49,29 @@ def test_wheel_in_fresh_venv_runs_accel_train(tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
-    purelib = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                        cwd=tmp_path).stdout.strip())  # fmt: skip
+    purelib = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path
+        ).stdout.strip()
+    )
     deps = [p for p in {*site.getsitepackages(), sysconfig.get_paths()["purelib"]} if Path(p).is_dir()]
     (purelib / "_deps_of_the_test_env.pth").write_text("\n".join(deps) + "\n")
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
-         cwd=tmp_path)  # fmt: skip
+    _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+        cwd=tmp_path,
+    )
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = _run([str(python), "-c", "import lightning_accel.conf as c, hydra_plugins.lightning_accel_searchpath as p;"
-                  "print(c.__file__); print(p.__file__)"], cwd=elsewhere).stdout.split()  # fmt: skip
+    where = _run(
+        [
+            str(python),
+            "-c",
+            "import lightning_accel.conf as c, hydra_plugins.lightning_accel_searchpath as p;"
+            "print(c.__file__); print(p.__file__)",
+        ],
+        cwd=elsewhere,
+    ).stdout.split()
     assert all(Path(w).is_relative_to(env_dir) for w in where), where
 
     accel_train = str(env_dir / "bin" / "accel-train")
@@ -65,8 +79,17 @@ def test_wheel_in_fresh_venv_runs_accel_train(tmp_path: Path) -> None:
     assert "DDPStrategy" in job and "lightning_accel.examples.GPTLanguageModel" in job
 
     run_dir = elsewhere / "run"
-    _run([accel_train, "trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=100000", f"hydra.run.dir={run_dir}",
-          f"callbacks.gpu_monitor.runs_dir={elsewhere / 'runs'}"], cwd=elsewhere)  # fmt: skip
+    _run(
+        [
+            accel_train,
+            "trainer=smoke",
+            "trainer.accelerator=cpu",
+            "data.max_chars=100000",
+            f"hydra.run.dir={run_dir}",
+            f"callbacks.gpu_monitor.runs_dir={elsewhere / 'runs'}",
+        ],
+        cwd=elsewhere,
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["metrics"]["test/bpc"] > 0 and Path(summary["best_checkpoint"]).is_file()
     # the run published its heartbeat (the default callbacks), and the wheel's accel-dash reads it

@@ -19,7 +19,22 @@ from lightning_accel.benchmark.results import (
 from lightning_accel.benchmark.run import BenchRun, run_bench
 
 __all__ = [
-    "BUILTIN_STAGES", "JSON_SCHEMA_VERSION", "BenchRun", "BenchSettings", "StagePlan", "StageResult", "StageRun",
-    "available_presets", "bottleneck", "default_ladder", "finalize", "higher_is_better", "markdown_table",
-    "model_flops_utilization", "plan_stages", "quality_verdict", "run_bench", "speedups",
-]  # fmt: skip
+    "BUILTIN_STAGES",
+    "JSON_SCHEMA_VERSION",
+    "BenchRun",
+    "BenchSettings",
+    "StagePlan",
+    "StageResult",
+    "StageRun",
+    "available_presets",
+    "bottleneck",
+    "default_ladder",
+    "finalize",
+    "higher_is_better",
+    "markdown_table",
+    "model_flops_utilization",
+    "plan_stages",
+    "quality_verdict",
+    "run_bench",
+    "speedups",
+]

@@ -70,9 +70,17 @@ def outcome_of(candidate: Candidate, result: StageResult) -> Outcome:
     interval = result.samples_interval or {}
     quality = result.quality if result.quality in ("pass", "FAIL") else ("pass" if not candidate.choices else "n/a")
     settled = settled_of(result.loader, result.micro_batch, result.micro_batch_auto, candidate.choices)
-    return Outcome(candidate, samples_per_s=result.samples_per_s, low=interval.get("low"), high=interval.get("high"),
-                   bottleneck=result.bottleneck or "", quality=quality, reason=result.bottleneck_why,
-                   interference=result.interference, settled=settled)  # type: ignore[arg-type]  # fmt: skip
+    return Outcome(
+        candidate,
+        samples_per_s=result.samples_per_s,
+        low=interval.get("low"),
+        high=interval.get("high"),
+        bottleneck=result.bottleneck or "",
+        quality=quality,
+        reason=result.bottleneck_why,
+        interference=result.interference,
+        settled=settled,
+    )  # type: ignore[arg-type]
 
 
 def _stage_name(candidate: Candidate, index: int) -> str:
@@ -101,8 +109,7 @@ def _measure(
     search = [f"hydra.searchpath=[file://{conf.resolve()}]"]
     extra = {name: c.overrides() for name, c in zip(names, ladder, strict=True)}
     run = run_bench(names, [*search, *overrides], bench, out_dir, launcher=launcher, echo=echo, stage_extra=extra)
-    outcomes = {candidate: outcome_of(candidate, result) for candidate, result in zip(ladder, run.results,
-                                                                                      strict=True)}  # fmt: skip
+    outcomes = {candidate: outcome_of(candidate, result) for candidate, result in zip(ladder, run.results, strict=True)}
     shares = [r.time_s / r.process_s for r in run.results if r.status == "ok" and r.time_s and r.process_s]
     share = max(shares) if shares else None
     return outcomes, run.interrupted, out_dir / "bench.md", share
@@ -144,21 +151,35 @@ def tune(
             ladder += [c for c in suggestion.candidates if c.choices]
             if generation:
                 # a winner of this generation would be confirmed beside its parent, the incumbent, and the baseline
-                stop = _over_budget(clock() - started, len(ladder), run_s, train_share, settings,
-                                    confirm_stages=3 if best is not None and best.candidate.choices else 2)  # fmt: skip
+                stop = _over_budget(
+                    clock() - started,
+                    len(ladder),
+                    run_s,
+                    train_share,
+                    settings,
+                    confirm_stages=3 if best is not None and best.candidate.choices else 2,
+                )
                 if stop:
                     break
-            echo(f"accel-tune: generation {generation}: {suggestion.why}; measuring "
-                 f"{', '.join(c.name for c in ladder)}")  # fmt: skip
+            echo(
+                f"accel-tune: generation {generation}: {suggestion.why}; measuring {', '.join(c.name for c in ladder)}"
+            )
             began = clock()
-            outcomes, interrupted, table, share = _measure(ladder, overrides, settings.bench,
-                                                           out_dir / f"gen{generation}", launcher, echo)  # fmt: skip
+            outcomes, interrupted, table, share = _measure(
+                ladder, overrides, settings.bench, out_dir / f"gen{generation}", launcher, echo
+            )
             run_s = max(run_s, (clock() - began) / (len(ladder) * settings.bench.repeats))
             train_share = share if share is not None else train_share
             history = _merge(history, outcomes)
-            trace.append({"generation": generation, "why": suggestion.why, "table": str(table),
-                          "measured": [_describe(o) for o in outcomes.values()],
-                          "incumbent": (incumbent(history) or Outcome(baseline())).candidate.name})  # fmt: skip
+            trace.append(
+                {
+                    "generation": generation,
+                    "why": suggestion.why,
+                    "table": str(table),
+                    "measured": [_describe(o) for o in outcomes.values()],
+                    "incumbent": (incumbent(history) or Outcome(baseline())).candidate.name,
+                }
+            )
             generation += 1
             if interrupted:
                 stop = "interrupted (Ctrl-C)"
@@ -171,8 +192,9 @@ def tune(
     if pick is not None and pick.candidate.choices and not interrupted and settings.confirm_steps != 0:
         searched = pick
         try:
-            confirmed, pick, reference, interrupted, lost = _confirm(pick, history, overrides, settings, out_dir,
-                                                                     launcher, echo, trace)  # fmt: skip
+            confirmed, pick, reference, interrupted, lost = _confirm(
+                pick, history, overrides, settings, out_dir, launcher, echo, trace
+            )
         except KeyboardInterrupt:
             interrupted, lost = True, ""
         if interrupted:  # a confirmation cut short decides nothing: the search's pick stays, unconfirmed
@@ -181,21 +203,32 @@ def tune(
         if lost:
             demoted[searched.candidate] = lost
     summary = _summary(pick, reference, confirmed) if pick is not None else []
-    files = _write_report(history, pick, confirmed, trace, stop, settings, out_dir, clock() - started, summary,
-                          demoted)  # fmt: skip
+    files = _write_report(history, pick, confirmed, trace, stop, settings, out_dir, clock() - started, summary, demoted)
     preset = None
     if pick is not None:
         chosen, pins = pinned(pick, space.loader_keys)
         comment = [f"accel-tune: {pick.candidate.name}", *summary, *pins]
         preset = write_preset(settings.config_dir, settings.name, chosen, comment=comment)
         files.append(preset)
-    echo(f"accel-tune: {stop}; pick: {pick.candidate.name if pick else 'none'}"
-         + (f"; wrote {preset}" if preset else ""))  # fmt: skip
+    echo(
+        f"accel-tune: {stop}; pick: {pick.candidate.name if pick else 'none'}" + (f"; wrote {preset}" if preset else "")
+    )
     if any(o.interference for o in history):
-        echo("accel-tune: note: some candidates were measured under interference (see tune.md); their figures did "
-             "not decide: run again when the machine is quiet")  # fmt: skip
-    return TuneResult(history=history, pick=pick, confirmed=confirmed, preset=preset, files=files,
-                      generations=generation, interrupted=interrupted, stop_reason=stop, trace=trace)  # fmt: skip
+        echo(
+            "accel-tune: note: some candidates were measured under interference (see tune.md); their figures did "
+            "not decide: run again when the machine is quiet"
+        )
+    return TuneResult(
+        history=history,
+        pick=pick,
+        confirmed=confirmed,
+        preset=preset,
+        files=files,
+        generations=generation,
+        interrupted=interrupted,
+        stop_reason=stop,
+        trace=trace,
+    )
 
 
 def _confirm_runs(settings: TuneSettings, train_share: float, stages: int = 2) -> float:
@@ -209,8 +242,9 @@ def _confirm_runs(settings: TuneSettings, train_share: float, stages: int = 2) -
     return stages * settings.bench.repeats * ((1 - share) + share * steps / settings.bench.steps)
 
 
-def _over_budget(spent: float, stages: int, run_s: float, train_share: float, settings: TuneSettings,
-                 confirm_stages: int = 2) -> str:  # fmt: skip
+def _over_budget(
+    spent: float, stages: int, run_s: float, train_share: float, settings: TuneSettings, confirm_stages: int = 2
+) -> str:
     """Why the next generation of `stages` stages must not start (empty when it may): it and the confirmation
     (`confirm_stages` stages), at `run_s` seconds per baseline-length run, would end past the time budget."""
     budget = settings.time_budget_s
@@ -219,8 +253,10 @@ def _over_budget(spent: float, stages: int, run_s: float, train_share: float, se
     generation_s = stages * settings.bench.repeats * run_s
     confirm_s = _confirm_runs(settings, train_share, confirm_stages) * run_s
     if spent + generation_s + confirm_s > budget:
-        return (f"the next generation (~{generation_s:.0f} s) and the confirmation (~{confirm_s:.0f} s) would end "
-                f"past the time budget of {budget:.0f} s ({budget - spent:.0f} s left)")  # fmt: skip
+        return (
+            f"the next generation (~{generation_s:.0f} s) and the confirmation (~{confirm_s:.0f} s) would end "
+            f"past the time budget of {budget:.0f} s ({budget - spent:.0f} s left)"
+        )
     return ""
 
 
@@ -257,11 +293,14 @@ def _confirm(
     Ctrl-C cut it short, and why the search's pick lost (empty when it was upheld)."""
     steps = settings.confirm_steps or 3 * settings.bench.steps
     bench = replace(settings.bench, steps=steps)
-    parent = next((o.candidate for o in history if o.candidate.choices and o.candidate.name == pick.candidate.parent),
-                  None)  # fmt: skip
+    parent = next(
+        (o.candidate for o in history if o.candidate.choices and o.candidate.name == pick.candidate.parent), None
+    )
     ladder = [baseline(), *([parent] if parent is not None else []), pick.candidate]
-    echo(f"accel-tune: confirming {pick.candidate.name} against "
-         f"{', '.join(c.name for c in ladder[:-1])} over {steps} steps")  # fmt: skip
+    echo(
+        f"accel-tune: confirming {pick.candidate.name} against "
+        f"{', '.join(c.name for c in ladder[:-1])} over {steps} steps"
+    )
     outcomes, interrupted, table, _ = _measure(ladder, overrides, bench, out_dir / "confirm", launcher, echo)
     base, again = outcomes[baseline()], outcomes[pick.candidate]
     before = outcomes.get(parent) if parent is not None else None
@@ -278,13 +317,25 @@ def _confirm(
         lost = f"not faster than {before.candidate.name} beyond the noise in the confirmation run"
     else:
         chosen = base
-        lost = (f"{again.quality} quality in the confirmation run" if again.quality == "FAIL"
-                else "not faster than the baseline beyond the noise in the confirmation run")  # fmt: skip
-    trace.append({"generation": "confirm", "table": str(table), "measured": [_describe(o) for o in outcomes.values()],
-                  "upheld": not lost, "pick": chosen.candidate.name})  # fmt: skip
+        lost = (
+            f"{again.quality} quality in the confirmation run"
+            if again.quality == "FAIL"
+            else "not faster than the baseline beyond the noise in the confirmation run"
+        )
+    trace.append(
+        {
+            "generation": "confirm",
+            "table": str(table),
+            "measured": [_describe(o) for o in outcomes.values()],
+            "upheld": not lost,
+            "pick": chosen.candidate.name,
+        }
+    )
     if lost:
-        echo(f"accel-tune: the confirmation did not uphold {pick.candidate.name} ({lost}: {_rate(again)}): "
-             f"{chosen.candidate.name} is the pick")  # fmt: skip
+        echo(
+            f"accel-tune: the confirmation did not uphold {pick.candidate.name} ({lost}: {_rate(again)}): "
+            f"{chosen.candidate.name} is the pick"
+        )
     return chosen is not base, chosen, base, interrupted, lost
 
 
@@ -295,8 +346,13 @@ def _rate(o: Outcome) -> str:
 
 
 def _describe(o: Outcome) -> dict[str, Any]:
-    return {"candidate": o.candidate.name, "overrides": o.candidate.overrides(), "parent": o.candidate.parent,
-            "move": o.candidate.move, **{k: v for k, v in asdict(o).items() if k != "candidate"}}  # fmt: skip
+    return {
+        "candidate": o.candidate.name,
+        "overrides": o.candidate.overrides(),
+        "parent": o.candidate.parent,
+        "move": o.candidate.move,
+        **{k: v for k, v in asdict(o).items() if k != "candidate"},
+    }
 
 
 def _summary(pick: Outcome, base: Outcome | None, confirmed: bool | None) -> list[str]:
@@ -304,8 +360,10 @@ def _summary(pick: Outcome, base: Outcome | None, confirmed: bool | None) -> lis
     if not pick.candidate.choices or base is None or base.samples_per_s is None or pick.samples_per_s is None:
         return []  # the baseline itself, or nothing to compare
     where = " in the confirmation run" if confirmed else ""
-    return [f"{pick.samples_per_s / base.samples_per_s:.2f}x the baseline's samples/s{where} ({_rate(pick)} vs "
-            f"{_rate(base)}), quality {pick.quality}"]  # fmt: skip
+    return [
+        f"{pick.samples_per_s / base.samples_per_s:.2f}x the baseline's samples/s{where} ({_rate(pick)} vs "
+        f"{_rate(base)}), quality {pick.quality}"
+    ]
 
 
 def _verdict(o: Outcome, pick: Outcome | None, base: Outcome | None, demoted: dict[Candidate, str]) -> str:
@@ -330,41 +388,81 @@ def _verdict(o: Outcome, pick: Outcome | None, base: Outcome | None, demoted: di
     return "lost: not faster than the incumbent of its generation beyond the noise"
 
 
-def _write_report(history: Sequence[Outcome], pick: Outcome | None, confirmed: bool | None,
-                  trace: list[dict[str, Any]], stop: str, settings: TuneSettings, out_dir: Path,
-                  total_s: float, summary: Sequence[str] = (),
-                  demoted: dict[Candidate, str] | None = None) -> list[Path]:  # fmt: skip
+def _write_report(
+    history: Sequence[Outcome],
+    pick: Outcome | None,
+    confirmed: bool | None,
+    trace: list[dict[str, Any]],
+    stop: str,
+    settings: TuneSettings,
+    out_dir: Path,
+    total_s: float,
+    summary: Sequence[str] = (),
+    demoted: dict[Candidate, str] | None = None,
+) -> list[Path]:
     """tune.md (every candidate: samples/s with interval, speedup, quality, bottleneck, verdict), tune.json (the
     trace) and tune.png (samples/s with intervals; needs matplotlib), written atomically."""
     base = _baseline_of(history, ok=True)
     busy = [o.candidate.name for o in history if o.interference]
-    rows = ["| candidate | move | samples/s [interval] | vs baseline | quality | bottleneck | verdict |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| candidate | move | samples/s [interval] | vs baseline | quality | bottleneck | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for o in history:
         speed = "-"
         if base is not None and base.samples_per_s and o.samples_per_s:
             speed = f"{o.samples_per_s / base.samples_per_s:.2f}x"
-        rows.append(f"| `{o.candidate.name}` | {o.candidate.move or '-'} | {_rate(o)} | {speed} | {o.quality} | "
-                    f"{o.bottleneck or '-'} | {_verdict(o, pick, base, demoted or {})} |")  # fmt: skip
+        rows.append(
+            f"| `{o.candidate.name}` | {o.candidate.move or '-'} | {_rate(o)} | {speed} | {o.quality} | "
+            f"{o.bottleneck or '-'} | {_verdict(o, pick, base, demoted or {})} |"
+        )
     confirm = "not run" if confirmed is None else "upheld"
     if demoted:
         confirm = f"the search's pick did not hold up, {pick.candidate.name if pick else 'the baseline'} stays"
     elif confirmed is False:
         confirm = "not upheld: the baseline stays"
-    text = "\n".join([
-        f"# accel-tune: {pick.candidate.name if pick else 'no pick'}", "",
-        f"Stopped: {stop}. {len(history)} candidate(s) in {total_s:.0f} s; confirmation: {confirm}.", "",
-        *(f"The pick: {line}." for line in summary), *([""] if summary else []),
-        *([f"Measured under interference (other processes took the CPUs or GPUs; reruns did not get a quiet run): "
-           f"{', '.join(f'`{n}`' for n in busy)}. Their figures do not decide: no candidate wins on them. Run "
-           f"accel-tune again on a quiet machine.", ""] if busy else []),
-        *rows, "",
-        f"Preset: `preset=tuned_{settings.name}` (with `'hydra.searchpath=[file://{settings.config_dir}]'`).", "",
-    ])  # fmt: skip
-    files = [atomic_write(out_dir / "tune.md", text),
-             atomic_write(out_dir / "tune.json", json.dumps({"stop": stop, "total_s": total_s, "confirmed": confirmed,
-                                                        "pick": pick.candidate.name if pick else None,
-                                                        "trace": trace}, indent=2, default=str) + "\n")]  # fmt: skip
+    text = "\n".join(
+        [
+            f"# accel-tune: {pick.candidate.name if pick else 'no pick'}",
+            "",
+            f"Stopped: {stop}. {len(history)} candidate(s) in {total_s:.0f} s; confirmation: {confirm}.",
+            "",
+            *(f"The pick: {line}." for line in summary),
+            *([""] if summary else []),
+            *(
+                [
+                    "Measured under interference (other processes took the CPUs or GPUs; reruns did not get a quiet "
+                    f"run): {', '.join(f'`{n}`' for n in busy)}. Their figures do not decide: no candidate wins on "
+                    "them. Run accel-tune again on a quiet machine.",
+                    "",
+                ]
+                if busy
+                else []
+            ),
+            *rows,
+            "",
+            f"Preset: `preset=tuned_{settings.name}` (with `'hydra.searchpath=[file://{settings.config_dir}]'`).",
+            "",
+        ]
+    )
+    files = [
+        atomic_write(out_dir / "tune.md", text),
+        atomic_write(
+            out_dir / "tune.json",
+            json.dumps(
+                {
+                    "stop": stop,
+                    "total_s": total_s,
+                    "confirmed": confirmed,
+                    "pick": pick.candidate.name if pick else None,
+                    "trace": trace,
+                },
+                indent=2,
+                default=str,
+            )
+            + "\n",
+        ),
+    ]
     plot = _plot(history, out_dir / "tune.png")
     if plot is not None:
         files.append(plot)
@@ -384,8 +482,10 @@ def _plot(history: Sequence[Outcome], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(measured) + 1.5))
     values = [o.samples_per_s or 0.0 for o in measured]
-    errors = [[v - (o.low or v) for o, v in zip(measured, values, strict=True)],
-              [(o.high or v) - v for o, v in zip(measured, values, strict=True)]]  # fmt: skip
+    errors = [
+        [v - (o.low or v) for o, v in zip(measured, values, strict=True)],
+        [(o.high or v) - v for o, v in zip(measured, values, strict=True)],
+    ]
     ax.barh([o.candidate.name for o in measured], values, xerr=errors, capsize=3)
     ax.set_xlabel("samples/s (median, interval)")
     fig.tight_layout()

@@ -12,9 +12,15 @@ from omegaconf import DictConfig, open_dict
 from lightning_accel.errors import ConfigError
 
 __all__ = [
-    "BUILTIN_STAGES", "CONF_MODULE", "available_presets", "compose_config", "compose_user_config", "default_ladder",
-    "hydra_value", "stage_overrides",
-]  # fmt: skip
+    "BUILTIN_STAGES",
+    "CONF_MODULE",
+    "available_presets",
+    "compose_config",
+    "compose_user_config",
+    "default_ladder",
+    "hydra_value",
+    "stage_overrides",
+]
 
 CONF_MODULE = "lightning_accel.conf"
 # Stages the bench knows without a preset file: the article's last rung, "model parallel + gradient accumulation +

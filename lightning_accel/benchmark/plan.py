@@ -74,16 +74,32 @@ class Profile:
 
 PROFILES: dict[str, Profile] = {
     # a few minutes on 2 CPU cores: a smaller corpus and GPT, short validation
-    "quick": Profile(name="quick", steps=40, repeats=2, val_checks=2, match="steps", stage_timeout_s=300.0,
-                     gpt_overrides=("data.max_chars=300000", "model.n_embd=64", "trainer.limit_val_batches=4")),
+    "quick": Profile(
+        name="quick",
+        steps=40,
+        repeats=2,
+        val_checks=2,
+        match="steps",
+        stage_timeout_s=300.0,
+        gpt_overrides=("data.max_chars=300000", "model.n_embd=64", "trainer.limit_val_batches=4"),
+    ),
     # one GPU in a few minutes: GPT-2 small at a 1,024-byte context; 10 warm-up batches keep a compiled stage's
     # compilation out of its rates, and one batch in ten is synchronised for the split, so the host's overhead hides
     # behind the GPU's work as it does in training; 64 baseline steps of 16 x 1,024 bytes (1M tokens, 2 validations
     # of 131,072 bytes) take the fp32 loss from 5.5 to about 2.5 nats, where a precision's damage would show
-    "gpu": Profile(name="gpu", steps=64, repeats=2, val_checks=2, match="samples", stage_timeout_s=420.0,
-                   model="gpt2_small", monitor=(("warmup_batches", "10"), ("split_every_n_batches", "10")),
-                   ladder=("baseline", "amp", "amp_compile", "ddp", "model_parallel"), needs_cuda=True),
-}  # fmt: skip
+    "gpu": Profile(
+        name="gpu",
+        steps=64,
+        repeats=2,
+        val_checks=2,
+        match="samples",
+        stage_timeout_s=420.0,
+        model="gpt2_small",
+        monitor=(("warmup_batches", "10"), ("split_every_n_batches", "10")),
+        ladder=("baseline", "amp", "amp_compile", "ddp", "model_parallel"),
+        needs_cuda=True,
+    ),
+}
 
 
 @dataclass(kw_only=True)
@@ -151,8 +167,16 @@ class StagePlan:
             per_run.append(f"++callbacks.gpu_monitor.report_dir={where}")
         if seed is not None:
             per_run.append(f"seed={seed}")
-        return [sys.executable, "-m", "lightning_accel.train", *self.overrides, *self.extra, *self.budget, *per_run,
-                f"hydra.run.dir={where}"]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "lightning_accel.train",
+            *self.overrides,
+            *self.extra,
+            *self.budget,
+            *per_run,
+            f"hydra.run.dir={where}",
+        ]
 
 
 def _accumulation(cfg: DictConfig, shape: RunShape, micro_global: int) -> int:
@@ -200,8 +224,14 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
     else:
         per_node = 1
     world_size = per_node * shape.num_nodes
-    stage = {"name": name, "overrides": overrides, "world_size": world_size, "extra": extra, "on_cuda": on_cuda,
-             "family": family}  # fmt: skip
+    stage = {
+        "name": name,
+        "overrides": overrides,
+        "world_size": world_size,
+        "extra": extra,
+        "on_cuda": on_cuda,
+        "family": family,
+    }
     requested = shape.precision
     if not on_cuda and requested in FP16_PRECISIONS:
         reason = f"fp16 (`{requested}`) needs a CUDA GPU; this stage would run bf16 here"
@@ -239,9 +269,15 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
         "compile": _compile_text(cfg),
         "micro_batch": "micro_batch=auto" if "micro_batch" in callbacks else "",
     }
-    return StagePlan(**stage, precision=resolved.value, num_workers=num_workers, accumulate=accumulate,
-                     global_batch=micro_global * accumulate if micro_global else None, settings=settings,
-                     callbacks=callbacks)  # fmt: skip
+    return StagePlan(
+        **stage,
+        precision=resolved.value,
+        num_workers=num_workers,
+        accumulate=accumulate,
+        global_batch=micro_global * accumulate if micro_global else None,
+        settings=settings,
+        callbacks=callbacks,
+    )
 
 
 def _compile_text(cfg: DictConfig) -> str:
@@ -282,16 +318,22 @@ def budget_overrides(
     if settings.time_budget_s is not None:
         seconds = int(math.ceil(settings.time_budget_s))
         days, rest = divmod(seconds, 86400)
-        extra += ["trainer.max_steps=-1", f"++trainer.max_time='{days:02d}:{rest // 3600:02d}:"
-                  f"{rest % 3600 // 60:02d}:{rest % 60:02d}'"]  # fmt: skip
+        extra += [
+            "trainer.max_steps=-1",
+            f"++trainer.max_time='{days:02d}:{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}'",
+        ]
         return None, extra
     steps = settings.steps
     if settings.match == "samples" and reference_batch and plan.global_batch:
         steps = max(1, round(settings.steps * reference_batch / plan.global_batch))
     batches = steps * plan.accumulate
     interval = max(1, batches // max(1, settings.val_checks))
-    extra += [f"trainer.max_steps={steps}", "trainer.max_epochs=-1", f"trainer.val_check_interval={interval}",
-              "++trainer.check_val_every_n_epoch=null"]  # fmt: skip
+    extra += [
+        f"trainer.max_steps={steps}",
+        "trainer.max_epochs=-1",
+        f"trainer.val_check_interval={interval}",
+        "++trainer.check_val_every_n_epoch=null",
+    ]
     return steps, extra
 
 
@@ -299,16 +341,22 @@ def monitor_overrides(plan: StagePlan, settings: BenchSettings) -> list[str]:
     """The BenchMonitor (and, on CUDA, GPUMonitor) callbacks; checkpoints off, they are not what is measured. Where
     each run writes is added by `StagePlan.command`."""
     key = "++callbacks.bench_monitor"
-    extra = [f"{key}._target_=lightning_accel.callbacks.BenchMonitor", f"{key}.metric={settings.metric}",
-             f"{key}.mode={settings.mode}"]  # fmt: skip
+    extra = [
+        f"{key}._target_=lightning_accel.callbacks.BenchMonitor",
+        f"{key}.metric={settings.metric}",
+        f"{key}.mode={settings.mode}",
+    ]
     profile = PROFILES.get(settings.profile or "")
     extra += [f"{key}.{name}={value}" for name, value in (profile.monitor if profile else ())]
     if settings.target is not None:
         extra += [f"{key}.target={settings.target}", f"{key}.stop_at_target={str(settings.until_target).lower()}"]
     if plan.on_cuda:
         gpu = "++callbacks.gpu_monitor"
-        extra += [f"{gpu}._target_=lightning_accel.callbacks.GPUMonitor", f"{gpu}.print_report=false",
-                  f"{gpu}.warmup_steps=0"]  # fmt: skip
+        extra += [
+            f"{gpu}._target_=lightning_accel.callbacks.GPUMonitor",
+            f"{gpu}.print_report=false",
+            f"{gpu}.warmup_steps=0",
+        ]
     if "model_checkpoint" in plan.callbacks:
         extra += ["~callbacks.model_checkpoint", "++trainer.enable_checkpointing=false"]
     return extra
@@ -374,8 +422,10 @@ def plan_stages(
         keys = {override_key(o) for o in own}
         return [*selection, *sizing, *(o for o in user_overrides if override_key(o) not in keys), *own]
 
-    plans = [plan_stage(name, stage_overrides_of(name, selection), str(out_dir / "stages" / f"{index}-{name}"),
-                        visible_cuda) for index, (name, selection) in enumerate(selections)]  # fmt: skip
+    plans = [
+        plan_stage(name, stage_overrides_of(name, selection), str(out_dir / "stages" / f"{index}-{name}"), visible_cuda)
+        for index, (name, selection) in enumerate(selections)
+    ]
     reference_batch = next((p.global_batch for p in plans if p.global_batch), None)
     for index, plan in enumerate(plans):
         if plan.status == "ok":

@@ -26,14 +26,21 @@ def _text(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def settled_of(loader: dict[str, object] | None, micro_batch: int | None, micro_batch_auto: bool,
-               choices: Collection[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:  # fmt: skip
+def settled_of(
+    loader: dict[str, object] | None,
+    micro_batch: int | None,
+    micro_batch_auto: bool,
+    choices: Collection[tuple[str, str]] = (),
+) -> tuple[tuple[str, str], ...]:
     """What a run decided for itself, as settings a preset can pin: the DataLoaderTuner's `loader` decision as
     `data.<key>` (prefetch_factor only with workers), and MicroBatchFinder's size when the candidate searched for it
     (`micro_batch=auto` among its `choices`)."""
     loader = loader or {}
-    settled = [(f"data.{key}", _text(value)) for key, value in loader.items()
-               if value is not None and not (key == "prefetch_factor" and not loader.get("num_workers"))]  # fmt: skip
+    settled = [
+        (f"data.{key}", _text(value))
+        for key, value in loader.items()
+        if value is not None and not (key == "prefetch_factor" and not loader.get("num_workers"))
+    ]
     if micro_batch_auto and micro_batch and ("micro_batch", "auto") in choices:
         settled.append((_MICRO_BATCH, str(int(micro_batch))))
     return tuple(sorted(settled))
@@ -54,13 +61,17 @@ def pinned(outcome: Outcome, loader_keys: Collection[str]) -> tuple[Candidate, l
     if loader:
         choices.update(loader)
         found = ", ".join(f"{k}={v}" for k, v in sorted(loader.items()))
-        comment.append(f"the DataLoaderTuner's decision in the measured runs: {found} (the tuner stays: it checks the "
-                       "data wait and tunes again where these no longer hold)")  # fmt: skip
+        comment.append(
+            f"the DataLoaderTuner's decision in the measured runs: {found} (the tuner stays: it checks the "
+            "data wait and tunes again where these no longer hold)"
+        )
     if micro is not None:
         choices[_MICRO_BATCH] = micro
-        comment.append(f"MicroBatchFinder's size in the measured runs: micro_batch_size={micro}: each loader batch "
-                       f"runs as micro-batches of {micro} with their gradients accumulated inside its optimizer step "
-                       f"(the global batch unchanged); `++{_MICRO_BATCH}=auto` searches again")  # fmt: skip
+        comment.append(
+            f"MicroBatchFinder's size in the measured runs: micro_batch_size={micro}: each loader batch "
+            f"runs as micro-batches of {micro} with their gradients accumulated inside its optimizer step "
+            f"(the global batch unchanged); `++{_MICRO_BATCH}=auto` searches again"
+        )
     return replace(outcome.candidate, choices=tuple(sorted(choices.items()))), comment
 
 
@@ -84,8 +95,9 @@ def check_preset_name(name: str) -> None:
         raise ConfigError(f"`name={name!r}`: a preset name takes letters, digits and underscores only.", setting="name")
 
 
-def write_preset(config_dir: str | os.PathLike[str], name: str, candidate: Candidate,
-                 comment: Sequence[str] = ()) -> Path:  # fmt: skip
+def write_preset(
+    config_dir: str | os.PathLike[str], name: str, candidate: Candidate, comment: Sequence[str] = ()
+) -> Path:
     """Write `<config_dir>/preset/tuned_<name>.yaml` atomically and return its path; run it with
     `accel-train 'hydra.searchpath=[file://<config_dir>]' preset=tuned_<name>`.
 

@@ -18,8 +18,18 @@ from lightning_accel.measure import InterferenceProbe
 __all__ = ["DISTRIBUTED_ENV", "Launcher", "failure_reason", "launch", "run_once", "terminate_as_interrupt"]
 
 # Variables an in-process distributed run leaves behind; a child that inherits LOCAL_RANK waits for ranks forever.
-DISTRIBUTED_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                   "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")  # fmt: skip
+DISTRIBUTED_ENV = (
+    "LOCAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "PL_GLOBAL_SEED",
+)
 
 Launcher = Callable[[list[str], Path, "float | None"], "subprocess.CompletedProcess[str]"]
 

@@ -33,15 +33,54 @@ per round and rerun, each with its `interference`), and `time_interval`, `speedu
 `metric_value` are medians over the counted runs."""
 
 CSV_COLUMNS = (
-    "stage", "status", "reason", "changes", "world_size", "steps", "reference_steps", "runs", "time_s", "time_low",
-    "time_high", "speedup", "speedup_low", "speedup_high", "speedup_verdict", "samples_per_s", "samples_per_s_low",
-    "samples_per_s_high", "tokens_per_s", "time_to_target_s", "peak_memory_bytes", "micro_batch", "micro_batch_auto",
-    "micro_batch_recoveries", "energy_j",
-    "energy_j_per_sample", "energy_note", "mfu", "gpu_utilization_pct", "metric_value", "metric_low", "metric_high",
-    "quality", "quality_delta_pct", "quality_noise", "interference", "interference_note", "bottleneck", "next_step",
-    "data_share", "forward_share", "backward_share", "optimizer_share", "communication_share", "process_s",
-    "device", "dtype",
-)  # fmt: skip
+    "stage",
+    "status",
+    "reason",
+    "changes",
+    "world_size",
+    "steps",
+    "reference_steps",
+    "runs",
+    "time_s",
+    "time_low",
+    "time_high",
+    "speedup",
+    "speedup_low",
+    "speedup_high",
+    "speedup_verdict",
+    "samples_per_s",
+    "samples_per_s_low",
+    "samples_per_s_high",
+    "tokens_per_s",
+    "time_to_target_s",
+    "peak_memory_bytes",
+    "micro_batch",
+    "micro_batch_auto",
+    "micro_batch_recoveries",
+    "energy_j",
+    "energy_j_per_sample",
+    "energy_note",
+    "mfu",
+    "gpu_utilization_pct",
+    "metric_value",
+    "metric_low",
+    "metric_high",
+    "quality",
+    "quality_delta_pct",
+    "quality_noise",
+    "interference",
+    "interference_note",
+    "bottleneck",
+    "next_step",
+    "data_share",
+    "forward_share",
+    "backward_share",
+    "optimizer_share",
+    "communication_share",
+    "process_s",
+    "device",
+    "dtype",
+)
 
 
 def _seconds(value: float | None) -> str:
@@ -99,9 +138,26 @@ def markdown_table(results: Sequence[StageResult], metric: str, tolerance: float
     """The article's table (stage, what it changes, time, speedup over the baseline) and the measured columns: each
     figure a median over the stage's counted runs with its interval in brackets."""
     reach = "time to target" if target is None else f"time to {metric}={target:g}"
-    header = ["stage", "what it changes", "runs", "time", "speedup", "samples/s", "tokens/s", reach, "peak mem",
-              "micro-batch", "energy", "MFU", "GPU util", metric, f"quality (±{tolerance:.0%} or noise)",
-              "interference", "bottleneck", "next to try"]  # fmt: skip
+    header = [
+        "stage",
+        "what it changes",
+        "runs",
+        "time",
+        "speedup",
+        "samples/s",
+        "tokens/s",
+        reach,
+        "peak mem",
+        "micro-batch",
+        "energy",
+        "MFU",
+        "GPU util",
+        metric,
+        f"quality (±{tolerance:.0%} or noise)",
+        "interference",
+        "bottleneck",
+        "next to try",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in results:
         if r.status != "ok":
@@ -120,14 +176,25 @@ def markdown_table(results: Sequence[StageResult], metric: str, tolerance: float
                 energy += f" ({r.energy_j_per_sample:.3g} J/sample)"
             counted = len(counted_runs(r)[0])
             cells = [
-                r.name, r.changes, str(counted), _time_cell(r),
-                speedup_cell(r), _number(r.samples_per_s) + _interval(r.samples_interval, ",.0f"),
-                _number(r.tokens_per_s), reached, _bytes(r.peak_memory_bytes), _micro_batch_cell(r), energy, mfu,
+                r.name,
+                r.changes,
+                str(counted),
+                _time_cell(r),
+                speedup_cell(r),
+                _number(r.samples_per_s) + _interval(r.samples_interval, ",.0f"),
+                _number(r.tokens_per_s),
+                reached,
+                _bytes(r.peak_memory_bytes),
+                _micro_batch_cell(r),
+                energy,
+                mfu,
                 "n/a" if r.gpu_utilization_pct is None else f"{r.gpu_utilization_pct:.0f}%",
-                _number(r.metric_value, 4) + _interval(r.metric_interval, ".4f"), quality,
+                _number(r.metric_value, 4) + _interval(r.metric_interval, ".4f"),
+                quality,
                 ("FLAGGED: " if r.interference else "") + (r.interference_note or "quiet"),
-                f"{r.bottleneck} ({r.bottleneck_why})", r.next_step,
-            ]  # fmt: skip
+                f"{r.bottleneck} ({r.bottleneck_why})",
+                r.next_step,
+            ]
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
@@ -146,8 +213,12 @@ def _csv_row(r: StageResult) -> dict[str, Any]:
     row = {key: getattr(r, key, None) for key in CSV_COLUMNS if hasattr(r, key)}
     row["stage"] = r.name
     row["runs"] = len(counted_runs(r)[0])
-    for prefix, interval in (("time", r.time_interval), ("speedup", r.speedup_interval),
-                             ("samples_per_s", r.samples_interval), ("metric", r.metric_interval)):  # fmt: skip
+    for prefix, interval in (
+        ("time", r.time_interval),
+        ("speedup", r.speedup_interval),
+        ("samples_per_s", r.samples_interval),
+        ("metric", r.metric_interval),
+    ):
         row[f"{prefix}_low"] = interval.get("low") if interval else None
         row[f"{prefix}_high"] = interval.get("high") if interval else None
     for key in ("data", "forward", "backward", "optimizer", "communication"):
@@ -175,8 +246,10 @@ def plot(results: Sequence[StageResult], path: Path, title: str, by: str = "time
     value, spread = ("time_s", "time_interval") if by == "time" else ("samples_per_s", "samples_interval")
     times = [getattr(r, value) if r.status == "ok" and getattr(r, value) else 0.0 for r in results]
     intervals = [getattr(r, spread) or {} for r in results]
-    errors = [[t - i.get("low", t) for t, i in zip(times, intervals, strict=True)],
-              [i.get("high", t) - t for t, i in zip(times, intervals, strict=True)]]  # fmt: skip
+    errors = [
+        [t - i.get("low", t) for t, i in zip(times, intervals, strict=True)],
+        [i.get("high", t) - t for t, i in zip(times, intervals, strict=True)],
+    ]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(results)), 3.8))
     colors = ["tab:red" if r.quality == "FAIL" else "tab:orange" if r.interference else "tab:blue" for r in results]
     bars = ax.bar(names, times, color=colors, yerr=errors, capsize=4, ecolor="black")
@@ -184,8 +257,15 @@ def plot(results: Sequence[StageResult], path: Path, title: str, by: str = "time
         label = r.status if r.speedup is None else speedup_cell(r).replace(" [", "\n[").replace(" (", "\n(")
         if r.quality == "FAIL":
             label += "\nquality FAIL"
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height() + high), ha="center", va="bottom",
-                    fontsize=9, xytext=(0, 2), textcoords="offset points")  # fmt: skip
+        ax.annotate(
+            label,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height() + high),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+            xytext=(0, 2),
+            textcoords="offset points",
+        )
     ax.set_ylabel("training time (s), median [range]" if by == "time" else "samples/s, median [range]")
     ax.set_title(title, fontsize=10)
     ax.margins(y=0.25)
@@ -210,9 +290,11 @@ def write_outputs(
     writer = csv.DictWriter(rows, fieldnames=CSV_COLUMNS)
     writer.writeheader()
     writer.writerows(_csv_row(r) for r in results)
-    files = [atomic_write(out_dir / "bench.md", f"# {title}\n\n{table}\n"),
-             atomic_write(out_dir / "bench.csv", rows.getvalue()),
-             atomic_write(out_dir / "bench.json", json.dumps(to_json(results, header), indent=2, default=str) + "\n")]
+    files = [
+        atomic_write(out_dir / "bench.md", f"# {title}\n\n{table}\n"),
+        atomic_write(out_dir / "bench.csv", rows.getvalue()),
+        atomic_write(out_dir / "bench.json", json.dumps(to_json(results, header), indent=2, default=str) + "\n"),
+    ]
     by = header.get("settings", {}).get("speedup_by", "time")
     note: str | None = None
     with contextlib.suppress(_NotDrawn), atomic_path(out_dir / "bench.png") as tmp:

@@ -196,8 +196,12 @@ def counted_runs(result: StageResult) -> tuple[list[StageRun], bool]:
     that no rerun replaced, the unflagged ones when there are any."""
     runs = result.runs
     if not runs and result.time_s:  # a row given its figures directly counts as one run of them
-        runs = [StageRun(round=0, measurement={"train_s": result.time_s, "steady_s": 1.0,
-                                               "steady_samples": result.samples_per_s or 0.0})]  # fmt: skip
+        runs = [
+            StageRun(
+                round=0,
+                measurement={"train_s": result.time_s, "steady_s": 1.0, "steady_samples": result.samples_per_s or 0.0},
+            )
+        ]
     finished = [r for r in runs if r.status == "ok" and not r.replaced and r.time_s]
     quiet = [r for r in finished if not r.flagged]
     return (quiet, False) if quiet else (finished, bool(finished))
@@ -316,8 +320,9 @@ def bottleneck(
 _NEXT_RUNG = {"baseline": "amp", "amp": "ddp", "ddp": "model_parallel", "fsdp": "model_parallel"}
 
 
-def next_step(result: StageResult, verdict: str, num_workers: int | None, precision: str, accumulate: int = 1,
-              family: str = "") -> str:  # fmt: skip
+def next_step(
+    result: StageResult, verdict: str, num_workers: int | None, precision: str, accumulate: int = 1, family: str = ""
+) -> str:
     """What to try after a stage with this verdict, as a preset or a setting; none the stage already has."""
     if verdict == "input-bound":
         if not num_workers:
@@ -379,8 +384,9 @@ def finalize(
         if result.status != "ok":
             continue
         ref_value = reference.metric_value if reference is not None else None
-        result.quality, result.quality_delta_pct = quality_verdict(result.metric_value, ref_value, mode, tolerance,
-                                                                   noise)  # fmt: skip
+        result.quality, result.quality_delta_pct = quality_verdict(
+            result.metric_value, ref_value, mode, tolerance, noise
+        )
         result.quality_noise = noise if reference is not None else None
         if reference is not None and result.steps is not None and reference.steps is not None:
             result.reference_steps = reference.steps if result.steps != reference.steps else None
@@ -393,8 +399,9 @@ def finalize(
         stage = settings.get(result.name, {})
         precision = str(stage.get("precision") or result.measurement.get("precision", ""))
         accumulate, family = int(stage.get("accumulate") or 1), str(stage.get("family") or "")
-        result.next_step = next_step(result, result.bottleneck, stage.get("num_workers"), precision,
-                                     accumulate=accumulate, family=family)  # fmt: skip
+        result.next_step = next_step(
+            result, result.bottleneck, stage.get("num_workers"), precision, accumulate=accumulate, family=family
+        )
     return reference
 
 
@@ -465,8 +472,9 @@ def _derive(result: StageResult, peak_tflops: float | None) -> None:
     if steady_s > 0:
         result.samples_per_s = m.get("steady_samples", 0) / steady_s
         result.tokens_per_s = (m.get("steady_tokens", 0) / steady_s) or None
-        result.split = {key: float(m.get(f"{key}_s", 0.0)) / steady_s for key in ("data", "forward", "backward",
-                                                                                  "optimizer")}  # fmt: skip
+        result.split = {
+            key: float(m.get(f"{key}_s", 0.0)) / steady_s for key in ("data", "forward", "backward", "optimizer")
+        }
     result.time_to_target_s = m.get("time_to_target_s")
     result.peak_memory_bytes = m.get("peak_memory_bytes")
     result.memory_total_bytes = m.get("memory_total_bytes")

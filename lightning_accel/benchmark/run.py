@@ -49,9 +49,15 @@ def _machine() -> dict[str, Any]:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # Windows
         load = None
-    return {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "lightning": lightning.__version__, "cpus": max(1, read_cpu_budget().effective),
-            "load_average_1m": load}  # fmt: skip
+    return {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "cpus": max(1, read_cpu_budget().effective),
+        "load_average_1m": load,
+    }
 
 
 def busy_note(machine: dict[str, Any]) -> str | None:
@@ -66,12 +72,19 @@ def busy_note(machine: dict[str, Any]) -> str | None:
 
 
 def _probe(settings: BenchSettings, on_cuda: bool) -> InterferenceProbe:
-    return InterferenceProbe(threshold=settings.interference_threshold,
-                             gpu_pids=nvml_compute_pids if on_cuda else None)  # fmt: skip
+    return InterferenceProbe(threshold=settings.interference_threshold, gpu_pids=nvml_compute_pids if on_cuda else None)
 
 
-def _run(plan: StagePlan, index: int, round_index: int, seed: int | None, out_dir: Path, settings: BenchSettings,
-         launcher: Launcher, attempt: int = 0) -> StageRun:  # fmt: skip
+def _run(
+    plan: StagePlan,
+    index: int,
+    round_index: int,
+    seed: int | None,
+    out_dir: Path,
+    settings: BenchSettings,
+    launcher: Launcher,
+    attempt: int = 0,
+) -> StageRun:
     suffix = f"-rerun{attempt}" if attempt else ""
     run_dir = out_dir / "stages" / f"{index}-{plan.name}" / f"run{round_index}{suffix}"
     return run_once(
@@ -85,9 +98,18 @@ def _run(plan: StagePlan, index: int, round_index: int, seed: int | None, out_di
     )
 
 
-def _run_schedule(schedule: list[tuple[int, int]], plans: list[StagePlan], results: list[StageResult],
-                  seed: int | None, changes: dict[str, str], reruns_left: dict[int, int], out_dir: Path,
-                  settings: BenchSettings, launcher: Launcher, echo: Callable[[str], None]) -> None:  # fmt: skip
+def _run_schedule(
+    schedule: list[tuple[int, int]],
+    plans: list[StagePlan],
+    results: list[StageResult],
+    seed: int | None,
+    changes: dict[str, str],
+    reruns_left: dict[int, int],
+    out_dir: Path,
+    settings: BenchSettings,
+    launcher: Launcher,
+    echo: Callable[[str], None],
+) -> None:
     """Run every (round, stage) of `schedule` in order, rerunning a flagged run while `reruns_left` allows."""
     for position, (round_index, index) in enumerate(schedule):
         plan, result = plans[index], results[index]
@@ -102,8 +124,16 @@ def _run_schedule(schedule: list[tuple[int, int]], plans: list[StagePlan], resul
             reruns_left[index] -= 1
             reasons = "; ".join((run.interference or {}).get("reasons") or [])
             echo(f"accel-bench: `{plan.name}` round {round_index + 1} ran under interference ({reasons}): again")
-            rerun = _run(plan, index, round_index, run_seed, out_dir, settings, launcher,
-                         attempt=settings.max_reruns - reruns_left[index])  # fmt: skip
+            rerun = _run(
+                plan,
+                index,
+                round_index,
+                run_seed,
+                out_dir,
+                settings,
+                launcher,
+                attempt=settings.max_reruns - reruns_left[index],
+            )
             result.runs.append(rerun)
             if rerun.status != "ok":  # the flagged run stays the round's measurement
                 echo(f"accel-bench: the rerun of `{plan.name}` failed ({rerun.reason}); its flagged run counts")
@@ -146,9 +176,18 @@ def run_bench(
     machine = _machine()  # before any stage: the load average is the others' load, not ours
     plans, seed = plan_stages(ladder, overrides, settings, out_dir, stage_extra=stage_extra)
     changes = describe_changes(plans)
-    results = [StageResult(name=p.name, changes=changes[p.name], status=p.status, reason=p.reason,
-                           overrides=[*p.overrides, *p.extra], world_size=p.world_size, steps=p.steps)
-               for p in plans]  # fmt: skip
+    results = [
+        StageResult(
+            name=p.name,
+            changes=changes[p.name],
+            status=p.status,
+            reason=p.reason,
+            overrides=[*p.overrides, *p.extra],
+            world_size=p.world_size,
+            steps=p.steps,
+        )
+        for p in plans
+    ]
     runnable = [i for i, p in enumerate(plans) if p.status == "ok"]
     orders = [runnable if k % 2 == 0 else runnable[::-1] for k in range(settings.repeats)]  # A B C, C B A, ...
     schedule = [(k, i) for k, order in enumerate(orders) for i in order]
@@ -164,17 +203,26 @@ def run_bench(
         for result in results:
             if result.status == "ok" and not any(r.status == "ok" for r in result.runs):
                 result.status, result.reason = "skipped", "not run: accel-bench was interrupted"
-    settings_by_stage = {p.name: {"num_workers": p.num_workers, "precision": p.precision, "accumulate": p.accumulate,
-                                  "family": p.family} for p in plans}  # fmt: skip
+    settings_by_stage = {
+        p.name: {"num_workers": p.num_workers, "precision": p.precision, "accumulate": p.accumulate, "family": p.family}
+        for p in plans
+    }
     by = "time" if settings.match == "samples" and settings.time_budget_s is None else "throughput"
-    reference = finalize(results, mode=settings.mode, tolerance=settings.tolerance, peak_tflops=peak_tflops,
-                         settings=settings_by_stage, speedup_by=by)  # fmt: skip
+    reference = finalize(
+        results,
+        mode=settings.mode,
+        tolerance=settings.tolerance,
+        peak_tflops=peak_tflops,
+        settings=settings_by_stage,
+        speedup_by=by,
+    )
     table = markdown_table(results, settings.metric, settings.tolerance, settings.target)
     total_s = time.perf_counter() - started
     created = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     device = next((r.device for r in results if r.device), "")
-    title = (f"accel-bench {created}: {device or 'no stage ran'}, torch {machine['torch']}, lightning "
-             f"{machine['lightning']}")  # fmt: skip
+    title = (
+        f"accel-bench {created}: {device or 'no stage ran'}, torch {machine['torch']}, lightning {machine['lightning']}"
+    )
     header = {
         "created": created,
         "command": list(argv) or sys.argv,
@@ -186,13 +234,14 @@ def run_bench(
             "peak_tflops": peak_tflops,
             "first_seed": seed,
             "speedup_by": by,
-        },  # fmt: skip
+        },
         "reference": reference.name if reference else None,
         "total_s": total_s,
         "interrupted": interrupted,
     }
-    footer = (f"Speedup over `{reference.name}`" if reference else "No stage ran") + \
-        f"; {settings.repeats} round(s), medians [interval]; total {total_s:.1f} s."  # fmt: skip
+    footer = (
+        f"Speedup over `{reference.name}`" if reference else "No stage ran"
+    ) + f"; {settings.repeats} round(s), medians [interval]; total {total_s:.1f} s."
     echo(f"\n{title}\n\n{table}\n\n{footer}")  # first: a report that cannot be written still shows the table
     try:
         files, note = write_outputs(results, out_dir, header, table, title)
@@ -204,11 +253,21 @@ def run_bench(
     flagged = [r.name for r in results if r.interference]
     lines = [note, busy_note(machine)]
     if flagged:
-        lines.append(f"measured under interference: {', '.join(flagged)}. Their figures may not hold on a quiet "
-                     "machine; run again when it is quiet (see the `interference` column).")  # fmt: skip
+        lines.append(
+            f"measured under interference: {', '.join(flagged)}. Their figures may not hold on a quiet "
+            "machine; run again when it is quiet (see the `interference` column)."
+        )
     for line in lines:
         if line:
             echo(f"accel-bench: note: {line}")
     echo(f"accel-bench: wrote {', '.join(str(f) for f in files)}")
-    return BenchRun(results=results, table=table, files=files, note=note, total_s=total_s, header=header,
-                    interrupted=interrupted, write_error=write_error)  # fmt: skip
+    return BenchRun(
+        results=results,
+        table=table,
+        files=files,
+        note=note,
+        total_s=total_s,
+        header=header,
+        interrupted=interrupted,
+        write_error=write_error,
+    )

@@ -34,8 +34,9 @@ __all__ = [
 ]
 
 Bottleneck = Literal["input-bound", "compute-bound", "communication-bound", "memory-bound", ""]
-GROUPS = frozenset({"precision", "compile", "micro_batch", "strategy", "accumulation", "scheduler", "nccl",
-                    "lr_scaling"})  # fmt: skip
+GROUPS = frozenset(
+    {"precision", "compile", "micro_batch", "strategy", "accumulation", "scheduler", "nccl", "lr_scaling"}
+)
 """Choice keys that are config groups (`precision=amp`); any other key is a setting (`++trainer.devices=2`)."""
 
 
@@ -140,32 +141,30 @@ MOVES: tuple[Move, ...] = (
         ("compute-bound", "input-bound", ""),
         needs=("multi",),
         excludes=("strategy",),
-    ),  # fmt: skip
+    ),
     Move(
         "model parallel (FSDP2 per block)",
         (("strategy", "model_parallel"), ("trainer.devices", "{devices}")),
         ("memory-bound", "compute-bound"),
         needs=("multi", "blocks"),
         excludes=("strategy",),
-    ),  # fmt: skip
+    ),
     Move(
         "activation checkpointing",
         (("callbacks.parallelize.activation_checkpointing", "true"),),
         ("memory-bound",),
         needs=("model_parallel",),
-    ),  # fmt: skip
+    ),
     Move("bf16 weights (bf16-true)", (("precision", "bf16_true"),), ("memory-bound",), needs=("bf16",)),
     Move("fewer gradient reductions (accumulation)", (("accumulation", "fixed"),), ("communication-bound",)),
-    Move(
-        "gradient compression (bf16)", (("ddp_grad_compression", "bf16"),), ("communication-bound",), needs=("cuda",)
-    ),  # fmt: skip
+    Move("gradient compression (bf16)", (("ddp_grad_compression", "bf16"),), ("communication-bound",), needs=("cuda",)),
     Move(
         "pipeline parallel",
         (("strategy", "pipeline"), ("trainer.devices", "{devices}")),
         ("communication-bound", "memory-bound"),
         needs=("multi", "blocks"),
         excludes=("strategy",),
-    ),  # fmt: skip
+    ),
 )
 """Every move, in the order tried within a bottleneck (cheapest and safest first)."""
 
@@ -189,9 +188,14 @@ def _applies(move: Move, candidate: Candidate, space: Space) -> bool:
         return False
     if all(candidate.get(key) == value.format(devices=space.devices) for key, value in move.sets):
         return False  # the candidate has it already
-    checks = {"multi": space.devices > 1, "cuda": space.on_cuda, "bf16": space.bf16, "compile": space.compile,
-              "blocks": space.block_classes,
-              "model_parallel": candidate.get("strategy") == "model_parallel"}  # fmt: skip
+    checks = {
+        "multi": space.devices > 1,
+        "cuda": space.on_cuda,
+        "bf16": space.bf16,
+        "compile": space.compile,
+        "blocks": space.block_classes,
+        "model_parallel": candidate.get("strategy") == "model_parallel",
+    }
     if not all(checks[need] for need in move.needs):
         return False
     if move.sets[0] == ("precision", "amp") and candidate.get("precision") == "bf16_true":

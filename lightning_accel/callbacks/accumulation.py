@@ -168,8 +168,10 @@ class AccumulationScheduler(Callback):
         if self.scheduling is not None:
             return AccumulationPlan(self.unit, tuple(sorted(self.scheduling.items()))).at(epoch, step)
         if self._plan is None:
-            raise RuntimeError("`global_batch_size` is resolved against the train DataLoader at fit start; call "
-                               "`accumulation_plan(trainer)` first.")  # fmt: skip
+            raise RuntimeError(
+                "`global_batch_size` is resolved against the train DataLoader at fit start; call "
+                "`accumulation_plan(trainer)` first."
+            )
         return self._plan.at(epoch, step)
 
     def _check_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -323,18 +325,24 @@ def _check_scheduling(scheduling: Mapping[int, int] | Sequence[Sequence[int]], u
             raise ScheduleError(f"`scheduling={list(map(list, scheduling))!r}` names a key twice; list each once.")  # type: ignore[arg-type]
         scheduling = {pair[0]: pair[1] for pair in scheduling}  # type: ignore[index]
     if not isinstance(scheduling, Mapping) or not scheduling:
-        raise ScheduleTypeError(f"`scheduling={scheduling!r}` must be a non-empty dict of {{{unit}: micro_batches}} "
-                                "(or a list of [key, micro_batches] pairs).")  # fmt: skip
+        raise ScheduleTypeError(
+            f"`scheduling={scheduling!r}` must be a non-empty dict of {{{unit}: micro_batches}} "
+            "(or a list of [key, micro_batches] pairs)."
+        )
     checked: dict[int, int] = {}
     for key, value in scheduling.items():
         key_int = int(key) if isinstance(key, str) and key.isdigit() else key
         if isinstance(key_int, bool) or not isinstance(key_int, int) or key_int < 0:
             what = "Epoch" if unit == "epoch" else "Optimizer step"
-            raise ScheduleError(f"{what} should be an int greater than or equal to 0: `scheduling` key {key!r} in "
-                                f"{dict(scheduling)!r}; use {unit} numbers from 0.")  # fmt: skip
+            raise ScheduleError(
+                f"{what} should be an int greater than or equal to 0: `scheduling` key {key!r} in "
+                f"{dict(scheduling)!r}; use {unit} numbers from 0."
+            )
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"Accumulation factor should be an int greater than 0: `scheduling[{key_int}]="
-                                f"{value!r}`; use a number of micro-batches >= 1.")  # fmt: skip
+            raise ScheduleError(
+                f"Accumulation factor should be an int greater than 0: `scheduling[{key_int}]="
+                f"{value!r}`; use a number of micro-batches >= 1."
+            )
         checked[key_int] = value
     checked.setdefault(0, 1)
     return dict(sorted(checked.items()))
@@ -410,8 +418,9 @@ def _take_over_loop(trainer: pl.Trainer, scheduler: AccumulationScheduler) -> Ex
 
     why = "AccumulationScheduler (or use Lightning's GradientAccumulationScheduler)"
     stack = ExitStack()
-    stack.callback(patch_attribute(epoch_loop, "_accumulated_batches_reached", lambda: scheduler.window_complete,
-                                   why=why))  # fmt: skip
+    stack.callback(
+        patch_attribute(epoch_loop, "_accumulated_batches_reached", lambda: scheduler.window_complete, why=why)
+    )
     stack.callback(patch_attribute(automatic, "_make_zero_grad_fn", make_zero_grad_fn, why=why))
     return stack
 

@@ -52,7 +52,6 @@ class Compile(Callback):
         trainer = Trainer(callbacks=[Compile(mode="max-autotune")])
     """
 
-
     @classmethod
     def check_run(cls, *, family: str, on_cuda: bool, block_classes: bool, settings: Mapping[str, Any]) -> None:
         """This callback's rule for a run, asked before launch: a strategy it can compile under (model parallel only
@@ -63,12 +62,16 @@ class Compile(Callback):
         """
         if family in ("pipeline", "deepspeed", "fsdp"):
             fix = "strategy=model_parallel (FSDP2, compiled per block)" if family == "fsdp" else "strategy=ddp"
-            raise ConfigError(f"(Compile, `compile=...`) cannot compile the model under `strategy={family}`; use "
-                              f"`compile=none` with it, or {fix}.")  # fmt: skip
+            raise ConfigError(
+                f"(Compile, `compile=...`) cannot compile the model under `strategy={family}`; use "
+                f"`compile=none` with it, or {fix}."
+            )
         if family == "model_parallel" and not block_classes:
-            raise ConfigError("(Compile) under `strategy=model_parallel` compiles each block through "
-                              "`callbacks.parallelize`, which names no `block_classes`; set the model config's "
-                              "`parallel_plan.block_classes`, or use `compile=none`.")  # fmt: skip
+            raise ConfigError(
+                "(Compile) under `strategy=model_parallel` compiles each block through "
+                "`callbacks.parallelize`, which names no `block_classes`; set the model config's "
+                "`parallel_plan.block_classes`, or use `compile=none`."
+            )
         problem = compile_problem(str(settings.get("backend", "inductor")), on_cuda=on_cuda)
         if problem:
             raise ConfigError(f"(Compile): {problem}; or use `compile=none`.", setting="backend")
@@ -82,16 +85,19 @@ class Compile(Callback):
         backend: str = "inductor",
     ) -> None:
         if mode is not None and mode not in COMPILE_MODES:
-            raise ConfigError(f"`mode={mode!r}` is not a torch.compile mode; use one of {', '.join(COMPILE_MODES)} or "
-                              "None.", setting="mode")  # fmt: skip
+            raise ConfigError(
+                f"`mode={mode!r}` is not a torch.compile mode; use one of {', '.join(COMPILE_MODES)} or None.",
+                setting="mode",
+            )
         for name, value in (("fullgraph", fullgraph), ("dynamic", dynamic)):
             if value is not None and not isinstance(value, bool):
                 raise ConfigError(f"`{name}={value!r}` must be true or false.", setting=name)
         if fullgraph is None:
             raise ConfigError("`fullgraph=None` must be true or false.", setting="fullgraph")
         if not isinstance(backend, str) or not backend:
-            raise ConfigError(f"`backend={backend!r}` must name a torch.compile backend, e.g. 'inductor'.",
-                              setting="backend")  # fmt: skip
+            raise ConfigError(
+                f"`backend={backend!r}` must name a torch.compile backend, e.g. 'inductor'.", setting="backend"
+            )
         self.mode, self.fullgraph, self.dynamic, self.backend = mode, fullgraph, dynamic, backend
         self._compiled: pl.LightningModule | None = None
 
@@ -131,8 +137,9 @@ class Compile(Callback):
                     setting="strategy",
                 )
             parallelize.compile, parallelize.compile_mode = True, self.mode if self.backend == "inductor" else None
-            rank_zero_info(f"Compile: each {', '.join(parallelize.block_classes)} block through Parallelize "
-                           f"(mode={self.mode}).")  # fmt: skip
+            rank_zero_info(
+                f"Compile: each {', '.join(parallelize.block_classes)} block through Parallelize (mode={self.mode})."
+            )
             return
         pl_module.compile(**self.compile_kwargs())
         self._compiled = pl_module

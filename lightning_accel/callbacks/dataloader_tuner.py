@@ -129,9 +129,12 @@ class DataLoaderTuner(Callback):
     ) -> None:
         if not max_tuning_time_s > 0:
             raise ConfigError(f"`max_tuning_time_s={max_tuning_time_s!r}` must be > 0 seconds.")
-        for name, value, low in (("steps_per_trial", steps_per_trial, 1), ("warmup_steps", warmup_steps, 0),
-                                 ("max_workers", 1 if max_workers is None else max_workers, 1),
-                                 ("verify_steps", verify_steps, 0)):  # fmt: skip
+        for name, value, low in (
+            ("steps_per_trial", steps_per_trial, 1),
+            ("warmup_steps", warmup_steps, 0),
+            ("max_workers", 1 if max_workers is None else max_workers, 1),
+            ("verify_steps", verify_steps, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"`{name}={value!r}` must be an integer >= {low}.")
         if not 0.0 <= tolerance < 1.0:
@@ -164,8 +167,12 @@ class DataLoaderTuner(Callback):
 
     def _search_settings(self) -> dict[str, Any]:
         """The options that change what the search can find: part of the cache's fingerprint."""
-        return {"max_workers": self.max_workers, "prefetch_factors": list(self.prefetch_factors),
-                "tune_pin_memory": self.tune_pin_memory, "tolerance": self.tolerance}  # fmt: skip
+        return {
+            "max_workers": self.max_workers,
+            "prefetch_factors": list(self.prefetch_factors),
+            "tune_pin_memory": self.tune_pin_memory,
+            "tolerance": self.tolerance,
+        }
 
     @property
     def cache_path(self) -> Path:
@@ -182,16 +189,20 @@ class DataLoaderTuner(Callback):
         train = list(loop._combined_loader.flattened) if loop._combined_loader is not None else []
         reason, final = loop_internals.untunable(trainer, train), train
         if loop_internals.rank_sync(trainer.strategy.root_device)([float(bool(reason))])[0]:
-            rank_zero_warn(f"DataLoaderTuner left the DataLoaders alone: {reason or 'not tunable on another rank'}.",
-                           category=LightningAccelWarning)  # fmt: skip
+            rank_zero_warn(
+                f"DataLoaderTuner left the DataLoaders alone: {reason or 'not tunable on another rank'}.",
+                category=LightningAccelWarning,
+            )
         else:
             try:
                 with frozen_rng(train):
                     self.decision = self._decide(trainer, pl_module, loop, train[0], start)
             except TrialError as err:  # raised on every rank at the same point: they go on together
                 self.decision = None
-                rank_zero_warn(f"DataLoaderTuner failed ({err}); training goes on with the DataLoaders as they were.",
-                               category=LightningAccelWarning)  # fmt: skip
+                rank_zero_warn(
+                    f"DataLoaderTuner failed ({err}); training goes on with the DataLoaders as they were.",
+                    category=LightningAccelWarning,
+                )
             except Exception as err:
                 if trainer.world_size > 1:  # this rank left the tuner's collectives, the others may wait in one
                     raise RuntimeError(
@@ -200,8 +211,11 @@ class DataLoaderTuner(Callback):
                         "DataLoaderTuner callback to train without it."
                     ) from err
                 self.decision = None
-                rank_zero_warn(f"DataLoaderTuner failed ({type(err).__name__}: {err}); training goes on with the "
-                               "DataLoaders as they were.", category=LightningAccelWarning)  # fmt: skip
+                rank_zero_warn(
+                    f"DataLoaderTuner failed ({type(err).__name__}: {err}); training goes on with the "
+                    "DataLoaders as they were.",
+                    category=LightningAccelWarning,
+                )
             try:  # after the last collective: a failure here keeps this rank's loaders, the others go on
                 if self.decision is not None:
                     final = [loop_internals.rebuilt(dl, self.decision) for dl in train]
@@ -253,14 +267,16 @@ class DataLoaderTuner(Callback):
         self._reapply(loop, reiterate=not makes_iterator)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-                             ) -> None:  # fmt: skip
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._live is not None:
             self._live.batch_start(time.perf_counter())
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._live is not None:
             self._live.batch_end(time.perf_counter())
 
@@ -281,7 +297,8 @@ class DataLoaderTuner(Callback):
         assert live is not None and result is not None
         enough, failed = verification.verdict(live, result.wait_share, self.tolerance, final)
         any_failed, incomplete = loop_internals.rank_sync(trainer.strategy.root_device)(
-            [float(failed), float(not live.complete)])  # fmt: skip
+            [float(failed), float(not live.complete)]
+        )
         if any_failed or not incomplete or final:
             self.live_wait_share, self._live = live.share if enough else None, None
             if enough and trainer.is_global_zero:  # rank zero reports, as it reports the decision
@@ -298,8 +315,10 @@ class DataLoaderTuner(Callback):
             cache.DecisionCache(self.cache_path).remove(key)
             log.warning("DataLoaderTuner: the cached decision was dropped: %s.", why)
         except Exception as err:
-            rank_zero_warn(f"DataLoaderTuner could not drop its cached decision from {self.cache_path} ({err}).",
-                           category=LightningAccelWarning)  # fmt: skip
+            rank_zero_warn(
+                f"DataLoaderTuner could not drop its cached decision from {self.cache_path} ({err}).",
+                category=LightningAccelWarning,
+            )
 
     def _retune(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reiterate: bool) -> None:
         """Tune again at an epoch start, on every rank in lockstep, and give the fit loop the new decision; the cache
@@ -312,11 +331,16 @@ class DataLoaderTuner(Callback):
                 decision = self._decide(trainer, pl_module, fit_loop, loaders[0], start, force=True)
         except Exception as err:
             if trainer.world_size > 1 and not isinstance(err, TrialError):
-                raise RuntimeError(f"DataLoaderTuner failed on rank {trainer.global_rank} while tuning again "
-                                   f"({type(err).__name__}: {err}).") from err  # fmt: skip
+                raise RuntimeError(
+                    f"DataLoaderTuner failed on rank {trainer.global_rank} while tuning again "
+                    f"({type(err).__name__}: {err})."
+                ) from err
             decision = None
-            rank_zero_warn(f"DataLoaderTuner could not tune again ({type(err).__name__}: {err}); training goes on "
-                           "with the reused decision.", category=LightningAccelWarning)  # fmt: skip
+            rank_zero_warn(
+                f"DataLoaderTuner could not tune again ({type(err).__name__}: {err}); training goes on "
+                "with the reused decision.",
+                category=LightningAccelWarning,
+            )
         self.tuning_time_s += time.perf_counter() - start
         if decision is None or self.result is None or not self.result.confident:
             self._forget(trainer, "it failed its verification, and no decision that may be cached replaced it")
@@ -342,8 +366,15 @@ class DataLoaderTuner(Callback):
             rebuilt = [loop_internals.rebuilt(dl, self.decision) for dl in loaders]
             loop_internals.swap_loaders(loop, rebuilt, reiterate=reiterate)
 
-    def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: Any, loader: Any, start: float,
-                force: bool = False) -> LoaderSettings | None:  # fmt: skip
+    def _decide(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        loop: Any,
+        loader: Any,
+        start: float,
+        force: bool = False,
+    ) -> LoaderSettings | None:
         """Rank zero's decision, from the checkpoint, the cache or trials, on every rank, in `result` and `_state`."""
         strategy = trainer.strategy
         sync = loop_internals.rank_sync(strategy.root_device)
@@ -359,8 +390,11 @@ class DataLoaderTuner(Callback):
         except Exception as err:
             local_error = err
         if sync([float(local_error is not None)])[0]:
-            raise TrialError(f"reading this rank's facts failed: {local_error!r}" if local_error else
-                             "reading its facts failed on another rank") from local_error  # fmt: skip
+            raise TrialError(
+                f"reading this rank's facts failed: {local_error!r}"
+                if local_error
+                else "reading its facts failed on another rank"
+            ) from local_error
         known, bound = None, max(budget, self.max_workers or 4 * budget)  # the most workers a search tries
         if not (self.force or force) and self.use_cache:  # from a checkpoint, or the previous fit of this callback
             known = TunerDecision.from_dict(self._state, fingerprint=key, max_workers=bound)
@@ -373,28 +407,46 @@ class DataLoaderTuner(Callback):
             return known.settings
         shm_free = None if shm is None else shm.free_bytes // trainer.num_devices
         self.trials, original = loop_internals.search_in_lockstep(
-            trainer, pl_module, loader, step, batch_size=batch_size, budget=budget, shm_free=shm_free,
-            memory_free=memory, warmup_steps=self.warmup_steps, steps_per_trial=self.steps_per_trial,
-            deadline=start + self.max_tuning_time_s, max_workers=self.max_workers, tolerance=self.tolerance,
-            prefetch_factors=self.prefetch_factors, tune_pin_memory=self.tune_pin_memory,
-        )  # fmt: skip
-        decision = strategy.broadcast(policy.decide(self.trials, self.tolerance, fingerprint=key, facts=facts,
-                                                    original=original), src=0)  # fmt: skip
+            trainer,
+            pl_module,
+            loader,
+            step,
+            batch_size=batch_size,
+            budget=budget,
+            shm_free=shm_free,
+            memory_free=memory,
+            warmup_steps=self.warmup_steps,
+            steps_per_trial=self.steps_per_trial,
+            deadline=start + self.max_tuning_time_s,
+            max_workers=self.max_workers,
+            tolerance=self.tolerance,
+            prefetch_factors=self.prefetch_factors,
+            tune_pin_memory=self.tune_pin_memory,
+        )
+        decision = strategy.broadcast(
+            policy.decide(self.trials, self.tolerance, fingerprint=key, facts=facts, original=original), src=0
+        )
         if decision is None:
-            rank_zero_warn(f"DataLoaderTuner timed no setting to the end within `max_tuning_time_s="
-                           f"{self.max_tuning_time_s}`; raise it. The DataLoaders are left alone.",
-                           category=LightningAccelWarning)  # fmt: skip
+            rank_zero_warn(
+                f"DataLoaderTuner timed no setting to the end within `max_tuning_time_s="
+                f"{self.max_tuning_time_s}`; raise it. The DataLoaders are left alone.",
+                category=LightningAccelWarning,
+            )
             return None
         if not decision.confident:
             if trainer.is_global_zero:  # warnings on rank zero only: every rank holds the same decision
-                log.warning("DataLoaderTuner: %s, so the decision is applied to this fit but not cached.",
-                            decision.note)  # fmt: skip
+                log.warning(
+                    "DataLoaderTuner: %s, so the decision is applied to this fit but not cached.", decision.note
+                )
         elif self.use_cache and trainer.is_global_zero:
             try:
                 cache.DecisionCache(self.cache_path).put(decision)
             except Exception as err:  # rank zero alone writes: nothing it raises may part it from the other ranks
-                rank_zero_warn(f"DataLoaderTuner could not write its cache {self.cache_path} ({err}); set "
-                               "`cache_dir` to a writable folder.", category=LightningAccelWarning)  # fmt: skip
+                rank_zero_warn(
+                    f"DataLoaderTuner could not write its cache {self.cache_path} ({err}); set "
+                    "`cache_dir` to a writable folder.",
+                    category=LightningAccelWarning,
+                )
         self.result, self._state = decision, decision.as_dict()
         return decision.settings
 
@@ -403,16 +455,27 @@ class DataLoaderTuner(Callback):
         try:
             return cache.DecisionCache(self.cache_path).get(key, max_workers)
         except Exception as err:
-            rank_zero_warn(f"DataLoaderTuner could not read its cache {self.cache_path} ({err}); tuning again.",
-                           category=LightningAccelWarning)  # fmt: skip
+            rank_zero_warn(
+                f"DataLoaderTuner could not read its cache {self.cache_path} ({err}); tuning again.",
+                category=LightningAccelWarning,
+            )
             return None
 
     def _report(self, trainer: pl.Trainer, original: LoaderSettings) -> None:
         if trainer.is_global_zero:
             assert self.result is not None
-            report.publish(self.result, original, self.trials, tuning_time_s=self.tuning_time_s,
-                           cache_hit=self.cache_hit, step_mode=self.step_mode, print_table=self.print_table,
-                           loggers=trainer.loggers, step=trainer.global_step, log=log)  # fmt: skip
+            report.publish(
+                self.result,
+                original,
+                self.trials,
+                tuning_time_s=self.tuning_time_s,
+                cache_hit=self.cache_hit,
+                step_mode=self.step_mode,
+                print_table=self.print_table,
+                loggers=trainer.loggers,
+                step=trainer.global_step,
+                log=log,
+            )
 
     @override
     def state_dict(self) -> dict[str, Any]:

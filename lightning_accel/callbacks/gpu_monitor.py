@@ -172,14 +172,20 @@ class GPUMonitor(Callback):
     ) -> None:
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
             raise ConfigError(f"`interval_s={interval_s!r}` must be a positive number of seconds.")
-        if device_indices is not None and (isinstance(device_indices, (int, str)) or any(
-                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in device_indices)):  # fmt: skip
+        if device_indices is not None and (
+            isinstance(device_indices, (int, str))
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in device_indices)
+        ):
             raise ConfigError(f"`device_indices={device_indices!r}` must be a list of CUDA ordinals >= 0, e.g. [0, 1].")
         unknown = sorted(set(readings or ()) - set(READINGS))
         if isinstance(readings, str) or unknown:
             raise ConfigError(f"`readings={readings!r}` has unknown {unknown}; use any of {list(READINGS)}.")
-        thresholds = {"low_utilization_pct": low_utilization_pct, "min_memory_headroom_pct": min_memory_headroom_pct,
-                      "max_throttle_pct": max_throttle_pct, "max_rank_skew_pct": max_rank_skew_pct}  # fmt: skip
+        thresholds = {
+            "low_utilization_pct": low_utilization_pct,
+            "min_memory_headroom_pct": min_memory_headroom_pct,
+            "max_throttle_pct": max_throttle_pct,
+            "max_rank_skew_pct": max_rank_skew_pct,
+        }
         for name, value in thresholds.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise ConfigError(f"`{name}={value!r}` must be a percentage >= 0, or None to turn the alert off.")
@@ -274,43 +280,65 @@ class GPUMonitor(Callback):
     def _make_publisher(self, trainer: pl.Trainer, run_id: str) -> RunPublisher:
         """The node's publisher (not started): the job's fixed facts, and the sampler view after the logging one."""
         node_devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
-        uuids = {gpu['index']: gpu['uuid'] for gpu in self._gpus}
-        ranks = [{"rank": trainer.node_rank * len(node_devices) + local, "local_rank": local, "device": str(device),
-                  "uuid": uuids.get(device.index or 0) if device.type == "cuda" else None}
-                 for local, device in enumerate(node_devices)]  # fmt: skip
+        uuids = {gpu["index"]: gpu["uuid"] for gpu in self._gpus}
+        ranks = [
+            {
+                "rank": trainer.node_rank * len(node_devices) + local,
+                "local_rank": local,
+                "device": str(device),
+                "uuid": uuids.get(device.index or 0) if device.type == "cuda" else None,
+            }
+            for local, device in enumerate(node_devices)
+        ]
         runs_dir = None
         if self.publish:
             runs_dir = Path(self.runs_dir).expanduser() if self.runs_dir is not None else default_runs_dir()
         textfile = self.prometheus_textfile_dir
         settings = PublishSettings(
-            runs_dir=runs_dir, interval_s=self.publish_interval_s, prometheus_port=self.prometheus_port,
-            prometheus_addr=self.prometheus_addr, textfile_dir=None if textfile is None else Path(textfile),
+            runs_dir=runs_dir,
+            interval_s=self.publish_interval_s,
+            prometheus_port=self.prometheus_port,
+            prometheus_addr=self.prometheus_addr,
+            textfile_dir=None if textfile is None else Path(textfile),
             file_sd_dir=None if self.prometheus_file_sd_dir is None else Path(self.prometheus_file_sd_dir),
-        )  # fmt: skip
+        )
         assert self._dir is not None
         job = JobInfo(
-            run_id=run_id, name=self.run_name or self._dir.resolve().name, host=hostname(), user=current_user(),
-            pid=os.getpid(), command=process_command(), node_rank=trainer.node_rank, num_nodes=trainer.num_nodes,
-            rank=trainer.global_rank, ranks=ranks, slurm_job_id=os.environ.get("SLURM_JOB_ID") or None,
+            run_id=run_id,
+            name=self.run_name or self._dir.resolve().name,
+            host=hostname(),
+            user=current_user(),
+            pid=os.getpid(),
+            command=process_command(),
+            node_rank=trainer.node_rank,
+            num_nodes=trainer.num_nodes,
+            rank=trainer.global_rank,
+            ranks=ranks,
+            slurm_job_id=os.environ.get("SLURM_JOB_ID") or None,
             gpus=self._gpus,
             node_share=len(node_devices) / max(trainer.world_size, 1),
-        )  # fmt: skip
+        )
         view = 1 if self.log_metrics else 0
         alerts = (lambda: self.report.alerts) if trainer.global_rank == 0 else None  # rank zero checks the alerts
-        return RunPublisher(settings, job, self.sampler, view, alerts=alerts, warn=_warn_publishing,
-                            warn_nvml=not self.log_metrics)  # fmt: skip
+        return RunPublisher(
+            settings, job, self.sampler, view, alerts=alerts, warn=_warn_publishing, warn_nvml=not self.log_metrics
+        )
 
     def _start_sampler(self, uuids: list[str] | None, views: int = 1) -> NVMLSampler | None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        sampler, devices, problem = open_sampler(self._indices, visible, uuids, self.readings, self.interval_s,
-                                                 clock=self._clock, views=views)  # fmt: skip
+        sampler, devices, problem = open_sampler(
+            self._indices, visible, uuids, self.readings, self.interval_s, clock=self._clock, views=views
+        )
         self._gpus = [{"index": d.index, "uuid": d.uuid, "name": d.name} for d in devices]
         for device in devices:
             info = {"name": device.name, "uuid": device.uuid, "nvml_index": device.nvml_index}
             self._local_info[self._key(self._node, device.index)] = info
         if sampler is None:
-            warnings.warn(f"GPUMonitor is off on this node: {problem}. Training goes on without GPU telemetry.",
-                          LightningAccelWarning, stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"GPUMonitor is off on this node: {problem}. Training goes on without GPU telemetry.",
+                LightningAccelWarning,
+                stacklevel=2,
+            )
         return sampler
 
     @override
@@ -401,9 +429,12 @@ class GPUMonitor(Callback):
         self._finish_publisher("finished")
         if trainer.global_rank != 0 or not self.report.gpus:
             return
-        summary = {f"gpu_monitor/summary/{row['gpu']}/{column}": float(row[column])
-                   for row in self.report.gpu_rows() for column in (*COLUMNS, "energy_wh")
-                   if not math.isnan(row[column])}  # fmt: skip
+        summary = {
+            f"gpu_monitor/summary/{row['gpu']}/{column}": float(row[column])
+            for row in self.report.gpu_rows()
+            for column in (*COLUMNS, "energy_wh")
+            if not math.isnan(row[column])
+        }
         summary["gpu_monitor/summary/overhead_pct"] = self.report.to_dict()["monitor_overhead_pct"]
         for logger in trainer.loggers:
             logger.log_metrics(summary, step=step)
@@ -423,8 +454,10 @@ class GPUMonitor(Callback):
             try:
                 self.on_train_end(trainer, pl_module)
             except Exception as err:  # monitoring never stops the way out
-                rank_zero_warn(f"GPUMonitor: the report at the stop failed: {type(err).__name__}: {err}",
-                               category=LightningAccelWarning)
+                rank_zero_warn(
+                    f"GPUMonitor: the report at the stop failed: {type(err).__name__}: {err}",
+                    category=LightningAccelWarning,
+                )
         self._stop_sampler()
 
     @override
@@ -473,15 +506,28 @@ class GPUMonitor(Callback):
         if self.sampler is not None:
             window = self.sampler.close_window()
             if self.sampler.failure is not None:
-                warnings.warn(f"GPUMonitor stops sampling: NVML failed mid-run ({self.sampler.failure}). Training goes "
-                              "on without GPU telemetry.", LightningAccelWarning, stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"GPUMonitor stops sampling: NVML failed mid-run ({self.sampler.failure}). Training goes "
+                    "on without GPU telemetry.",
+                    LightningAccelWarning,
+                    stacklevel=2,
+                )
                 self._stop_sampler()  # the report keeps what was read so far
         if window is None and not self._gather:
             return  # no new reading (log steps come faster than `interval_s`): nothing to log, timings carry over
         steps = self._steps
         device, allocated = _allocated_pct(trainer.strategy.root_device)
-        row = pack_row(self._node, self._indices, window, self._step_s / max(steps, 1), self._data_s / max(steps, 1),
-                       steps, has_sampler=window is not None, device=device, allocated_pct=allocated)  # fmt: skip
+        row = pack_row(
+            self._node,
+            self._indices,
+            window,
+            self._step_s / max(steps, 1),
+            self._data_s / max(steps, 1),
+            steps,
+            has_sampler=window is not None,
+            device=device,
+            allocated_pct=allocated,
+        )
         self._step_s = self._data_s = 0.0
         self._steps = 0
         rows = self._all_gather(trainer, row) if self._gather else [row]
@@ -508,16 +554,20 @@ class GPUMonitor(Callback):
 
 def _check_publishing(interval_s: Any, port: Any, addr: Any, file_sd_dir: Any) -> None:
     if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s >= 0.2:
-        raise ConfigError(f"`publish_interval_s={interval_s!r}` must be a number of seconds >= 0.2 (2.0: a heartbeat "
-                          "every 2 s).")  # fmt: skip
+        raise ConfigError(
+            f"`publish_interval_s={interval_s!r}` must be a number of seconds >= 0.2 (2.0: a heartbeat every 2 s)."
+        )
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
-        raise ConfigError(f"`prometheus_port={port!r}` must be a TCP port 0-65535 (0: a free one), or None for no "
-                          "/metrics server.")  # fmt: skip
+        raise ConfigError(
+            f"`prometheus_port={port!r}` must be a TCP port 0-65535 (0: a free one), or None for no /metrics server."
+        )
     if not isinstance(addr, str) or not addr:
         raise ConfigError(f"`prometheus_addr={addr!r}` must be an address to bind, e.g. '127.0.0.1' or '0.0.0.0'.")
     if file_sd_dir is not None and port is None:
-        raise ConfigError(f"`prometheus_file_sd_dir={str(file_sd_dir)!r}` writes a scrape target of the /metrics "
-                          "server, but `prometheus_port=None` serves none; set `prometheus_port=0` (a free port).")
+        raise ConfigError(
+            f"`prometheus_file_sd_dir={str(file_sd_dir)!r}` writes a scrape target of the /metrics "
+            "server, but `prometheus_port=None` serves none; set `prometheus_port=0` (a free port)."
+        )
 
 
 def _warn_publishing(message: str) -> None:

@@ -104,8 +104,10 @@ class LRScaling(Callback):
             if hasattr(scheduler, "_last_lr"):
                 scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
         self.factor = self._applied = factor
-        rank_zero_info(f"LRScaling ({self.rule}): global batch {self.global_batch} vs reference "
-                       f"{self.reference_global_batch}: learning rates x {factor:.4g}")  # fmt: skip
+        rank_zero_info(
+            f"LRScaling ({self.rule}): global batch {self.global_batch} vs reference "
+            f"{self.reference_global_batch}: learning rates x {factor:.4g}"
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -52,8 +52,10 @@ class MatmulPrecision(Callback):
     def __init__(self, float32_matmul_precision: str | None = "highest", requested: str | None = None) -> None:
         if float32_matmul_precision is not None and float32_matmul_precision not in FLOAT32_MATMUL_PRECISIONS:
             options = ", ".join(f"`{v}`" for v in FLOAT32_MATMUL_PRECISIONS)
-            raise ConfigError(f"`float32_matmul_precision={float32_matmul_precision!r}` is not supported; use one of "
-                              f"{options}, or None to leave torch's setting alone.")  # fmt: skip
+            raise ConfigError(
+                f"`float32_matmul_precision={float32_matmul_precision!r}` is not supported; use one of "
+                f"{options}, or None to leave torch's setting alone."
+            )
         self.float32_matmul_precision = float32_matmul_precision
         self.requested = requested
         self._previous: str | None = None
@@ -64,9 +66,11 @@ class MatmulPrecision(Callback):
         if value is not None:
             self._previous = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision(value)
-        rank_zero_info(f"MatmulPrecision: precision={trainer.precision}{self._why(trainer)}; float32_matmul_precision="
-                       f"{torch.get_float32_matmul_precision()}: {_MEANING.get(torch.get_float32_matmul_precision())}"
-                       + ("" if value is not None else " (left as it was)"))  # fmt: skip
+        rank_zero_info(
+            f"MatmulPrecision: precision={trainer.precision}{self._why(trainer)}; float32_matmul_precision="
+            f"{torch.get_float32_matmul_precision()}: {_MEANING.get(torch.get_float32_matmul_precision())}"
+            + ("" if value is not None else " (left as it was)")
+        )
 
     def _why(self, trainer: pl.Trainer) -> str:
         """` (amp: <the reason it resolved so>)` when the config asked for a choice made per machine."""

@@ -83,7 +83,6 @@ class MicroBatchFinder(Callback):
         trainer = Trainer(callbacks=[MicroBatchFinder()])  # the loader's batch of 256 runs as micro-batches that fit
     """
 
-
     @classmethod
     def check_run(cls, *, family: str, on_cuda: bool, block_classes: bool, settings: Mapping[str, Any]) -> None:
         """This callback's rule for a run, asked before launch: one device or DDP; the other strategies split their
@@ -109,20 +108,26 @@ class MicroBatchFinder(Callback):
         if micro_batch_size != "auto" and (
             isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1
         ):
-            raise ConfigError(f"`micro_batch_size={micro_batch_size!r}` must be 'auto' or an integer >= 1.",
-                              setting="micro_batch_size")  # fmt: skip
+            raise ConfigError(
+                f"`micro_batch_size={micro_batch_size!r}` must be 'auto' or an integer >= 1.",
+                setting="micro_batch_size",
+            )
         if (
             isinstance(memory_fraction, bool)
             or not isinstance(memory_fraction, (int, float))
             or not (0 < memory_fraction <= 1)
         ):
-            raise ConfigError(f"`memory_fraction={memory_fraction!r}` must be a number in (0, 1], e.g. 0.9.",
-                              setting="memory_fraction")  # fmt: skip
+            raise ConfigError(
+                f"`memory_fraction={memory_fraction!r}` must be a number in (0, 1], e.g. 0.9.",
+                setting="memory_fraction",
+            )
         if grow_after is not None and (
             isinstance(grow_after, bool) or not isinstance(grow_after, int) or grow_after < 1
         ):
-            raise ConfigError(f"`grow_after={grow_after!r}` must be an integer >= 1, or None to keep the smaller size.",
-                              setting="grow_after")  # fmt: skip
+            raise ConfigError(
+                f"`grow_after={grow_after!r}` must be an integer >= 1, or None to keep the smaller size.",
+                setting="grow_after",
+            )
         self.micro_batch_size = micro_batch_size
         self.memory_fraction = float(memory_fraction)
         self.grow_after = grow_after
@@ -152,11 +157,20 @@ class MicroBatchFinder(Callback):
         automatic = trainer.fit_loop.epoch_loop.automatic_optimization
 
         def make_closure(kwargs: OrderedDict, optimizer: torch.optim.Optimizer, batch_idx: int) -> Closure:
-            return _PiecesClosure(self, trainer, kwargs, optimizer, automatic._make_backward_fn(optimizer),
-                                  automatic._make_zero_grad_fn(batch_idx, optimizer))  # fmt: skip
+            return _PiecesClosure(
+                self,
+                trainer,
+                kwargs,
+                optimizer,
+                automatic._make_backward_fn(optimizer),
+                automatic._make_zero_grad_fn(batch_idx, optimizer),
+            )
 
-        self._restore.callback(patch_attribute(automatic, "_make_closure", make_closure,
-                                               why="MicroBatchFinder (remove it to train whole batches)"))  # fmt: skip
+        self._restore.callback(
+            patch_attribute(
+                automatic, "_make_closure", make_closure, why="MicroBatchFinder (remove it to train whole batches)"
+            )
+        )
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -178,8 +192,10 @@ class MicroBatchFinder(Callback):
             batch_size = samples_in(batch, default=1)
         resumed, self._resumed = self._resumed, False
         if resumed and self.batch_size == batch_size and self.size and self.found:
-            rank_zero_info(f"MicroBatchFinder: resumed at micro-batch {self.size} of {self.batch_size} "
-                           f"({self.oom_recoveries} out-of-memory recoveries so far).")  # fmt: skip
+            rank_zero_info(
+                f"MicroBatchFinder: resumed at micro-batch {self.size} of {self.batch_size} "
+                f"({self.oom_recoveries} out-of-memory recoveries so far)."
+            )
             return
         self.batch_size, self.search = batch_size, None
         self.oom_recoveries = self._clean = 0
@@ -193,8 +209,10 @@ class MicroBatchFinder(Callback):
             how = f"trials: {_trials_text(self.search)}"
         self.found = self.size = chosen
         pieces = -(-self.batch_size // chosen)
-        rank_zero_info(f"MicroBatchFinder: micro-batch {chosen} of the loader's {self.batch_size} ({pieces} "
-                       f"micro-batch(es) per batch; {how}).")  # fmt: skip
+        rank_zero_info(
+            f"MicroBatchFinder: micro-batch {chosen} of the loader's {self.batch_size} ({pieces} "
+            f"micro-batch(es) per batch; {how})."
+        )
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> MicroBatchSearch:
         """Forward and backward of the first `size` samples of the first batch at each size the bisection asks for,
@@ -283,9 +301,13 @@ class MicroBatchFinder(Callback):
         try:
             with _no_sync(trainer):
                 step = backward_in_pieces(
-                    loss_fn, whole, params, piece=self.size, agree=agree,
+                    loss_fn,
+                    whole,
+                    params,
+                    piece=self.size,
+                    agree=agree,
                     backward=piece_backward if backward is not None else _skip_backward,
-                )  # fmt: skip
+                )
         finally:
             if results is not None:
                 results.batch, results.batch_size = whole, None
@@ -335,8 +357,13 @@ class MicroBatchFinder(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "found": self.found, "size": self.size,
-                "oom_recoveries": self.oom_recoveries, "clean": self._clean}  # fmt: skip
+        return {
+            "batch_size": self.batch_size,
+            "found": self.found,
+            "size": self.size,
+            "oom_recoveries": self.oom_recoveries,
+            "clean": self._clean,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -350,8 +377,15 @@ class _PiecesClosure(Closure):
     """Lightning's closure for one batch, run by MicroBatchFinder in micro-batches (zero_grad first, as the
     gradients are snapshotted before the batch)."""
 
-    def __init__(self, finder: MicroBatchFinder, trainer: pl.Trainer, kwargs: OrderedDict, optimizer: Any,
-                 backward_fn: Callable | None, zero_grad_fn: Callable | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        finder: MicroBatchFinder,
+        trainer: pl.Trainer,
+        kwargs: OrderedDict,
+        optimizer: Any,
+        backward_fn: Callable | None,
+        zero_grad_fn: Callable | None,
+    ) -> None:
         super().__init__(step_fn=lambda: ClosureResult(None), backward_fn=backward_fn, zero_grad_fn=zero_grad_fn)
         self._finder, self._trainer, self._kwargs, self._optimizer = finder, trainer, kwargs, optimizer
 
@@ -472,8 +506,11 @@ def _first_batch(trainer: pl.Trainer) -> Any:
         trainer.fit_loop.setup_data()
     loader = trainer.train_dataloader
     sampler = getattr(loader, "sampler", None)
-    generators = [g for g in (getattr(loader, "generator", None), getattr(sampler, "generator", None))
-                  if isinstance(g, torch.Generator)]  # fmt: skip
+    generators = [
+        g
+        for g in (getattr(loader, "generator", None), getattr(sampler, "generator", None))
+        if isinstance(g, torch.Generator)
+    ]
     states = [g.get_state() for g in generators]
     rng, host = torch.random.get_rng_state(), _host_rngs()
     try:
@@ -518,13 +555,17 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
     if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
-        raise ConfigError("MicroBatchFinder splits the batch Lightning passes to `training_step`; a step that takes "
-                          "`dataloader_iter` fetches its own. Remove MicroBatchFinder, or take `batch`.")  # fmt: skip
+        raise ConfigError(
+            "MicroBatchFinder splits the batch Lightning passes to `training_step`; a step that takes "
+            "`dataloader_iter` fetches its own. Remove MicroBatchFinder, or take `batch`."
+        )
     strategy = trainer.strategy
     if getattr(strategy, "_ddp_comm_hook", None) is not None:
-        rank_zero_warn("MicroBatchFinder averages the gradients itself, once per optimizer step: the DDP "
-                       "communication hook (gradient compression) is not used while it runs.",
-                       category=LightningAccelWarning)  # fmt: skip
+        rank_zero_warn(
+            "MicroBatchFinder averages the gradients itself, once per optimizer step: the DDP "
+            "communication hook (gradient compression) is not used while it runs.",
+            category=LightningAccelWarning,
+        )
     if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.handles_gradient_accumulation:
         raise ConfigError(
             f"MicroBatchFinder supports one device and DDP, not {type(strategy).__name__}: FSDP, model-parallel, "
@@ -535,5 +576,7 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     from lightning.pytorch.callbacks import BatchSizeFinder
 
     if any(isinstance(cb, BatchSizeFinder) for cb in trainer.callbacks):  # type: ignore[attr-defined]
-        raise ConfigError("MicroBatchFinder keeps the batch size and splits it; Lightning's BatchSizeFinder changes "
-                          "it. Use one of them.")  # fmt: skip
+        raise ConfigError(
+            "MicroBatchFinder keeps the batch size and splits it; Lightning's BatchSizeFinder changes "
+            "it. Use one of them."
+        )

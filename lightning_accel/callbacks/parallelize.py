@@ -90,15 +90,20 @@ class Parallelize(Callback):
             raise ConfigError(f"`block_classes={block_classes!r}` must be a list of classes or class names.")
         if tp_plan is not None and not isinstance(tp_plan, Mapping):
             raise ConfigError(f"`tp_plan={tp_plan!r}` must be a dict of {{module-name pattern: style}}.")
-        flags = {"activation_checkpointing": activation_checkpointing, "compile": compile,
-                 "reshard_after_forward": reshard_after_forward,
-                 "sync_grads_every_micro_batch": sync_grads_every_micro_batch}  # fmt: skip
+        flags = {
+            "activation_checkpointing": activation_checkpointing,
+            "compile": compile,
+            "reshard_after_forward": reshard_after_forward,
+            "sync_grads_every_micro_batch": sync_grads_every_micro_batch,
+        }
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ConfigError(f"`{name}={value!r}` must be true or false.")
         if (activation_checkpointing or compile) and not block_classes:
-            raise ConfigError("`activation_checkpointing` and `compile` work block by block; name the block class in "
-                              "`block_classes` (e.g. ['Block']).")  # fmt: skip
+            raise ConfigError(
+                "`activation_checkpointing` and `compile` work block by block; name the block class in "
+                "`block_classes` (e.g. ['Block'])."
+            )
         mixed_precision_policy(param_dtype, reduce_dtype)  # checks the names
         self.block_classes = list(block_classes)
         self.tp_plan = dict(tp_plan or {})

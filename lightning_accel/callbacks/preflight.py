@@ -66,8 +66,9 @@ class Preflight(Callback):
         unknown = [name for name in checks or () if name not in CHECKS]
         if unknown:
             raise ConfigError(f"`checks` names unknown check(s) {unknown}; choose from {list(CHECKS)}.")
-        if num_workers is not None and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
-                                        or num_workers < 0):  # fmt: skip
+        if num_workers is not None and (
+            isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
+        ):
             raise ConfigError(f"`num_workers={num_workers!r}` must be an integer >= 0 or None.")
         self.fail_on = fail_on
         self.checks = None if checks is None else list(checks)
@@ -81,13 +82,23 @@ class Preflight(Callback):
         if stage != "fit":
             return
         cuda = isinstance(trainer.accelerator, CUDAAccelerator)
-        request = CheckRequest(gpus=trainer.num_devices if cuda else 0, processes=trainer.num_devices,
-                               num_workers=self.num_workers, num_nodes=trainer.num_nodes)  # fmt: skip
+        request = CheckRequest(
+            gpus=trainer.num_devices if cuda else 0,
+            processes=trainer.num_devices,
+            num_workers=self.num_workers,
+            num_nodes=trainer.num_nodes,
+        )
         try:
             checks = [dataclasses.asdict(check) for check in run_checks(collect_facts(self.root), request, self.checks)]
         except Exception as err:  # a bug here must not leave the other ranks waiting in the gather below
-            checks = [{"name": "preflight", "status": "WARN", "detail": f"the checks crashed ({type(err).__name__}: "
-                       f"{err})", "fix": "run `accel-doctor` on this node and report the traceback"}]  # fmt: skip
+            checks = [
+                {
+                    "name": "preflight",
+                    "status": "WARN",
+                    "detail": f"the checks crashed ({type(err).__name__}: {err})",
+                    "fix": "run `accel-doctor` on this node and report the traceback",
+                }
+            ]
         local: Row = {"rank": trainer.global_rank, "node": trainer.node_rank, "host": hostname(), "checks": checks}
         self.results = _gather(local)
         stop = ("FAIL", "WARN") if self.fail_on == "WARN" else ("FAIL",)

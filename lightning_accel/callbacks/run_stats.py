@@ -48,10 +48,12 @@ class RunStats(Callback):
         self._start = time.perf_counter()
         now = _accumulation(trainer)
         if self._saved_accumulation is not None and self._saved_accumulation != now:
-            rank_zero_warn(f"This fit resumes a checkpoint that accumulated {self._saved_accumulation} and now "
-                           f"accumulates {now}: the samples per optimizer step, the number of optimizer steps and "
-                           "so the LR schedule differ from the run it continues.",
-                           category=LightningAccelWarning)  # fmt: skip
+            rank_zero_warn(
+                f"This fit resumes a checkpoint that accumulated {self._saved_accumulation} and now "
+                f"accumulates {now}: the samples per optimizer step, the number of optimizer steps and "
+                "so the LR schedule differ from the run it continues.",
+                category=LightningAccelWarning,
+            )
         self._saved_accumulation = None
 
     @override
@@ -66,9 +68,11 @@ class RunStats(Callback):
             monitor = getattr(callback, "monitor", None)
             if isinstance(callback, (ModelCheckpoint, EarlyStopping)) and monitor and monitor not in logged:
                 name = type(callback).__name__
-                raise ConfigError(f"`{name}(monitor={monitor!r})` is not a metric this run logs (it logs "
-                                  f"{', '.join(sorted(logged)) or 'nothing yet'}); monitor one of them, or null. "
-                                  "In accel-train: `callbacks.<name>.monitor`.")  # fmt: skip
+                raise ConfigError(
+                    f"`{name}(monitor={monitor!r})` is not a metric this run logs (it logs "
+                    f"{', '.join(sorted(logged)) or 'nothing yet'}); monitor one of them, or null. "
+                    "In accel-train: `callbacks.<name>.monitor`."
+                )
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -105,7 +109,10 @@ def _accumulation(trainer: Any) -> str:
 
     scheduler = next((cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler)), None)
     if scheduler is not None:
-        how = (f"global_batch_size={scheduler.global_batch_size}" if scheduler.global_batch_size is not None
-               else f"{scheduler.unit} schedule {scheduler.scheduling}")  # fmt: skip
+        how = (
+            f"global_batch_size={scheduler.global_batch_size}"
+            if scheduler.global_batch_size is not None
+            else f"{scheduler.unit} schedule {scheduler.scheduling}"
+        )
         return f"with an AccumulationScheduler ({how})"
     return f"accumulate_grad_batches={trainer.accumulate_grad_batches}"

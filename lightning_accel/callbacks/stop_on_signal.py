@@ -161,8 +161,9 @@ class StopOnSignal(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_handlers=None, _trainer=None, _group=None, _watchdog=None, _stage=None, _stop_watchdog=None,
-                     _patches=None)
+        state.update(
+            _handlers=None, _trainer=None, _group=None, _watchdog=None, _stage=None, _stop_watchdog=None, _patches=None
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -206,8 +207,11 @@ class StopOnSignal(Callback):
             self._reassert()
 
         self._patches = ExitStack()
-        self._patches.callback(patch_attribute(connector, "register_signal_handlers", register,
-                                               why="StopOnSignal's handler for the whole run"))  # fmt: skip
+        self._patches.callback(
+            patch_attribute(
+                connector, "register_signal_handlers", register, why="StopOnSignal's handler for the whole run"
+            )
+        )
 
     def _reassert(self) -> None:
         """Our handler on every signal we took over, where something replaced it since `_install`."""
@@ -367,8 +371,10 @@ class StopOnSignal(Callback):
             trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
         elif save:
             _save_last(trainer)
-        rank_zero_info(f"StopOnSignal: {signal.Signals(signum).name} received; every rank stops at global step "
-                       f"{trainer.global_step} (exit {128 + signum})")  # fmt: skip
+        rank_zero_info(
+            f"StopOnSignal: {signal.Signals(signum).name} received; every rank stops at global step "
+            f"{trainer.global_step} (exit {128 + signum})"
+        )
         return signum
 
     def _exit_if_agreed(self, trainer: pl.Trainer) -> None:

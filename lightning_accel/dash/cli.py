@@ -45,27 +45,46 @@ def build_parser() -> argparse.ArgumentParser:
         description="Every running, stale and recently ended job that publishes into the runs directory, grouped by "
         "host, with its cards live, and this host's cards that no job of ours holds; on one read-only web page "
         "served on 127.0.0.1, or once as a text table (--once) or JSON (--json).",
-    )  # fmt: skip
-    parser.add_argument("--runs-dir", type=Path, default=None,
-                        help="the runs directory the jobs publish into (default: $ACCEL_RUNS_DIR, else "
-                             "$XDG_CACHE_HOME/lightning_accel/runs, i.e. ~/.cache/lightning_accel/runs); point "
-                             "the team's jobs and this at one shared path")  # fmt: skip
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="the address to serve on (default 127.0.0.1: this machine only); anything else, e.g. "
-                             "0.0.0.0, lets every machine that reaches the port read the page")  # fmt: skip
-    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"the port (default {DEFAULT_PORT}; 0: a "
-                        "free one)")  # fmt: skip
+    )
+    parser.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=None,
+        help="the runs directory the jobs publish into (default: $ACCEL_RUNS_DIR, else "
+        "$XDG_CACHE_HOME/lightning_accel/runs, i.e. ~/.cache/lightning_accel/runs); point "
+        "the team's jobs and this at one shared path",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to serve on (default 127.0.0.1: this machine only); anything else, e.g. "
+        "0.0.0.0, lets every machine that reaches the port read the page",
+    )
+    parser.add_argument(
+        "--port", type=_port, default=DEFAULT_PORT, help=f"the port (default {DEFAULT_PORT}; 0: a free one)"
+    )
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--once", action="store_true", help="print the jobs and cards once as tables and exit")
     shown.add_argument("--json", action="store_true", help="print the page data once as JSON and exit")
-    parser.add_argument("--stale-after", type=_seconds, default=DEFAULT_STALE_AFTER_S,
-                        help=f"a running job silent this long reads as stale (default {DEFAULT_STALE_AFTER_S:.0f} s)")
-    parser.add_argument("--keep", type=_seconds, default=DEFAULT_KEEP_S,
-                        help=f"list stale, finished and failed jobs this long after their last heartbeat (default "
-                             f"{DEFAULT_KEEP_S:.0f} s)")  # fmt: skip
-    parser.add_argument("--no-host-gpus", action="store_true",
-                        help="do not read this host's GPUs through NVML (only the jobs' own heartbeats)")
-    return parser  # fmt: skip
+    parser.add_argument(
+        "--stale-after",
+        type=_seconds,
+        default=DEFAULT_STALE_AFTER_S,
+        help=f"a running job silent this long reads as stale (default {DEFAULT_STALE_AFTER_S:.0f} s)",
+    )
+    parser.add_argument(
+        "--keep",
+        type=_seconds,
+        default=DEFAULT_KEEP_S,
+        help=f"list stale, finished and failed jobs this long after their last heartbeat (default "
+        f"{DEFAULT_KEEP_S:.0f} s)",
+    )
+    parser.add_argument(
+        "--no-host-gpus",
+        action="store_true",
+        help="do not read this host's GPUs through NVML (only the jobs' own heartbeats)",
+    )
+    return parser
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -94,29 +113,38 @@ def _serve(args: argparse.Namespace, state: DashState) -> int:
 
         from lightning_accel.dash.server import LOOPBACK, make_app
     except ImportError as err:
-        print(f"accel-dash: error: the web page needs Starlette and uvicorn ({err.name} is missing); install them with "
-              "pip install 'lightning_accel[dash]'. `--once` and `--json` work without them.", file=sys.stderr)
-        return 2  # fmt: skip
+        print(
+            f"accel-dash: error: the web page needs Starlette and uvicorn ({err.name} is missing); install them with "
+            "pip install 'lightning_accel[dash]'. `--once` and `--json` work without them.",
+            file=sys.stderr,
+        )
+        return 2
     try:
         sock = _bind(args.host, args.port)
     except OSError as err:
         if err.errno == errno.EADDRINUSE:
-            print(f"accel-dash: error: port {args.port} on {args.host} is taken (another accel-dash, or another "
-                  f"server); pass another `--port`, e.g. `--port {args.port + 1}`, or `--port 0` for a free one.",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"accel-dash: error: port {args.port} on {args.host} is taken (another accel-dash, or another "
+                f"server); pass another `--port`, e.g. `--port {args.port + 1}`, or `--port 0` for a free one.",
+                file=sys.stderr,
+            )
         else:
-            print(f"accel-dash: error: cannot serve on `--host {args.host}` `--port {args.port}` "
-                  f"({err.strerror or err}); pass an address of this machine, e.g. `--host 127.0.0.1`.",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"accel-dash: error: cannot serve on `--host {args.host}` `--port {args.port}` "
+                f"({err.strerror or err}); pass an address of this machine, e.g. `--host 127.0.0.1`.",
+                file=sys.stderr,
+            )
         return 2
     loopback = args.host in LOOPBACK
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if ":" in args.host else args.host
     if not loopback:
-        print(f"accel-dash: serving on {args.host}, not only this machine: anyone who reaches port {port} reads "
-              "every job's host, user, pid, command line, run name and progress, and this host's GPU processes and "
-              "their users (read-only, no login). Use --host 127.0.0.1 and an SSH tunnel to keep it private.",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"accel-dash: serving on {args.host}, not only this machine: anyone who reaches port {port} reads "
+            "every job's host, user, pid, command line, run name and progress, and this host's GPU processes and "
+            "their users (read-only, no login). Use --host 127.0.0.1 and an SSH tunnel to keep it private.",
+            file=sys.stderr,
+        )
     print(f"accel-dash: http://{shown}:{port}/ reading {state.runs_dir} (Ctrl-C stops)", flush=True)
     config = uvicorn.Config(make_app(state, loopback=loopback), log_level="warning", access_log=False, lifespan="off")
     uvicorn.Server(config).run(sockets=[sock])
@@ -132,9 +160,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_accel.telemetry.host_gpus import HostGPUs
 
         cards = HostGPUs()
-    state = DashState(runs_dir, host_cards=cards.read if cards else None,
-                      host_cards_problem=(lambda: cards.problem) if cards else None, stale_after_s=args.stale_after,
-                      keep_s=args.keep)  # fmt: skip
+    state = DashState(
+        runs_dir,
+        host_cards=cards.read if cards else None,
+        host_cards_problem=(lambda: cards.problem) if cards else None,
+        stale_after_s=args.stale_after,
+        keep_s=args.keep,
+    )
     try:
         if args.json:
             print(json.dumps(page_dict(state.build()), indent=1))

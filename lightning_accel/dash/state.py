@@ -82,15 +82,25 @@ class DashState:
             hosts.setdefault(host, {"host": host, "jobs": [], "cards": []})["jobs"].append(job)
         cards_problem = None
         if self._host_cards is not None:
-            held = {gpu["uuid"] for job in hosts[self.host]["jobs"] if job.status in ("running", "stale")
-                    for gpu in job.heartbeat["gpus"]}  # fmt: skip
+            held = {
+                gpu["uuid"]
+                for job in hosts[self.host]["jobs"]
+                if job.status in ("running", "stale")
+                for gpu in job.heartbeat["gpus"]
+            }
             hosts[self.host]["cards"] = [card for card in self._host_cards() if card["uuid"] not in held]
             cards_problem = self._host_cards_problem() if self._host_cards_problem is not None else None
         ordered = [hosts.pop(self.host), *(hosts[name] for name in sorted(hosts))]
         return {
-            "schema": SCHEMA, "generated": now, "host": self.host, "runs_dir": str(self.runs_dir),
-            "stale_after_s": self.stale_after_s, "hosts": ordered, "notes": notes, "cards_problem": cards_problem,
-        }  # fmt: skip
+            "schema": SCHEMA,
+            "generated": now,
+            "host": self.host,
+            "runs_dir": str(self.runs_dir),
+            "stale_after_s": self.stale_after_s,
+            "hosts": ordered,
+            "notes": notes,
+            "cards_problem": cards_problem,
+        }
 
 
 def page_dict(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,9 +152,15 @@ def card_line(latest: Mapping[str, Any]) -> str:
         parts.append(f"{latest['temperature_c']:.0f} C")
     if latest.get("memory_used_mib") is not None:
         parts.append(f"{latest['memory_used_mib'] / 1024:.1f}/{_number(_gib(latest.get('memory_total_mib')), 1)} GiB")
-    throttled = [name for name, key in (("thermal", "throttle_thermal_frac"), ("power", "throttle_power_frac"),
-                                         ("hw slowdown", "throttle_hw_slowdown_frac"))
-                 if (latest.get(key) or 0) > 0]  # fmt: skip
+    throttled = [
+        name
+        for name, key in (
+            ("thermal", "throttle_thermal_frac"),
+            ("power", "throttle_power_frac"),
+            ("hw slowdown", "throttle_hw_slowdown_frac"),
+        )
+        if (latest.get(key) or 0) > 0
+    ]
     if throttled:
         parts.append("throttled: " + ", ".join(throttled))
     return ", ".join(parts)
@@ -170,15 +186,23 @@ def text_report(state: Mapping[str, Any], width: int | None = None) -> str:
             job = {**entry.heartbeat, "status": entry.status}
             step = f"{job['step']:,}" + (f"/{job['max_steps']:,}" if job["max_steps"] else "")
             ranks = ", ".join(f"{r['rank']}:{_plain(r['device'], 12)}" for r in job["ranks"]) or "-"
-            cards = "\n".join(f"gpu {g['index']} {_plain(g['name'], 30)}: {card_line(g['latest'])}"
-                               for g in job["gpus"])  # fmt: skip
+            cards = "\n".join(
+                f"gpu {g['index']} {_plain(g['name'], 30)}: {card_line(g['latest'])}" for g in job["gpus"]
+            )
             notes = [f"{a['name']} (step {a['step']})" for a in job["alerts"]]
             if job["reason"]:
                 notes.append(job["reason"])
             run = f"{_plain(job['name'])}\n{_plain(job['run_id'])}" + ("".join(f"\n! {_plain(n, 120)}" for n in notes))
-            table.add_row(Text(job["status"]), Text(run), Text(f"{_plain(job['user'], 32)}\npid {job['pid']}"),
-                          Text(ranks), Text(step), Text(_number(job["samples_per_s"], 1)),
-                          Text(_duration(job["eta_s"])), Text(cards or "no GPU"))  # fmt: skip
+            table.add_row(
+                Text(job["status"]),
+                Text(run),
+                Text(f"{_plain(job['user'], 32)}\npid {job['pid']}"),
+                Text(ranks),
+                Text(step),
+                Text(_number(job["samples_per_s"], 1)),
+                Text(_duration(job["eta_s"])),
+                Text(cards or "no GPU"),
+            )
         if not host["jobs"]:
             table.add_row(Text("-"), Text("no job of ours"), *[Text("") for _ in range(6)])
         console.print(table)
@@ -187,14 +211,19 @@ def text_report(state: Mapping[str, Any], width: int | None = None) -> str:
             for column in ("gpu", "name", "signals", "processes"):
                 free.add_column(column, overflow="fold")
             for card in host["cards"]:
-                processes = ", ".join(f"{p['pid']} {_plain(p['user'], 32)} {_plain(p['name'], 32)}"
-                                      for p in card["processes"]) or "idle"  # fmt: skip
-                free.add_row(Text(str(card["index"])), Text(_plain(card["name"], 40)), Text(card_line(card["latest"])),
-                             Text(processes))  # fmt: skip
+                processes = (
+                    ", ".join(f"{p['pid']} {_plain(p['user'], 32)} {_plain(p['name'], 32)}" for p in card["processes"])
+                    or "idle"
+                )
+                free.add_row(
+                    Text(str(card["index"])),
+                    Text(_plain(card["name"], 40)),
+                    Text(card_line(card["latest"])),
+                    Text(processes),
+                )
             console.print(free)
     if state.get("cards_problem"):
         console.print(Text(f"this host's cards are not shown: {_plain(state['cards_problem'], 300)}"))
     for note in state["notes"]:
         console.print(Text(f"note: {_plain(note, 300)}"))
     return console.export_text()
-

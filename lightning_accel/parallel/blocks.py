@@ -199,8 +199,10 @@ def mixed_precision_policy(param_dtype: str | None = None, reduce_dtype: str | N
     for setting, name in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         dtype = getattr(torch, name, None) if isinstance(name, str) else None
         if name is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ConfigError(f"`{setting}={name!r}` is not a floating-point torch dtype; use 'bfloat16', 'float16', "
-                              "'float32' or null.")  # fmt: skip
+            raise ConfigError(
+                f"`{setting}={name!r}` is not a floating-point torch dtype; use 'bfloat16', 'float16', "
+                "'float32' or null."
+            )
         dtypes[setting] = dtype
     return MixedPrecisionPolicy(**dtypes)
 

@@ -44,8 +44,10 @@ class AppliedPlan:
     def describe(self) -> str:
         """One line: `tp=6 modules, ac=2 blocks, compile=0 blocks, fsdp=2 blocks + root`."""
         fsdp = f"{len(self.sharded)} blocks + root" if self.fsdp else "off"
-        return (f"tp={len(self.tensor_parallel)} modules, ac={len(self.checkpointed)} blocks, "
-                f"compile={len(self.compiled)} blocks, fsdp={fsdp}")  # fmt: skip
+        return (
+            f"tp={len(self.tensor_parallel)} modules, ac={len(self.checkpointed)} blocks, "
+            f"compile={len(self.compiled)} blocks, fsdp={fsdp}"
+        )
 
 
 def is_parallelized(module: nn.Module) -> bool:

@@ -39,8 +39,10 @@ def _style(pattern: str, style: str | ParallelStyle) -> ParallelStyle:
             )
         return style
     if style not in TP_STYLES:
-        raise ConfigError(f"`tp_plan[{pattern!r}]={style!r}` is not a tensor-parallel style; use one of "
-                          f"{', '.join(repr(s) for s in TP_STYLES)}.")  # fmt: skip
+        raise ConfigError(
+            f"`tp_plan[{pattern!r}]={style!r}` is not a tensor-parallel style; use one of "
+            f"{', '.join(repr(s) for s in TP_STYLES)}."
+        )
     return getattr(parallel, TP_STYLES[style])()
 
 
@@ -69,8 +71,10 @@ def resolve_tp_plan(module: nn.Module, plan: Mapping[str, str | ParallelStyle]) 
             )
         for name in hits:
             if name in matched_by:
-                raise ConfigError(f"`tp_plan` patterns {matched_by[name]!r} and {pattern!r} both match {name!r}; "
-                                  "make them match disjoint modules.")  # fmt: skip
+                raise ConfigError(
+                    f"`tp_plan` patterns {matched_by[name]!r} and {pattern!r} both match {name!r}; "
+                    "make them match disjoint modules."
+                )
             allowed = _STYLE_MODULES.get(style) if isinstance(style, str) else None
             if allowed is not None and not isinstance(names[name], allowed):
                 raise ConfigError(

@@ -36,8 +36,9 @@ def load_metadata(path: str | Path, weights_only: bool | None = None, mmap: bool
     """
     try:
         # on the CPU: checked before launch, every rank would otherwise put the state on cuda:0
-        return torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only,
-                          mmap=mmap)  # fmt: skip
+        return torch.load(
+            path, map_location="cpu", weights_only=True if weights_only is None else weights_only, mmap=mmap
+        )
     except pickle.UnpicklingError as err:
         raise ConfigError(
             f"the checkpoint file {str(path)!r} holds more than tensors and plain types ({_first_global(err)}), so it "
@@ -47,15 +48,19 @@ def load_metadata(path: str | Path, weights_only: bool | None = None, mmap: bool
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # a zip that is not torch's, truncated
         detail = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no detail'}"
-        raise ConfigError(f"the checkpoint file {str(path)!r} is not a readable torch checkpoint ({detail}): "
-                          "truncated, corrupt or another kind of archive; pass the run's `checkpoints/last.ckpt` or "
-                          "another checkpoint.") from None  # fmt: skip
+        raise ConfigError(
+            f"the checkpoint file {str(path)!r} is not a readable torch checkpoint ({detail}): "
+            "truncated, corrupt or another kind of archive; pass the run's `checkpoints/last.ckpt` or "
+            "another checkpoint."
+        ) from None
 
 
 def _first_global(err: Exception) -> str:
     lines = str(err).strip().splitlines()
-    return next((line.strip() for line in lines if "GLOBAL" in line or "Unsupported" in line),
-                lines[0] if lines else "an object that is not a tensor or a plain type")  # fmt: skip
+    return next(
+        (line.strip() for line in lines if "GLOBAL" in line or "Unsupported" in line),
+        lines[0] if lines else "an object that is not a tensor or a plain type",
+    )
 
 
 def _allowed_in_dcp_metadata(module: str, name: str) -> bool:
@@ -69,8 +74,7 @@ def _allowed_in_dcp_metadata(module: str, name: str) -> bool:
     if module == "torch":
         value = getattr(torch, name, None)
         return value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
-    return (module, name) == ("torch.serialization", "_get_layout") or (
-        module == "pathlib" and name in _PATH_CLASSES)  # fmt: skip
+    return (module, name) == ("torch.serialization", "_get_layout") or (module == "pathlib" and name in _PATH_CLASSES)
 
 
 def check_dcp_metadata(path: str | Path) -> list[Any]:
@@ -93,12 +97,16 @@ def check_dcp_metadata(path: str | Path) -> list[Any]:
             with file.open("rb") as handle:
                 found.append(Restricted(handle).load())
         except pickle.UnpicklingError as err:
-            raise ConfigError(f"the distributed checkpoint index {str(file)!r} names `{err}`, which torch's "
-                              "checkpoint metadata never holds, so the checkpoint is not loaded: loading it could "
-                              "run code.") from None  # fmt: skip
+            raise ConfigError(
+                f"the distributed checkpoint index {str(file)!r} names `{err}`, which torch's "
+                "checkpoint metadata never holds, so the checkpoint is not loaded: loading it could "
+                "run code."
+            ) from None
         except (EOFError, ValueError, TypeError, AttributeError, IndexError) as err:
-            raise ConfigError(f"the distributed checkpoint index {str(file)!r} cannot be read ({type(err).__name__}: "
-                              f"{err}): truncated or not a checkpoint; pass another checkpoint.") from None  # fmt: skip
+            raise ConfigError(
+                f"the distributed checkpoint index {str(file)!r} cannot be read ({type(err).__name__}: "
+                f"{err}): truncated or not a checkpoint; pass another checkpoint."
+            ) from None
     return found
 
 
@@ -117,8 +125,9 @@ def check_distributed_checkpoint(path: str | Path) -> None:
     for metadata in check_dcp_metadata(path):
         if not isinstance(metadata, Metadata):
             raise ConfigError(f"{str(path / '.metadata')!r} is not a torch.distributed.checkpoint index.")
-        byte_items = {fqn for fqn, meta in metadata.state_dict_metadata.items()
-                      if isinstance(meta, BytesStorageMetadata)}  # fmt: skip
+        byte_items = {
+            fqn for fqn, meta in metadata.state_dict_metadata.items() if isinstance(meta, BytesStorageMetadata)
+        }
         sizes: dict[str, int] = {}
         for index, info in (metadata.storage_data or {}).items():
             shard = path / info.relative_path
@@ -126,30 +135,39 @@ def check_distributed_checkpoint(path: str | Path) -> None:
                 sizes[info.relative_path] = shard.stat().st_size if shard.is_file() else -1
             if sizes[info.relative_path] < info.offset + info.length:
                 state = "missing" if sizes[info.relative_path] < 0 else "shorter than its index says (truncated)"
-                raise ConfigError(f"the shard {str(shard)!r} of the checkpoint {str(path)!r} is {state}: the "
-                                  "checkpoint is incomplete; pass another checkpoint.")  # fmt: skip
+                raise ConfigError(
+                    f"the shard {str(shard)!r} of the checkpoint {str(path)!r} is {state}: the "
+                    "checkpoint is incomplete; pass another checkpoint."
+                )
             if index.fqn not in byte_items:
                 continue
             if getattr(info, "transform_descriptors", None):
-                raise ConfigError(f"the item `{index.fqn}` of {str(shard)!r} is stored transformed "
-                                  f"({list(info.transform_descriptors)}), so it cannot be checked before it is "
-                                  "unpickled; the checkpoint is not loaded.")  # fmt: skip
+                raise ConfigError(
+                    f"the item `{index.fqn}` of {str(shard)!r} is stored transformed "
+                    f"({list(info.transform_descriptors)}), so it cannot be checked before it is "
+                    "unpickled; the checkpoint is not loaded."
+                )
             try:
                 with shard.open("rb") as handle:
                     handle.seek(info.offset)
                     data = handle.read(info.length)
             except OSError as err:
-                raise ConfigError(f"the shard {str(shard)!r} of the checkpoint {str(path)!r} cannot be read: "
-                                  f"{err}.") from None  # fmt: skip
+                raise ConfigError(
+                    f"the shard {str(shard)!r} of the checkpoint {str(path)!r} cannot be read: {err}."
+                ) from None
             if len(data) != info.length:
-                raise ConfigError(f"the shard {str(shard)!r} is shorter than its index says (truncated): the "
-                                  "checkpoint is incomplete; pass another checkpoint.")  # fmt: skip
+                raise ConfigError(
+                    f"the shard {str(shard)!r} is shorter than its index says (truncated): the "
+                    "checkpoint is incomplete; pass another checkpoint."
+                )
             try:
                 torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as err:
-                raise ConfigError(f"the item `{index.fqn}` of the checkpoint shard {str(shard)!r} holds more than "
-                                  f"tensors and plain types ({_first_global(err)}), so the checkpoint is not loaded: "
-                                  "torch would unpickle it with weights_only=False, which could run code.") from None
+                raise ConfigError(
+                    f"the item `{index.fqn}` of the checkpoint shard {str(shard)!r} holds more than "
+                    f"tensors and plain types ({_first_global(err)}), so the checkpoint is not loaded: "
+                    "torch would unpickle it with weights_only=False, which could run code."
+                ) from None
     if (path / _META_FILENAME).is_file():
         load_metadata(path / _META_FILENAME)
 

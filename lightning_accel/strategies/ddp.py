@@ -73,8 +73,10 @@ class DDPStrategy(_LightningDDPStrategy):
         waited = self.init_timeout.total_seconds()
         where = f"{self.cluster_environment.main_address}:{self.cluster_environment.main_port}"  # type: ignore[union-attr]
         if self.num_nodes > 1 and self.local_rank == 0:
-            log.info(f"node {self.node_rank}: waiting up to {waited:g} s (`init_timeout_s`) for "
-                     f"{self.num_nodes} nodes x {self.num_processes} processes to join at {where}")  # fmt: skip
+            log.info(
+                f"node {self.node_rank}: waiting up to {waited:g} s (`init_timeout_s`) for "
+                f"{self.num_nodes} nodes x {self.num_processes} processes to join at {where}"
+            )
         try:
             super().setup_distributed()
         except Exception as err:

@@ -93,8 +93,9 @@ def nccl_plan(
         ValueError: for an unknown preset, or `ib` on a machine without an ACTIVE RDMA port.
     """
     if preset not in NCCL_PRESETS:
-        raise ConfigError(f"`preset={preset!r}` is not an NCCL preset; use one of {', '.join(NCCL_PRESETS)}.",
-                          setting="preset")  # fmt: skip
+        raise ConfigError(
+            f"`preset={preset!r}` is not an NCCL preset; use one of {', '.join(NCCL_PRESETS)}.", setting="preset"
+        )
     env = os.environ if env is None else env
     wanted: dict[str, str] = {}
     notes: list[str] = []
@@ -127,8 +128,14 @@ def nccl_plan(
     if preset == "nvls_off":
         wanted["NCCL_NVLS_ENABLE"] = "0"
     if preset == "debug":
-        wanted.update({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"})  # fmt: skip
+        wanted.update(
+            {
+                "NCCL_DEBUG": "INFO",
+                "NCCL_DEBUG_SUBSYS": "INIT,NET",
+                "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            }
+        )
         if trace_dir:
             wanted["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(trace_dir, "nccl_trace_rank_"))
     to_set = {k: v for k, v in wanted.items() if k not in env}

@@ -193,8 +193,13 @@ def read_cpu_budget(
             if value is not None and (quota is None or value < quota):
                 quota = value
                 source = str(directory / ("cpu.max" if version == 2 else "cpu.cfs_quota_us"))
-    return CpuBudget(affinity=_affinity_count(affinity), quota=quota, quota_source=source, cgroup_version=version,
-                     env_count=env_count)  # fmt: skip
+    return CpuBudget(
+        affinity=_affinity_count(affinity),
+        quota=quota,
+        quota_source=source,
+        cgroup_version=version,
+        env_count=env_count,
+    )
 
 
 def _bytes(text: str | None) -> int | None:

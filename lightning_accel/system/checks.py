@@ -127,13 +127,21 @@ def check_driver_cuda(facts: SystemFacts, request: CheckRequest) -> Check:
     runtime = tuple(int(part) for part in torch.cuda.split(".")[:2])
     shown = f"driver {nvml.driver_version} supports CUDA {driver[0]}.{driver[1]}; torch runtime is CUDA {torch.cuda}"
     if runtime[0] > driver[0]:
-        return Check("driver_cuda", "FAIL", f"{shown} (\"CUDA driver version is insufficient\")",
-                     f"upgrade the NVIDIA driver to one for CUDA >= {torch.cuda}, or install a torch built for "
-                     f"CUDA <= {driver[0]}.{driver[1]}")  # fmt: skip
+        return Check(
+            "driver_cuda",
+            "FAIL",
+            f'{shown} ("CUDA driver version is insufficient")',
+            f"upgrade the NVIDIA driver to one for CUDA >= {torch.cuda}, or install a torch built for "
+            f"CUDA <= {driver[0]}.{driver[1]}",
+        )
     if runtime[0] == driver[0] and runtime[1:] > driver[1:]:
-        return Check("driver_cuda", "WARN", f"{shown}: runs on minor-version compatibility (PTX JIT may fail)",
-                     f"upgrade the driver to one for CUDA >= {torch.cuda}, or install a torch built for "
-                     f"CUDA {driver[0]}.{driver[1]}")  # fmt: skip
+        return Check(
+            "driver_cuda",
+            "WARN",
+            f"{shown}: runs on minor-version compatibility (PTX JIT may fail)",
+            f"upgrade the driver to one for CUDA >= {torch.cuda}, or install a torch built for "
+            f"CUDA {driver[0]}.{driver[1]}",
+        )
     return Check("driver_cuda", "PASS", shown)
 
 
@@ -145,21 +153,34 @@ def check_gpus(facts: SystemFacts, request: CheckRequest) -> Check:
     if not nvml.available:
         if wanted is None:
             return Check("gpus", "SKIP", f"no NVIDIA GPU: {nvml.why}")
-        return Check("gpus", "FAIL", f"{wanted} GPU(s) requested, none usable: {nvml.why}",
-                     "install the NVIDIA driver (or expose the GPUs to the container with `--gpus all`)")  # fmt: skip
+        return Check(
+            "gpus",
+            "FAIL",
+            f"{wanted} GPU(s) requested, none usable: {nvml.why}",
+            "install the NVIDIA driver (or expose the GPUs to the container with `--gpus all`)",
+        )
     visible = len(nvml.visible)
     names = ", ".join(sorted({g.name for g in nvml.gpus if g.accessible}))
     shown = f"{visible} of {len(nvml.gpus)} GPU(s) visible ({names})"
-    shown += "".join(f"; NVML GPU {g.index} not accessible to this process ({g.why})"
-                     for g in nvml.gpus if not g.accessible)  # fmt: skip
+    shown += "".join(
+        f"; NVML GPU {g.index} not accessible to this process ({g.why})" for g in nvml.gpus if not g.accessible
+    )
     if wanted is None:
         return Check("gpus", "PASS" if visible else "SKIP", shown)
     if facts.torch.cuda is None:
-        return Check("gpus", "FAIL", f"{wanted} GPU(s) requested but torch {facts.torch.version} has no CUDA",
-                     "install a CUDA build of torch (https://pytorch.org/get-started/locally/)")  # fmt: skip
+        return Check(
+            "gpus",
+            "FAIL",
+            f"{wanted} GPU(s) requested but torch {facts.torch.version} has no CUDA",
+            "install a CUDA build of torch (https://pytorch.org/get-started/locally/)",
+        )
     if wanted > visible:
-        return Check("gpus", "FAIL", f"{wanted} GPU(s) requested per node, {shown}",
-                     f"request `devices={visible}` or fix CUDA_VISIBLE_DEVICES")  # fmt: skip
+        return Check(
+            "gpus",
+            "FAIL",
+            f"{wanted} GPU(s) requested per node, {shown}",
+            f"request `devices={visible}` or fix CUDA_VISIBLE_DEVICES",
+        )
     return Check("gpus", "PASS", f"{wanted} requested, {shown}")
 
 
@@ -172,10 +193,16 @@ def check_bf16(facts: SystemFacts, request: CheckRequest) -> Check:
         return Check("bf16", "SKIP", f"no GPU in use; {facts.cpu.describe_bf16()} (`precision=amp` picks 32-true)")
     lacking = [g for g in gpus if g.capability is not None and g.capability < _BF16_CAPABILITY]
     if lacking:
-        names = ", ".join(f"GPU {g.index} {g.name} ({g.capability[0]}.{g.capability[1]})"  # type: ignore[index]
-                          for g in lacking)  # fmt: skip
-        return Check("bf16", "WARN", f"{names}: no bf16 tensor cores (needs compute capability 8.0+)",
-                     "use `precision=amp` (picks 16-mixed there) instead of bf16-mixed/bf16-true")  # fmt: skip
+        names = ", ".join(
+            f"GPU {g.index} {g.name} ({g.capability[0]}.{g.capability[1]})"  # type: ignore[index]
+            for g in lacking
+        )
+        return Check(
+            "bf16",
+            "WARN",
+            f"{names}: no bf16 tensor cores (needs compute capability 8.0+)",
+            "use `precision=amp` (picks 16-mixed there) instead of bf16-mixed/bf16-true",
+        )
     caps = sorted({".".join(map(str, g.capability)) for g in gpus if g.capability is not None})
     return Check("bf16", "PASS", f"{len(gpus)} GPU(s) with compute capability {', '.join(caps) or 'unknown'}")
 
@@ -187,8 +214,12 @@ def check_nccl(facts: SystemFacts, request: CheckRequest) -> Check:
         return Check("nccl", "SKIP", f"{total} GPU(s) in the run: NCCL is not used")
     env = ", ".join(f"{k}={v}" for k, v in facts.nccl_env.items()) or "no NCCL_* variables"
     if facts.torch.nccl is None:
-        return Check("nccl", "FAIL", f"{total} GPUs but torch {facts.torch.version} was built without NCCL",
-                     "install a CUDA build of torch, or use `process_group_backend='gloo'`")  # fmt: skip
+        return Check(
+            "nccl",
+            "FAIL",
+            f"{total} GPUs but torch {facts.torch.version} was built without NCCL",
+            "install a CUDA build of torch, or use `process_group_backend='gloo'`",
+        )
     used = facts.nvml.visible[: _gpus(facts, request)]
     if sum(device.mig for device in used) and len(used) > 1:
         return Check(
@@ -201,8 +232,13 @@ def check_nccl(facts: SystemFacts, request: CheckRequest) -> Check:
     nvlinked = [f"{link.a}-{link.b}" for link in facts.nvml.topology if link.kind == "NV"]
     links = f"NVLink between GPUs {', '.join(nvlinked)}" if nvlinked else "no NVLink (PCIe)"
     if nvlinked and facts.nccl_env.get("NCCL_P2P_DISABLE", "0") not in ("0", ""):
-        return Check("nccl", "WARN", f"NCCL {version}; {links}; NCCL_P2P_DISABLE={facts.nccl_env['NCCL_P2P_DISABLE']}"
-                     " sends GPU-to-GPU traffic through host memory", "unset NCCL_P2P_DISABLE")  # fmt: skip
+        return Check(
+            "nccl",
+            "WARN",
+            f"NCCL {version}; {links}; NCCL_P2P_DISABLE={facts.nccl_env['NCCL_P2P_DISABLE']}"
+            " sends GPU-to-GPU traffic through host memory",
+            "unset NCCL_P2P_DISABLE",
+        )
     return Check("nccl", "PASS", f"NCCL {version}; {links}; {env}")
 
 
@@ -214,29 +250,51 @@ def check_infiniband(facts: SystemFacts, request: CheckRequest) -> Check:
         return Check("infiniband", "SKIP", f"no GPU in the run, so no NCCL; {len(ports)} InfiniBand/RoCE port(s)")
     if not ports:
         if net.upper() == "IB":
-            return Check("infiniband", "FAIL", "NCCL_NET=IB but there is no device under /sys/class/infiniband",
-                         "unset NCCL_NET (NCCL falls back to sockets) or expose /dev/infiniband and load the RDMA "
-                         "driver")  # fmt: skip
+            return Check(
+                "infiniband",
+                "FAIL",
+                "NCCL_NET=IB but there is no device under /sys/class/infiniband",
+                "unset NCCL_NET (NCCL falls back to sockets) or expose /dev/infiniband and load the RDMA driver",
+            )
         if hca:
-            return Check("infiniband", "WARN", f"NCCL_IB_HCA={hca} but no InfiniBand/RoCE device: NCCL falls back to "
-                         "TCP sockets", "unset NCCL_IB_HCA, or expose /dev/infiniband to the container")  # fmt: skip
+            return Check(
+                "infiniband",
+                "WARN",
+                f"NCCL_IB_HCA={hca} but no InfiniBand/RoCE device: NCCL falls back to TCP sockets",
+                "unset NCCL_IB_HCA, or expose /dev/infiniband to the container",
+            )
         if request.num_nodes > 1:
-            return Check("infiniband", "WARN", f"{request.num_nodes} nodes and no InfiniBand/RoCE device: NCCL "
-                         "crosses nodes over TCP sockets", "use nodes with InfiniBand/RoCE (or EFA) for multi-node "
-                         "training")  # fmt: skip
+            return Check(
+                "infiniband",
+                "WARN",
+                f"{request.num_nodes} nodes and no InfiniBand/RoCE device: NCCL crosses nodes over TCP sockets",
+                "use nodes with InfiniBand/RoCE (or EFA) for multi-node training",
+            )
         return Check("infiniband", "SKIP", "no InfiniBand/RoCE device (NCCL uses it only between nodes)")
     shown = ", ".join(f"{p.device}:{p.port} {p.state} {p.link_layer or '?'} {p.rate}".rstrip() for p in ports)
     active = [p for p in ports if p.active]
     if not active:
-        return Check("infiniband", "WARN", f"no ACTIVE port: {shown}",
-                     "bring a port up: check the cable and the subnet manager (`ibstat`)")  # fmt: skip
+        return Check(
+            "infiniband",
+            "WARN",
+            f"no ACTIVE port: {shown}",
+            "bring a port up: check the cable and the subnet manager (`ibstat`)",
+        )
     if env.get("NCCL_IB_DISABLE", "0") not in ("0", ""):
-        return Check("infiniband", "WARN", f"NCCL_IB_DISABLE={env['NCCL_IB_DISABLE']} while {shown}",
-                     "unset NCCL_IB_DISABLE so NCCL uses InfiniBand/RoCE between nodes")  # fmt: skip
+        return Check(
+            "infiniband",
+            "WARN",
+            f"NCCL_IB_DISABLE={env['NCCL_IB_DISABLE']} while {shown}",
+            "unset NCCL_IB_DISABLE so NCCL uses InfiniBand/RoCE between nodes",
+        )
     named = {name.split(":")[0].lstrip("^=") for name in hca.split(",") if name}
     if named and not hca.startswith("^") and not named & {p.device for p in active}:
-        return Check("infiniband", "WARN", f"NCCL_IB_HCA={hca} names no ACTIVE device; {shown}",
-                     f"set NCCL_IB_HCA={','.join(sorted({p.device for p in active}))}")  # fmt: skip
+        return Check(
+            "infiniband",
+            "WARN",
+            f"NCCL_IB_HCA={hca} names no ACTIVE device; {shown}",
+            f"set NCCL_IB_HCA={','.join(sorted({p.device for p in active}))}",
+        )
     return Check("infiniband", "PASS", shown)
 
 
@@ -246,32 +304,46 @@ def check_cpus(facts: SystemFacts, request: CheckRequest) -> Check:
     workers = suggested_num_workers(cpus.effective, procs)
     quota = "none" if cpus.quota is None else f"{cpus.quota:g} CPUs ({cpus.quota_source})"
     env = f", PYTHON_CPU_COUNT={cpus.env_count}" if cpus.env_count is not None else ""
-    shown = (f"effective {cpus.effective} CPU(s): affinity {cpus.affinity}, cgroup quota {quota}{env}; "
-             f"{procs} process(es) -> num_workers <= {workers} each")  # fmt: skip
+    shown = (
+        f"effective {cpus.effective} CPU(s): affinity {cpus.affinity}, cgroup quota {quota}{env}; "
+        f"{procs} process(es) -> num_workers <= {workers} each"
+    )
     if cpus.quota is not None and cpus.quota < cpus.affinity:
-        return Check("cpus", "WARN", f"cgroup CPU quota below the affinity set: {shown}",
-                     f"use num_workers={workers} and OMP_NUM_THREADS={max(1, cpus.effective // procs)}, or raise "
-                     "the container's CPU limit (`docker run --cpus`)")  # fmt: skip
+        return Check(
+            "cpus",
+            "WARN",
+            f"cgroup CPU quota below the affinity set: {shown}",
+            f"use num_workers={workers} and OMP_NUM_THREADS={max(1, cpus.effective // procs)}, or raise "
+            "the container's CPU limit (`docker run --cpus`)",
+        )
     if request.num_workers is not None and request.num_workers > workers:
-        return Check("cpus", "WARN", f"num_workers={request.num_workers} oversubscribes: {shown}",
-                     f"use num_workers={workers}")  # fmt: skip
+        return Check(
+            "cpus", "WARN", f"num_workers={request.num_workers} oversubscribes: {shown}", f"use num_workers={workers}"
+        )
     return Check("cpus", "PASS", shown)
 
 
 def check_memory(facts: SystemFacts, request: CheckRequest) -> Check:
     """The cgroup memory limit against the processes and workers the run starts."""
     memory, procs = facts.memory, _processes(facts, request)
-    workers = request.num_workers if request.num_workers is not None else suggested_num_workers(facts.cpus.effective,
-                                                                                                  procs)  # fmt: skip
+    workers = (
+        request.num_workers if request.num_workers is not None else suggested_num_workers(facts.cpus.effective, procs)
+    )
     host = f"host {_size(memory.host_total_bytes)}" if memory.host_total_bytes else "host memory unknown"
     if memory.limit_bytes is None:
         return Check("memory", "PASS", f"no cgroup memory limit; {host}")
     need = procs * (1 + workers) * MEMORY_PER_PROCESS
-    shown = (f"cgroup limit {_size(memory.limit_bytes)} ({memory.source}); {host}; {procs} process(es) x "
-             f"(1 + {workers} workers) x {_size(MEMORY_PER_PROCESS)} = {_size(need)}")  # fmt: skip
+    shown = (
+        f"cgroup limit {_size(memory.limit_bytes)} ({memory.source}); {host}; {procs} process(es) x "
+        f"(1 + {workers} workers) x {_size(MEMORY_PER_PROCESS)} = {_size(need)}"
+    )
     if memory.limit_bytes < need:
-        return Check("memory", "WARN", shown, "raise the container's memory limit (`docker run --memory`) or use "
-                     "fewer DataLoader workers")  # fmt: skip
+        return Check(
+            "memory",
+            "WARN",
+            shown,
+            "raise the container's memory limit (`docker run --memory`) or use fewer DataLoader workers",
+        )
     return Check("memory", "PASS", shown)
 
 
@@ -296,9 +368,16 @@ def check_shm(facts: SystemFacts, request: CheckRequest) -> Check:
 
 
 CHECKS: dict[str, Callable[[SystemFacts, CheckRequest], Check]] = {
-    "packages": check_packages, "driver_cuda": check_driver_cuda, "gpus": check_gpus, "bf16": check_bf16,
-    "nccl": check_nccl, "infiniband": check_infiniband, "cpus": check_cpus, "memory": check_memory, "shm": check_shm,
-}  # fmt: skip
+    "packages": check_packages,
+    "driver_cuda": check_driver_cuda,
+    "gpus": check_gpus,
+    "bf16": check_bf16,
+    "nccl": check_nccl,
+    "infiniband": check_infiniband,
+    "cpus": check_cpus,
+    "memory": check_memory,
+    "shm": check_shm,
+}
 """Every check by name, in the order they are reported."""
 
 

@@ -118,12 +118,15 @@ def _gpu(index: int, handle: Any, mig_devices: int) -> GpuInfo:
     memory = _maybe(nvml.pynvml.nvmlDeviceGetMemoryInfo, handle)
     mig_mode = _maybe(nvml.pynvml.nvmlDeviceGetMigMode, handle)
     return GpuInfo(
-        index=index, name=_text(nvml.pynvml.nvmlDeviceGetName(handle)),
+        index=index,
+        name=_text(nvml.pynvml.nvmlDeviceGetName(handle)),
         uuid=_text(nvml.pynvml.nvmlDeviceGetUUID(handle)),
         capability=None if capability is None else (int(capability[0]), int(capability[1])),
         memory_total_bytes=None if memory is None else int(memory.total),
-        mig_enabled=bool(mig_mode and mig_mode[0] == 1), mig_devices=mig_devices, nvlinks=_nvlinks(handle),
-    )  # fmt: skip
+        mig_enabled=bool(mig_mode and mig_mode[0] == 1),
+        mig_devices=mig_devices,
+        nvlinks=_nvlinks(handle),
+    )
 
 
 def _link(a: Any, b: Any) -> str:
@@ -140,15 +143,27 @@ def _read(visible: str | None) -> NvmlFacts:
     inventory = nvml._inventory()  # every GPU, each followed by its MIG devices
     handles = {d.nvml_index: d.handle for d in inventory if d.parent is None and d.accessible}
     migs = {index: sum(1 for d in inventory if d.parent is not None and d.nvml_index == index) for index in handles}
-    gpus = tuple(_gpu(d.nvml_index, d.handle, migs[d.nvml_index]) if d.accessible
-                 else GpuInfo(index=d.nvml_index, name="", uuid="", why=d.why)
-                 for d in inventory if d.parent is None)  # fmt: skip
-    seen = tuple(VisibleDevice(uuid=d.uuid, gpu=d.nvml_index, mig=d.parent is not None)
-                 for d in nvml._visible(inventory, visible))  # fmt: skip
+    gpus = tuple(
+        _gpu(d.nvml_index, d.handle, migs[d.nvml_index])
+        if d.accessible
+        else GpuInfo(index=d.nvml_index, name="", uuid="", why=d.why)
+        for d in inventory
+        if d.parent is None
+    )
+    seen = tuple(
+        VisibleDevice(uuid=d.uuid, gpu=d.nvml_index, mig=d.parent is not None)
+        for d in nvml._visible(inventory, visible)
+    )
     pairs = itertools.combinations(handles, 2)
     topology = tuple(GpuLink(a=a, b=b, kind=_link(handles[a], handles[b])) for a, b in pairs)
-    return NvmlFacts(available=True, driver_version=_text(driver or ""), cuda_driver_version=_cuda_version(cuda),
-                     gpus=gpus, visible=seen, topology=topology)  # fmt: skip
+    return NvmlFacts(
+        available=True,
+        driver_version=_text(driver or ""),
+        cuda_driver_version=_cuda_version(cuda),
+        gpus=gpus,
+        visible=seen,
+        topology=topology,
+    )
 
 
 def read_nvml(env: Mapping[str, str] | None = None) -> NvmlFacts:

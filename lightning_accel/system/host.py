@@ -95,10 +95,15 @@ def read_infiniband(root: str | os.PathLike[str] = "/") -> tuple[IbPort, ...]:
             continue
         for port in port_dirs:
             state = _read(port / "state")
-            ports.append(IbPort(
-                device=device.name, port=int(port.name), state=state.partition(":")[2].strip() or state or "UNKNOWN",
-                link_layer=_read(port / "link_layer"), rate=_read(port / "rate"),
-            ))  # fmt: skip
+            ports.append(
+                IbPort(
+                    device=device.name,
+                    port=int(port.name),
+                    state=state.partition(":")[2].strip() or state or "UNKNOWN",
+                    link_layer=_read(port / "link_layer"),
+                    rate=_read(port / "rate"),
+                )
+            )
     return tuple(ports)
 
 
@@ -139,10 +144,14 @@ def external_run_id(default: str, env: Mapping[str, str] | None = None) -> str:
         if value and value != "none":
             safe = re.sub(r"[^A-Za-z0-9._-]", "_", value)
             if len(safe) > MAX_RUN_ID:  # a file name is at most 255 bytes; the run directory adds a stamp and more
-                raise ConfigError(f"`{key}` is {len(safe)} characters long; a run id names one directory, so keep it "
-                                  f"to {MAX_RUN_ID} (e.g. the job id).")  # fmt: skip
+                raise ConfigError(
+                    f"`{key}` is {len(safe)} characters long; a run id names one directory, so keep it "
+                    f"to {MAX_RUN_ID} (e.g. the job id)."
+                )
             if not safe.strip("."):
-                raise ConfigError(f"`{key}={value!r}` cannot name a run directory; use letters, digits, `.`, `_` or "
-                                  "`-` (e.g. the job id).")  # fmt: skip
+                raise ConfigError(
+                    f"`{key}={value!r}` cannot name a run directory; use letters, digits, `.`, `_` or "
+                    "`-` (e.g. the job id)."
+                )
             return safe
     return default

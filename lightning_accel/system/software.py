@@ -62,8 +62,13 @@ def read_torch_build() -> TorchBuild:
         nccl = _nccl_tuple(raw) if isinstance(raw, tuple) else _nccl_int(int(raw))
     except Exception:  # CPU-only builds have no `torch._C._nccl_version`
         nccl = None
-    return TorchBuild(version=torch.__version__, cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None),
-                      cudnn=cudnn, nccl=nccl)  # fmt: skip
+    return TorchBuild(
+        version=torch.__version__,
+        cuda=torch.version.cuda,
+        hip=getattr(torch.version, "hip", None),
+        cudnn=cudnn,
+        nccl=nccl,
+    )
 
 
 def _nccl_tuple(raw: tuple[object, ...]) -> tuple[int, ...]:

@@ -10,7 +10,22 @@ from lightning_accel.telemetry.report import RunReport
 from lightning_accel.telemetry.sampler import NVMLSampler, Stat, Window, open_sampler
 
 __all__ = [
-    "ALERTS", "METRICS", "READINGS", "Alert", "AlertThresholds", "DeviceReader", "GpuDevice", "Metric", "NVMLSampler",
-    "PeakFlops", "RunReport", "Stat", "Window", "check_alerts", "compute_dtype", "lookup_peak_flops", "open_sampler",
+    "ALERTS",
+    "METRICS",
+    "READINGS",
+    "Alert",
+    "AlertThresholds",
+    "DeviceReader",
+    "GpuDevice",
+    "Metric",
+    "NVMLSampler",
+    "PeakFlops",
+    "RunReport",
+    "Stat",
+    "Window",
+    "check_alerts",
+    "compute_dtype",
+    "lookup_peak_flops",
+    "open_sampler",
     "resolve_devices",
-]  # fmt: skip
+]

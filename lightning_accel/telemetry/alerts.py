@@ -59,11 +59,18 @@ def check_alerts(
         throttled = stats.get("throttle_any_frac")
         limit = thresholds.low_utilization_pct
         if "low_utilization" not in found and limit is not None and util is not None and util.mean < limit:
-            found["low_utilization"] = Alert("low_utilization", step, util.mean, (
-                f"`{key}` was busy {util.mean:.0f}% of the last {seconds:.1f} s (below `low_utilization_pct={limit}`): "
-                "the run looks input-bound. Raise the DataLoader's `num_workers` (or let the DataLoader tuner pick "
-                "it), set `pin_memory=True` and `persistent_workers=True`, or move preprocessing out of the step."
-            ), key)  # fmt: skip
+            found["low_utilization"] = Alert(
+                "low_utilization",
+                step,
+                util.mean,
+                (
+                    f"`{key}` was busy {util.mean:.0f}% of the last {seconds:.1f} s (below "
+                    f"`low_utilization_pct={limit}`): the run looks input-bound. Raise the DataLoader's `num_workers` "
+                    "(or let the DataLoader tuner pick it), set `pin_memory=True` and `persistent_workers=True`, or "
+                    "move preprocessing out of the step."
+                ),
+                key,
+            )
         limit = thresholds.min_memory_headroom_pct
         allocated = allocated_pct.get(key)
         short = used is not None and 100.0 - used.max < (limit or 0.0)
@@ -73,34 +80,55 @@ def check_alerts(
             assert used is not None
             peak = used.max if allocated is None else allocated
             held = "" if allocated is None else f" (the run's tensors; NVML shows {used.max:.1f}% held)"
-            found["memory_headroom"] = Alert("memory_headroom", step, 100.0 - peak, (
-                f"`{key}` peaked at {peak:.1f}% of its memory{held}, {100.0 - peak:.1f}% headroom (below "
-                f"`min_memory_headroom_pct={limit}`): a longer batch or allocator fragmentation will raise CUDA out of "
-                "memory. Add MicroBatchFinder (accel-train `micro_batch=auto`): it runs the largest micro-batch that "
-                "fits with the same global batch and recovers from out-of-memory; or use bf16 mixed precision, or "
-                "checkpoint activations."
-            ), key)  # fmt: skip
+            found["memory_headroom"] = Alert(
+                "memory_headroom",
+                step,
+                100.0 - peak,
+                (
+                    f"`{key}` peaked at {peak:.1f}% of its memory{held}, {100.0 - peak:.1f}% headroom (below "
+                    f"`min_memory_headroom_pct={limit}`): a longer batch or allocator fragmentation will raise CUDA "
+                    "out of memory. Add MicroBatchFinder (accel-train `micro_batch=auto`): it runs the largest "
+                    "micro-batch that fits with the same global batch and recovers from out-of-memory; or use bf16 "
+                    "mixed precision, or checkpoint activations."
+                ),
+                key,
+            )
         limit = thresholds.max_throttle_pct
         if "throttling" not in found and limit is not None and throttled is not None and 100 * throttled.mean > limit:
             parts = ", ".join(
                 f"{what} {100 * stats[name].mean:.0f}%"
-                for what, name in (("thermal", "throttle_thermal_frac"), ("power", "throttle_power_frac"),
-                                   ("hardware slowdown", "throttle_hw_slowdown_frac")) if name in stats
-            )  # fmt: skip
-            found["throttling"] = Alert("throttling", step, 100 * throttled.mean, (
-                f"`{key}` ran with reduced clocks {100 * throttled.mean:.0f}% of the last {seconds:.1f} s ({parts}; "
-                f"above `max_throttle_pct={limit}`). Thermal or hardware slowdown: check cooling and airflow "
-                "(`nvidia-smi -q -d PERFORMANCE,TEMPERATURE`). Power: the card is at its power limit "
-                "(`nvidia-smi -q -d POWER`); expected at full load, otherwise raise the limit if the site allows."
-            ), key)  # fmt: skip
+                for what, name in (
+                    ("thermal", "throttle_thermal_frac"),
+                    ("power", "throttle_power_frac"),
+                    ("hardware slowdown", "throttle_hw_slowdown_frac"),
+                )
+                if name in stats
+            )
+            found["throttling"] = Alert(
+                "throttling",
+                step,
+                100 * throttled.mean,
+                (
+                    f"`{key}` ran with reduced clocks {100 * throttled.mean:.0f}% of the last {seconds:.1f} s "
+                    f"({parts}; above `max_throttle_pct={limit}`). Thermal or hardware slowdown: check cooling and "
+                    "airflow (`nvidia-smi -q -d PERFORMANCE,TEMPERATURE`). Power: the card is at its power limit "
+                    "(`nvidia-smi -q -d POWER`); expected at full load, otherwise raise the limit if the site allows."
+                ),
+                key,
+            )
     limit = thresholds.max_rank_skew_pct
     if ranks is not None and limit is not None and ranks.skew_pct > limit:
         low, median, high = ranks.step_time_s
-        found["rank_skew"] = Alert("rank_skew", step, ranks.skew_pct, (
-            f"Rank {ranks.slowest} is the straggler: it needs {ranks.skew_pct:.0f}% of a step more host time than "
-            f"the median rank (step time {1e3 * median:.1f} ms median, {1e3 * high:.1f} ms max; data wait "
-            f"{1e3 * ranks.data_time_s[2]:.1f} ms max vs {1e3 * ranks.data_time_s[1]:.1f} ms median; above "
-            f"`max_rank_skew_pct={limit}`), and the other ranks wait for it at every gradient sync. Give its "
-            "DataLoader more `num_workers`, balance the data shards, and check its GPU's clocks and temperature."
-        ))  # fmt: skip
+        found["rank_skew"] = Alert(
+            "rank_skew",
+            step,
+            ranks.skew_pct,
+            (
+                f"Rank {ranks.slowest} is the straggler: it needs {ranks.skew_pct:.0f}% of a step more host time than "
+                f"the median rank (step time {1e3 * median:.1f} ms median, {1e3 * high:.1f} ms max; data wait "
+                f"{1e3 * ranks.data_time_s[2]:.1f} ms max vs {1e3 * ranks.data_time_s[1]:.1f} ms median; above "
+                f"`max_rank_skew_pct={limit}`), and the other ranks wait for it at every gradient sync. Give its "
+                "DataLoader more `num_workers`, balance the data shards, and check its GPU's clocks and temperature."
+            ),
+        )
     return [alert for name, alert in found.items() if name not in fired]

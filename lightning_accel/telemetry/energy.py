@@ -101,8 +101,9 @@ def _nvml_meter(cuda_indices: Sequence[int]) -> tuple[EnergyMeter | None, str]:
         return sum(int(nvml.pynvml.nvmlDeviceGetTotalEnergyConsumption(h)) for h in handles) / 1000.0
 
     try:
-        meter = EnergyMeter(source=f"NVML total energy of {len(handles)} GPU(s)", read_j=read_j,
-                            close=nvml.shutdown_nvml)  # fmt: skip
+        meter = EnergyMeter(
+            source=f"NVML total energy of {len(handles)} GPU(s)", read_j=read_j, close=nvml.shutdown_nvml
+        )
     except Exception as err:
         nvml.shutdown_nvml()
         why = "not supported by this GPU or driver (Volta or newer)" if nvml.unsupported(err) else f"{err}"
@@ -139,5 +140,6 @@ def open_energy_meter(
             names.append((domain / "name").read_text().strip())
         except OSError:
             names.append(domain.name)
-    return EnergyMeter(source=f"RAPL {', '.join(names)} (whole CPU packages: other processes included)",
-                       read_j=read_j), ""  # fmt: skip
+    return EnergyMeter(
+        source=f"RAPL {', '.join(names)} (whole CPU packages: other processes included)", read_j=read_j
+    ), ""

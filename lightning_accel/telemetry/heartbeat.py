@@ -58,8 +58,14 @@ HISTORY_S = 600.0
 """The span of the history a heartbeat carries (s)."""
 HISTORY_STEP_S = 10.0
 """Its resolution: one point per this many seconds, the mean of the windows that fell into it."""
-HISTORY_METRICS = ("sm_activity_pct", "tensor_activity_pct", "utilization_pct", "power_w", "temperature_c",
-                   "memory_used_mib")  # fmt: skip
+HISTORY_METRICS = (
+    "sm_activity_pct",
+    "tensor_activity_pct",
+    "utilization_pct",
+    "power_w",
+    "temperature_c",
+    "memory_used_mib",
+)
 """Per-GPU metrics kept in the history (names of `telemetry.readings.METRICS`)."""
 DEFAULT_STALE_AFTER_S = 30.0
 """A running job whose heartbeat is older than this (and than 3 of its own intervals) reads as stale."""
@@ -219,18 +225,41 @@ def _map(spec: Any) -> tuple[str, Any]:
 
 _OPT_NUM = _opt(_NUM)
 _GPU = {
-    "index": _INT, "uuid": str, "name": str, "latest": _map(_OPT_NUM), "energy_j": _opt(_NUM),
+    "index": _INT,
+    "uuid": str,
+    "name": str,
+    "latest": _map(_OPT_NUM),
+    "energy_j": _opt(_NUM),
     "history": _map(_list(_OPT_NUM)),
-}  # fmt: skip
+}
 _SHAPE = {
-    "schema": str, "run_id": str, "name": str, "host": str, "user": str, "pid": _INT, "command": str,
-    "node_rank": _INT, "num_nodes": _INT, "rank": _INT, "started": _NUM, "updated": _NUM, "interval_s": _NUM,
-    "status": str, "reason": str, "slurm_job_id": _opt(str), "metrics_url": _opt(str),
+    "schema": str,
+    "run_id": str,
+    "name": str,
+    "host": str,
+    "user": str,
+    "pid": _INT,
+    "command": str,
+    "node_rank": _INT,
+    "num_nodes": _INT,
+    "rank": _INT,
+    "started": _NUM,
+    "updated": _NUM,
+    "interval_s": _NUM,
+    "status": str,
+    "reason": str,
+    "slurm_job_id": _opt(str),
+    "metrics_url": _opt(str),
     "ranks": _list({"rank": _INT, "local_rank": _INT, "device": str, "uuid": _opt(str)}),
-    "gpus": _list(_GPU), "step": _INT, "max_steps": _opt(_INT), "samples": _INT, "samples_per_s": _opt(_NUM),
-    "eta_s": _opt(_NUM), "alerts": _list({"name": str, "step": _INT, "message": str}),
+    "gpus": _list(_GPU),
+    "step": _INT,
+    "max_steps": _opt(_INT),
+    "samples": _INT,
+    "samples_per_s": _opt(_NUM),
+    "eta_s": _opt(_NUM),
+    "alerts": _list({"name": str, "step": _INT, "message": str}),
     "history": {"t": _list(_NUM), "samples_per_s": _list(_OPT_NUM)},
-}  # fmt: skip
+}
 
 
 def _kind(spec: Any) -> str:
@@ -276,8 +305,11 @@ def _check(value: Any, spec: Any, where: str) -> Any:
                 return value
             return [_check(item, inner, f"{where}[{i}]") for i, item in enumerate(value)]
         if how == "map" and isinstance(value, dict):
-            if inner == _OPT_NUM and _finite_series(list(value.values()), True) and all(
-                    len(k) <= _MAX_TEXT for k in value):  # fmt: skip
+            if (
+                inner == _OPT_NUM
+                and _finite_series(list(value.values()), True)
+                and all(len(k) <= _MAX_TEXT for k in value)
+            ):
                 return value  # a GPU's readings: the fast way
             return {str(k)[:_MAX_TEXT]: _check(v, inner, f"{where}.{k}") for k, v in value.items()}
     elif isinstance(spec, dict):

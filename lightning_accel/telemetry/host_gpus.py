@@ -76,9 +76,16 @@ class HostGPUs:
                         continue  # this card failed now; the others are still worth showing
                     running = []
                 processes = [_process(int(p.pid), getattr(p, "usedGpuMemory", None)) for p in running]
-                cards.append({"index": device.nvml_index, "uuid": device.uuid, "name": device.name,
-                              "mig": device.parent is not None, "latest": {k: round(v, 3) for k, v in latest.items()},
-                              "processes": processes})  # fmt: skip
+                cards.append(
+                    {
+                        "index": device.nvml_index,
+                        "uuid": device.uuid,
+                        "name": device.name,
+                        "mig": device.parent is not None,
+                        "latest": {k: round(v, 3) for k, v in latest.items()},
+                        "processes": processes,
+                    }
+                )
             return cards
 
     def close(self) -> None:

@@ -158,8 +158,11 @@ def _visible(inventory: list[GpuDevice], visible: str | None) -> list[GpuDevice]
             seen.append(gpus[number])
             continue
         wanted = _strip(token)
-        matches = [d for d in inventory if wanted and _strip(d.uuid).startswith(wanted)
-                   and (token[:4] != "MIG-" or d.parent is not None)]  # fmt: skip
+        matches = [
+            d
+            for d in inventory
+            if wanted and _strip(d.uuid).startswith(wanted) and (token[:4] != "MIG-" or d.parent is not None)
+        ]
         if len(matches) != 1:
             break
         seen.append(matches[0])
@@ -196,6 +199,9 @@ def resolve_devices(
                     f"{len(seen)} of the {len(inventory)} NVML device(s) visible; use indices below {len(seen)}."
                 )
             device = seen[index]
-        resolved.append(GpuDevice(index, device.nvml_index, device.uuid, device.name, device.handle,
-                                  device.parent, device.gpu_instance_id))  # fmt: skip
+        resolved.append(
+            GpuDevice(
+                index, device.nvml_index, device.uuid, device.name, device.handle, device.parent, device.gpu_instance_id
+            )
+        )
     return resolved

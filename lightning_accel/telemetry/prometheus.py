@@ -56,21 +56,56 @@ def _gpu(name: str, unit: str, source: str, scale: float, help: str) -> PromMetr
 
 _MIB = float(2**20)
 PROMETHEUS_METRICS: tuple[PromMetric, ...] = (
-    PromMetric("accel_gpu_info", "gauge", "1", (*GPU_LABELS, "name"), "A GPU the job watches (always 1); `name` is "
-               "its product name."),  # fmt: skip
-    _gpu("accel_gpu_sm_active_ratio", "ratio", "sm_activity_pct", 0.01,
-         "Share of time the SMs were busy (NVML GPM; Hopper or newer). Lead with this where present."),
-    _gpu("accel_gpu_tensor_active_ratio", "ratio", "tensor_activity_pct", 0.01,
-         "Share of time the tensor-core pipes were busy (NVML GPM; Hopper or newer)."),
-    _gpu("accel_gpu_sm_occupancy_ratio", "ratio", "sm_occupancy_pct", 0.01,
-         "Resident warps over the maximum (NVML GPM; Hopper or newer)."),
-    _gpu("accel_gpu_dram_active_ratio", "ratio", "dram_bw_util_pct", 0.01,
-         "DRAM bandwidth used over its peak (NVML GPM; Hopper or newer)."),
-    _gpu("accel_gpu_utilization_ratio", "ratio", "utilization_pct", 0.01,
-         "Share of time any kernel ran (NVML utilization.gpu): the fallback where GPM is missing; a GPU can read 1 "
-         "while most of its SMs idle."),
-    _gpu("accel_gpu_memory_utilization_ratio", "ratio", "memory_utilization_pct", 0.01,
-         "Share of time device memory was read or written (NVML)."),
+    PromMetric(
+        "accel_gpu_info",
+        "gauge",
+        "1",
+        (*GPU_LABELS, "name"),
+        "A GPU the job watches (always 1); `name` is its product name.",
+    ),
+    _gpu(
+        "accel_gpu_sm_active_ratio",
+        "ratio",
+        "sm_activity_pct",
+        0.01,
+        "Share of time the SMs were busy (NVML GPM; Hopper or newer). Lead with this where present.",
+    ),
+    _gpu(
+        "accel_gpu_tensor_active_ratio",
+        "ratio",
+        "tensor_activity_pct",
+        0.01,
+        "Share of time the tensor-core pipes were busy (NVML GPM; Hopper or newer).",
+    ),
+    _gpu(
+        "accel_gpu_sm_occupancy_ratio",
+        "ratio",
+        "sm_occupancy_pct",
+        0.01,
+        "Resident warps over the maximum (NVML GPM; Hopper or newer).",
+    ),
+    _gpu(
+        "accel_gpu_dram_active_ratio",
+        "ratio",
+        "dram_bw_util_pct",
+        0.01,
+        "DRAM bandwidth used over its peak (NVML GPM; Hopper or newer).",
+    ),
+    _gpu(
+        "accel_gpu_utilization_ratio",
+        "ratio",
+        "utilization_pct",
+        0.01,
+        "Share of time any kernel ran (NVML utilization.gpu): the fallback where GPM is missing; a GPU can read 1 "
+        "while most of its SMs idle.",
+    ),
+    _gpu(
+        "accel_gpu_memory_utilization_ratio",
+        "ratio",
+        "memory_utilization_pct",
+        0.01,
+        "Share of time device memory was read or written (NVML).",
+    ),
     _gpu("accel_gpu_memory_used_bytes", "bytes", "memory_used_mib", _MIB, "Device memory allocated by all processes."),
     _gpu("accel_gpu_memory_total_bytes", "bytes", "memory_total_mib", _MIB, "Device memory."),
     _gpu("accel_gpu_power_watts", "watts", "power_w", 1.0, "Board power draw."),
@@ -78,23 +113,52 @@ PROMETHEUS_METRICS: tuple[PromMetric, ...] = (
     _gpu("accel_gpu_temperature_celsius", "celsius", "temperature_c", 1.0, "GPU core temperature."),
     _gpu("accel_gpu_sm_clock_hertz", "hertz", "sm_clock_mhz", 1e6, "SM clock."),
     _gpu("accel_gpu_memory_clock_hertz", "hertz", "memory_clock_mhz", 1e6, "Memory clock."),
-    PromMetric("accel_gpu_throttle_ratio", "gauge", "ratio", (*GPU_LABELS, "reason"),
-               "Share of the last window the clocks were held down, by `reason`: thermal, power, hw_slowdown, any."),
+    PromMetric(
+        "accel_gpu_throttle_ratio",
+        "gauge",
+        "ratio",
+        (*GPU_LABELS, "reason"),
+        "Share of the last window the clocks were held down, by `reason`: thermal, power, hw_slowdown, any.",
+    ),
     _gpu("accel_gpu_pcie_rx_bytes_per_second", "bytes/s", "pcie_rx_mb_s", 1e6, "PCIe receive throughput."),
     _gpu("accel_gpu_pcie_tx_bytes_per_second", "bytes/s", "pcie_tx_mb_s", 1e6, "PCIe transmit throughput."),
-    PromMetric("accel_gpu_energy_joules_total", "counter", "joules", GPU_LABELS,
-               "Energy the GPU used since the job started (NVML total-energy counter); rate() gives watts."),
-    PromMetric("accel_run_info", "gauge", "1", (*RUN_LABELS, "name", "user"),
-               "A running job (always 1); `name` is the run's name, `user` who started it."),
+    PromMetric(
+        "accel_gpu_energy_joules_total",
+        "counter",
+        "joules",
+        GPU_LABELS,
+        "Energy the GPU used since the job started (NVML total-energy counter); rate() gives watts.",
+    ),
+    PromMetric(
+        "accel_run_info",
+        "gauge",
+        "1",
+        (*RUN_LABELS, "name", "user"),
+        "A running job (always 1); `name` is the run's name, `user` who started it.",
+    ),
     PromMetric("accel_run_start_time_seconds", "gauge", "seconds", RUN_LABELS, "Unix time the job started publishing."),
     PromMetric("accel_train_global_step", "gauge", "steps", RUN_LABELS, "Optimizer steps taken (the global step)."),
-    PromMetric("accel_train_samples_total", "counter", "samples", RUN_LABELS,
-               "Training samples of this node's ranks; sum by run_id for the job's."),
-    PromMetric("accel_train_eta_seconds", "gauge", "seconds", RUN_LABELS,
-               "Estimated time to the end of the fit, at the recent step rate (absent when unknown)."),
-)  # fmt: skip
-_THROTTLE = {"thermal": "throttle_thermal_frac", "power": "throttle_power_frac",
-             "hw_slowdown": "throttle_hw_slowdown_frac", "any": "throttle_any_frac"}  # fmt: skip
+    PromMetric(
+        "accel_train_samples_total",
+        "counter",
+        "samples",
+        RUN_LABELS,
+        "Training samples of this node's ranks; sum by run_id for the job's.",
+    ),
+    PromMetric(
+        "accel_train_eta_seconds",
+        "gauge",
+        "seconds",
+        RUN_LABELS,
+        "Estimated time to the end of the fit, at the recent step rate (absent when unknown).",
+    ),
+)
+_THROTTLE = {
+    "thermal": "throttle_thermal_frac",
+    "power": "throttle_power_frac",
+    "hw_slowdown": "throttle_hw_slowdown_frac",
+    "any": "throttle_any_frac",
+}
 
 
 def _gpu_rank(heartbeat: Mapping[str, Any], index: int) -> str:
@@ -120,8 +184,13 @@ def metric_families(heartbeat: Mapping[str, Any] | None, node_share: float = 1.0
         name = metric.name[: -len("_total")] if metric.kind == "counter" else metric.name
         families[metric.name] = family(name, metric.help, labels=labels)
     for gpu in heartbeat["gpus"]:
-        ids = [heartbeat["host"], str(gpu["index"]), gpu["uuid"], _gpu_rank(heartbeat, gpu["index"]),
-               heartbeat["run_id"]]  # fmt: skip
+        ids = [
+            heartbeat["host"],
+            str(gpu["index"]),
+            gpu["uuid"],
+            _gpu_rank(heartbeat, gpu["index"]),
+            heartbeat["run_id"],
+        ]
         latest = gpu["latest"]
         families["accel_gpu_info"].add_metric([*ids, gpu["name"], *slurm], 1.0)
         for metric in PROMETHEUS_METRICS:

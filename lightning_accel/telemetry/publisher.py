@@ -124,8 +124,11 @@ class RunPublisher:
         self.reason = ""
         self.heartbeat: dict[str, Any] | None = None
         """The latest heartbeat (what the exporter serves)."""
-        self.path = None if settings.runs_dir is None else heartbeat_path(settings.runs_dir, job.run_id, job.host,
-                                                                           job.node_rank)  # fmt: skip
+        self.path = (
+            None
+            if settings.runs_dir is None
+            else heartbeat_path(settings.runs_dir, job.run_id, job.host, job.node_rank)
+        )
         self.metrics_url: str | None = None
         self.exporter: Any = None
         self._alerts = alerts or (lambda: ())
@@ -153,8 +156,9 @@ class RunPublisher:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 prune_heartbeats(self.path.parent, _PRUNE_AFTER_S)
             except OSError as err:
-                self._problem("heartbeat", f"the runs directory {self.path.parent} cannot be created "
-                                           f"({err.strerror or err})")  # fmt: skip
+                self._problem(
+                    "heartbeat", f"the runs directory {self.path.parent} cannot be created ({err.strerror or err})"
+                )
         self._begun = True
         if self.settings.prometheus_port is not None or self.settings.textfile_dir is not None:
             self._start_exporter()
@@ -211,8 +215,10 @@ class RunPublisher:
             try:
                 write_json_atomic(self.path, self.heartbeat)
             except (OSError, ValueError) as err:
-                self._problem("heartbeat", f"the heartbeat cannot be written to {self.path} "
-                                           f"({getattr(err, 'strerror', None) or err})")  # fmt: skip
+                self._problem(
+                    "heartbeat",
+                    f"the heartbeat cannot be written to {self.path} ({getattr(err, 'strerror', None) or err})",
+                )
         if self.settings.textfile_dir is not None and self.exporter is not None and self.status == "running":
             try:
                 path = self._textfile_path()
@@ -221,8 +227,11 @@ class RunPublisher:
                 self.exporter.write_textfile(path)
                 self._textfile = path
             except OSError as err:
-                self._problem("textfile", f"the Prometheus textfile cannot be written into "
-                                          f"{self.settings.textfile_dir} ({err.strerror or err})")  # fmt: skip
+                self._problem(
+                    "textfile",
+                    f"the Prometheus textfile cannot be written into "
+                    f"{self.settings.textfile_dir} ({err.strerror or err})",
+                )
 
     def _build(self, now: float) -> dict[str, Any]:
         self._read_window()
@@ -246,25 +255,54 @@ class RunPublisher:
         gpus = []
         for gpu in self.job.gpus:
             index = gpu["index"]
-            history = {m: self._history.series(f"{index}/{m}") for m in HISTORY_METRICS
-                       if f"{index}/{m}" in self._history.keys()}  # fmt: skip
-            gpus.append({**gpu, "latest": {k: round(v, 4) for k, v in self._latest.get(index, {}).items()},
-                         "energy_j": self._energy.get(index), "history": history})  # fmt: skip
+            history = {
+                m: self._history.series(f"{index}/{m}")
+                for m in HISTORY_METRICS
+                if f"{index}/{m}" in self._history.keys()
+            }
+            gpus.append(
+                {
+                    **gpu,
+                    "latest": {k: round(v, 4) for k, v in self._latest.get(index, {}).items()},
+                    "energy_j": self._energy.get(index),
+                    "history": history,
+                }
+            )
         job = self.job
         return {
-            "schema": SCHEMA, "run_id": job.run_id, "name": job.name, "host": job.host, "user": job.user,
-            "pid": job.pid, "command": job.command, "node_rank": job.node_rank, "num_nodes": job.num_nodes,
-            "started": self._started, "updated": now, "interval_s": self.settings.interval_s, "status": self.status,
-            "reason": self.reason, "slurm_job_id": job.slurm_job_id, "metrics_url": self.metrics_url,
-            "ranks": job.ranks, "gpus": gpus, "step": step, "max_steps": job.max_steps, "samples": samples,
+            "schema": SCHEMA,
+            "run_id": job.run_id,
+            "name": job.name,
+            "host": job.host,
+            "user": job.user,
+            "pid": job.pid,
+            "command": job.command,
+            "node_rank": job.node_rank,
+            "num_nodes": job.num_nodes,
+            "started": self._started,
+            "updated": now,
+            "interval_s": self.settings.interval_s,
+            "status": self.status,
+            "reason": self.reason,
+            "slurm_job_id": job.slurm_job_id,
+            "metrics_url": self.metrics_url,
+            "ranks": job.ranks,
+            "gpus": gpus,
+            "step": step,
+            "max_steps": job.max_steps,
+            "samples": samples,
             "samples_per_s": None if samples_per_s is None else round(samples_per_s, 3),
             "eta_s": None if eta_s is None else round(eta_s, 1),
-            "alerts": [{"name": str(a["name"]), "step": int(a["step"]), "message": str(a["message"])}
-                       for a in list(self._alerts())],
-            "history": {"t": [round(t, 2) for t in self._history.t],
-                        "samples_per_s": self._history.series("samples_per_s")},
+            "alerts": [
+                {"name": str(a["name"]), "step": int(a["step"]), "message": str(a["message"])}
+                for a in list(self._alerts())
+            ],
+            "history": {
+                "t": [round(t, 2) for t in self._history.t],
+                "samples_per_s": self._history.series("samples_per_s"),
+            },
             "rank": job.rank,
-        }  # fmt: skip
+        }
 
     def _read_window(self) -> None:
         """Fold the sampler's window since the last heartbeat into the latest values per GPU."""
@@ -272,8 +310,9 @@ class RunPublisher:
             return
         window = self.sampler.close_window(self.view)
         if self.sampler.failure is not None:
-            self._problem("nvml", f"NVML failed mid-run ({self.sampler.failure}); the heartbeat keeps the last "
-                                  "readings")  # fmt: skip
+            self._problem(
+                "nvml", f"NVML failed mid-run ({self.sampler.failure}); the heartbeat keeps the last readings"
+            )
         if window is None:
             return
         for index, stats in window.devices.items():
@@ -304,9 +343,12 @@ class RunPublisher:
         try:
             port = self.exporter.serve(self.settings.prometheus_port, self.settings.prometheus_addr)
         except Exception as err:  # a port taken, an address not ours
-            self._problem("exporter", f"/metrics cannot be served on {self.settings.prometheus_addr}:"
-                                      f"{self.settings.prometheus_port} ({type(err).__name__}: {err}); choose "
-                                      "another `prometheus_port` (0 takes a free one)")  # fmt: skip
+            self._problem(
+                "exporter",
+                f"/metrics cannot be served on {self.settings.prometheus_addr}:"
+                f"{self.settings.prometheus_port} ({type(err).__name__}: {err}); choose "
+                "another `prometheus_port` (0 takes a free one)",
+            )
             return
         target = Exporter.target_host(self.settings.prometheus_addr, self.job.host)
         self.metrics_url = f"http://{target}:{port}/metrics"
@@ -314,8 +356,10 @@ class RunPublisher:
             try:
                 self._target = write_file_sd(self.settings.file_sd_dir, self._file_stem(), f"{target}:{port}")
             except OSError as err:
-                self._problem("file_sd", f"the Prometheus target cannot be written into {self.settings.file_sd_dir} "
-                                         f"({err.strerror or err})")  # fmt: skip
+                self._problem(
+                    "file_sd",
+                    f"the Prometheus target cannot be written into {self.settings.file_sd_dir} ({err.strerror or err})",
+                )
 
     def _file_stem(self) -> str:
         return f"{safe_component(self.job.run_id, 120)}.{safe_component(self.job.host)}.{self.job.node_rank}"

@@ -11,9 +11,16 @@ from lightning_accel.telemetry.readings import METRICS
 from lightning_accel.telemetry.sampler import Stat, Window
 
 __all__ = [
-    "RankStats", "RankTiming", "allocated_by_device", "pack_row", "rank_stats", "row_size", "spread", "unpack_rows",
+    "RankStats",
+    "RankTiming",
+    "allocated_by_device",
+    "pack_row",
+    "rank_stats",
+    "row_size",
+    "spread",
+    "unpack_rows",
     "window_metrics",
-]  # fmt: skip
+]
 
 _SPREAD = ("utilization_pct", "memory_used_pct", "power_w", "temperature_c", "sm_clock_mhz")
 _HEAD = 7  # node_rank, has_sampler, step_time_s, data_time_s, steps, cuda index, allocated %
@@ -56,9 +63,16 @@ def row_size(num_devices: int) -> int:
 
 
 def pack_row(
-    node: int, indices: Sequence[int], window: Window | None, step_time_s: float, data_time_s: float, steps: int,
-    has_sampler: bool, device: int = -1, allocated_pct: float = math.nan,
-) -> list[float]:  # fmt: skip
+    node: int,
+    indices: Sequence[int],
+    window: Window | None,
+    step_time_s: float,
+    data_time_s: float,
+    steps: int,
+    has_sampler: bool,
+    device: int = -1,
+    allocated_pct: float = math.nan,
+) -> list[float]:
     """One rank's row of floats for all_gather; every rank of a run packs rows of the same length."""
     row = [float(node), float(has_sampler), step_time_s, data_time_s, float(steps), float(device), allocated_pct]
     for index in indices:
@@ -66,8 +80,9 @@ def pack_row(
         row.append(float(index))
         for metric in METRICS:
             stat = stats.get(metric.name)
-            row.extend((math.nan,) * _STAT if stat is None else (stat.weighted, stat.seconds, stat.min, stat.max,
-                                                                  stat.last))  # fmt: skip
+            row.extend(
+                (math.nan,) * _STAT if stat is None else (stat.weighted, stat.seconds, stat.min, stat.max, stat.last)
+            )
     return row
 
 

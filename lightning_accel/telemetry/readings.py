@@ -93,19 +93,28 @@ class DeviceReader:
             ("utilization", "utilization", self._utilization),
             ("memory", "memory", self._memory),
             ("power", "power", lambda: {"power_w": nvml.pynvml.nvmlDeviceGetPowerUsage(self._whole) / 1000.0}),
-            ("power_limit", "power", lambda: {
-                "power_limit_w": nvml.pynvml.nvmlDeviceGetEnforcedPowerLimit(self._whole) / 1000.0}),
+            (
+                "power_limit",
+                "power",
+                lambda: {"power_limit_w": nvml.pynvml.nvmlDeviceGetEnforcedPowerLimit(self._whole) / 1000.0},
+            ),
             ("temperature", "temperature", self._temperature),
             ("sm_clock", "clocks", lambda: self._clock(_CLOCK_SM, "sm_clock")),
             ("memory_clock", "clocks", lambda: self._clock(_CLOCK_MEM, "memory_clock")),
             ("throttle", "throttle", self._throttle),
-            ("pcie_rx", "pcie", lambda: {
-                "pcie_rx_mb_s": nvml.pynvml.nvmlDeviceGetPcieThroughput(self._whole, _PCIE_RX) / 1000.0}),
-            ("pcie_tx", "pcie", lambda: {
-                "pcie_tx_mb_s": nvml.pynvml.nvmlDeviceGetPcieThroughput(self._whole, _PCIE_TX) / 1000.0}),
+            (
+                "pcie_rx",
+                "pcie",
+                lambda: {"pcie_rx_mb_s": nvml.pynvml.nvmlDeviceGetPcieThroughput(self._whole, _PCIE_RX) / 1000.0},
+            ),
+            (
+                "pcie_tx",
+                "pcie",
+                lambda: {"pcie_tx_mb_s": nvml.pynvml.nvmlDeviceGetPcieThroughput(self._whole, _PCIE_TX) / 1000.0},
+            ),
             ("energy", "energy", self._energy),
             ("gpm", "gpm", self._gpm_metrics),
-        ]  # fmt: skip
+        ]
         self._readers = [(name, read) for name, group, read in table if group in wanted]
         if "gpm" in wanted and not self._gpm_setup():
             self._drop("gpm")
@@ -236,5 +245,8 @@ class DeviceReader:
         for slot, (metric_id, _) in enumerate(_GPM):
             request.metrics[slot].metricId = metric_id
         nvml.pynvml.nvmlGpmMetricsGet(request)
-        return {name: float(request.metrics[slot].value) for slot, (_, name) in enumerate(_GPM)
-                if request.metrics[slot].nvmlReturn == 0}  # fmt: skip
+        return {
+            name: float(request.metrics[slot].value)
+            for slot, (_, name) in enumerate(_GPM)
+            if request.metrics[slot].nvmlReturn == 0
+        }

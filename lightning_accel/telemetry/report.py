@@ -24,8 +24,12 @@ COLUMNS: dict[str, tuple[str, str, float, str]] = {
     "throttled_pct": ("throttle_any_frac", "mean", 100.0, "throttled %"),
     "temperature_max_c": ("temperature_c", "max", 1.0, "max temp C"),
 }
-PLOTTED = (("utilization_pct", "utilization %"), ("memory_used_pct", "memory used %"), ("power_w", "power W"),
-           ("temperature_c", "temperature C"))  # fmt: skip
+PLOTTED = (
+    ("utilization_pct", "utilization %"),
+    ("memory_used_pct", "memory used %"),
+    ("power_w", "power W"),
+    ("temperature_c", "temperature C"),
+)
 
 
 def _number(value: float, digits: int = 1) -> str:
@@ -91,8 +95,9 @@ class RunReport:
             self.windows += 1
 
     def add_alert(self, alert: Alert) -> None:
-        self.alerts.append({"name": alert.name, "step": alert.step, "gpu": alert.gpu, "value": alert.value,
-                            "message": alert.message})  # fmt: skip
+        self.alerts.append(
+            {"name": alert.name, "step": alert.step, "gpu": alert.gpu, "value": alert.value, "message": alert.message}
+        )
 
     @property
     def fired(self) -> set[str]:
@@ -112,8 +117,9 @@ class RunReport:
     def rank_rows(self) -> list[dict[str, Any]]:
         return [
             {"rank": rank, "step_time_ms": 1e3 * step_s / steps, "data_time_ms": 1e3 * data_s / steps, "steps": steps}
-            for rank, (step_s, data_s, steps) in sorted(self.ranks.items()) if steps
-        ]  # fmt: skip
+            for rank, (step_s, data_s, steps) in sorted(self.ranks.items())
+            if steps
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-able data (NaN where a GPU gave no reading)."""
@@ -130,20 +136,24 @@ class RunReport:
     def to_markdown(self) -> str:
         data = self.to_dict()
         lines = [
-            "# GPU report", "",
+            "# GPU report",
+            "",
             f"Fit time {data['fit_seconds']:.1f} s up to step {data['last_step']}; {len(data['gpus'])} GPU(s). "
             f"GPUMonitor's own time on the training thread: {data['monitor_overhead_s']:.3f} s "
-            f"({data['monitor_overhead_pct']:.2f}% of the fit).", "",
+            f"({data['monitor_overhead_pct']:.2f}% of the fit).",
+            "",
             "| GPU | name | " + " | ".join(h for *_, h in COLUMNS.values()) + " | energy Wh |",
             "|---|---|" + "---:|" * (len(COLUMNS) + 1),
-        ]  # fmt: skip
+        ]
         for row in data["gpus"]:
             cells = [_number(row[c], 2 if c.endswith("gib") else 1) for c in COLUMNS] + [_number(row["energy_wh"], 3)]
             lines.append(f"| {row['gpu']} | {row.get('name', '-')} | " + " | ".join(cells) + " |")
         if len(data["ranks"]) > 1:
             lines += ["", "| rank | step time ms | data wait ms | steps |", "|---:|---:|---:|---:|"]
-            lines += [f"| {r['rank']} | {r['step_time_ms']:.2f} | {r['data_time_ms']:.2f} | {r['steps']} |"
-                      for r in data["ranks"]]  # fmt: skip
+            lines += [
+                f"| {r['rank']} | {r['step_time_ms']:.2f} | {r['data_time_ms']:.2f} | {r['steps']} |"
+                for r in data["ranks"]
+            ]
         lines += ["", "## Alerts", ""]
         lines += [f"- step {a['step']}, `{a['name']}`: {a['message']}" for a in data["alerts"]] or ["None."]
         return "\n".join(lines) + "\n"
@@ -180,8 +190,9 @@ class RunReport:
         for position, (metric, label) in enumerate(PLOTTED):
             axes = figure.add_subplot(2, 2, position + 1)
             for key in self.gpus:
-                points = [(p["t"] / scale, p["gpus"][key][metric]) for p in self.history
-                          if metric in p["gpus"].get(key, {})]  # fmt: skip
+                points = [
+                    (p["t"] / scale, p["gpus"][key][metric]) for p in self.history if metric in p["gpus"].get(key, {})
+                ]
                 if points:
                     axes.plot(*zip(*points, strict=True), label=key, linewidth=1.2)
             axes.set_title(label)
@@ -204,8 +215,10 @@ class RunReport:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "gpus": {k: {n: [s.weighted, s.seconds, s.min, s.max, s.last] for n, s in v.items()}
-                     for k, v in self.gpus.items()},
+            "gpus": {
+                k: {n: [s.weighted, s.seconds, s.min, s.max, s.last] for n, s in v.items()}
+                for k, v in self.gpus.items()
+            },
             "info": self.info,
             "energy_wh": {key: self.energy_wh(key) for key in {*self.energy_base, *self.energy_fit}},
             "history": self.history,
@@ -216,7 +229,7 @@ class RunReport:
             "fit_s": self.fit_s,
             "overhead_s": self.overhead_s,
             "last_step": self.last_step,
-        }  # fmt: skip
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.gpus = {k: {n: Stat(*values) for n, values in v.items()} for k, v in state.get("gpus", {}).items()}

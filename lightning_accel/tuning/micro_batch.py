@@ -328,8 +328,7 @@ def average_gradients(params: Sequence[torch.nn.Parameter], group: Any = None, b
     trained = [param for param in params if param.requires_grad]
     if not trained:
         return
-    has_grad = torch.tensor([param.grad is not None for param in trained], dtype=torch.uint8,
-                            device=trained[0].device)  # fmt: skip
+    has_grad = torch.tensor([param.grad is not None for param in trained], dtype=torch.uint8, device=trained[0].device)
     dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
     grads: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for param, anywhere in zip(trained, has_grad.tolist(), strict=True):

@@ -27,8 +27,14 @@ def test_mfu_is_divided_by_the_model_parallel_degree() -> None:
 
 def test_a_mig_slice_is_measured_against_its_share_of_the_gpu() -> None:
     """stage.json's `sm_count` (torch's multi_processor_count of the slice) scales the GPU's peak."""
-    base = {"world_size": 1, "device": "NVIDIA A100-SXM4-80GB MIG 3g.40gb", "precision": "bf16-mixed",
-            "flops_per_batch": 1e12, "steady_batches": 10, "steady_s": 1.0}  # fmt: skip
+    base = {
+        "world_size": 1,
+        "device": "NVIDIA A100-SXM4-80GB MIG 3g.40gb",
+        "precision": "bf16-mixed",
+        "flops_per_batch": 1e12,
+        "steady_batches": 10,
+        "steady_s": 1.0,
+    }
     by_sms = StageResult(name="amp", measurement={**base, "sm_count": 42})  # type: ignore[call-arg]
     by_name = StageResult(name="amp", measurement=base)  # type: ignore[call-arg]
     _derive(by_sms, None)

@@ -32,8 +32,11 @@ from _busy import start_busy_processes, stop_processes  # noqa: E402
 def run_bench(out: Path, extra: list[str]) -> dict[str, Any]:
     started = time.perf_counter()
     load = os.getloadavg()[0]
-    done = subprocess.run([sys.executable, "-m", "lightning_accel.bench", "--quick", "--out", str(out), *extra],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_accel.bench", "--quick", "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - started
     (out.parent / f"{out.name}.log").write_text(done.stdout + done.stderr)
     report = json.loads((out / "bench.json").read_text()) if (out / "bench.json").is_file() else {"stages": []}
@@ -41,18 +44,24 @@ def run_bench(out: Path, extra: list[str]) -> dict[str, Any]:
     for stage in report["stages"]:
         interval = stage.get("speedup_interval") or {}
         stages[stage["name"]] = {
-            "status": stage["status"], "speedup": stage.get("speedup"), "low": interval.get("low"),
-            "high": interval.get("high"), "verdict": stage.get("speedup_verdict"), "flagged": stage.get("interference"),
-            "quality": stage.get("quality"), "delta": stage.get("quality_delta_pct"),
+            "status": stage["status"],
+            "speedup": stage.get("speedup"),
+            "low": interval.get("low"),
+            "high": interval.get("high"),
+            "verdict": stage.get("speedup_verdict"),
+            "flagged": stage.get("interference"),
+            "quality": stage.get("quality"),
+            "delta": stage.get("quality_delta_pct"),
             "runs": len(stage.get("runs") or []),
-        }  # fmt: skip
-    return {"rc": done.returncode, "wall_s": wall, "load_start": load, "load_end": os.getloadavg()[0],
-            "stages": stages}  # fmt: skip
+        }
+    return {"rc": done.returncode, "wall_s": wall, "load_start": load, "load_end": os.getloadavg()[0], "stages": stages}
 
 
 def show(label: str, result: dict[str, Any]) -> None:
-    print(f"{label}: exit {result['rc']}, {result['wall_s']:.0f} s, load {result['load_start']:.1f} -> "
-          f"{result['load_end']:.1f}")  # fmt: skip
+    print(
+        f"{label}: exit {result['rc']}, {result['wall_s']:.0f} s, load {result['load_start']:.1f} -> "
+        f"{result['load_end']:.1f}"
+    )
     for name, s in result["stages"].items():
         if s["status"] != "ok" or s["speedup"] is None:
             print(f"    {name:>15}: {s['status']}")
@@ -60,8 +69,10 @@ def show(label: str, result: dict[str, Any]) -> None:
         span = f"[{s['low']:.2f}, {s['high']:.2f}]" if s["low"] is not None else ""
         flag = " FLAGGED" if s["flagged"] else ""
         delta = "" if s["delta"] is None else f" ({s['delta']:+.1f}%)"
-        print(f"    {name:>15}: {s['speedup']:.2f}x {span} {s['verdict'] or 'reference'}{flag}; quality "
-              f"{s['quality']}{delta}; {s['runs']} runs")  # fmt: skip
+        print(
+            f"    {name:>15}: {s['speedup']:.2f}x {span} {s['verdict'] or 'reference'}{flag}; quality "
+            f"{s['quality']}{delta}; {s['runs']} runs"
+        )
 
 
 def main() -> int:
@@ -109,12 +120,16 @@ def main() -> int:
             else:
                 verdicts.append("CONTRADICTED")
                 contradicted += 1
-        print(f"    {name:>15}: quiet span [{low:.2f}, {high:.2f}], quiet medians {[round(m, 2) for m in medians]} "
-              f"({quiet_flags} flagged); loaded: {', '.join(verdicts)}")  # fmt: skip
+        print(
+            f"    {name:>15}: quiet span [{low:.2f}, {high:.2f}], quiet medians {[round(m, 2) for m in medians]} "
+            f"({quiet_flags} flagged); loaded: {', '.join(verdicts)}"
+        )
     exits = [q["rc"] for q in quiet]
     print(f"\nquiet exit codes {exits}; loaded exit codes {[r['rc'] for r in loaded]}")
-    print(f"check: {'held' if contradicted == 0 else 'FAILED'} ({contradicted} unflagged loaded speedup(s) outside "
-          "the quiet span)")  # fmt: skip
+    print(
+        f"check: {'held' if contradicted == 0 else 'FAILED'} ({contradicted} unflagged loaded speedup(s) outside "
+        "the quiet span)"
+    )
     return 0
 
 

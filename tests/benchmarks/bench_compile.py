@@ -54,9 +54,16 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, float]:
     extra = [] if mode == "eager" else [Compile(mode=mode)]
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # cold: nothing compiled before
-        trainer = pl.Trainer(accelerator="cpu", max_steps=args.steps, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=[*extra, clock],
-                             limit_val_batches=0)  # fmt: skip
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=args.steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[*extra, clock],
+            limit_val_batches=0,
+        )
         started = time.perf_counter()
         trainer.fit(model, torch.utils.data.DataLoader(pairs, batch_size=args.batch))
     steps = [b - a for a, b in zip([started, *clock.ends], clock.ends, strict=False)]
@@ -66,9 +73,24 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, float]:
 
 def run_cold(mode: str, args: argparse.Namespace) -> dict[str, float]:
     """`run` in a fresh interpreter: a cold compile, as a new job has (no kernels or graphs of earlier runs)."""
-    argv = [sys.executable, __file__, "--one", mode, "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--layers", str(args.layers), "--embd", str(args.embd), "--block", str(args.block), "--batch",
-            str(args.batch)]  # fmt: skip
+    argv = [
+        sys.executable,
+        __file__,
+        "--one",
+        mode,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--layers",
+        str(args.layers),
+        "--embd",
+        str(args.embd),
+        "--block",
+        str(args.block),
+        "--batch",
+        str(args.batch),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -92,10 +114,12 @@ def main() -> None:
         return
     names = ["eager", *args.modes]
     results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPU(s), torch {torch.__version__}, threads "
-          f"{torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}; GPT {args.layers}x{args.embd}, block "
-          f"{args.block}, batch {args.batch}, {args.steps} steps ({args.warmup} as compile), "
-          f"{args.rounds} rounds")  # fmt: skip
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPU(s), torch {torch.__version__}, threads "
+        f"{torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}; GPT {args.layers}x{args.embd}, block "
+        f"{args.block}, batch {args.batch}, {args.steps} steps ({args.warmup} as compile), "
+        f"{args.rounds} rounds"
+    )
     for _round, name in interleaved(names, args.rounds):
         results[name].append(run_cold(name, args))
     eager = summarize([r["step_s"] for r in results["eager"]]).median
@@ -107,8 +131,10 @@ def main() -> None:
         saved = eager - step.median
         extra = first.median - eager_first
         even = "-" if name == "eager" else (f"{extra / saved:.0f}" if saved > 0 else "never")
-        print(f"{name:>14} | {first.median:>18.1f} | {step.median:.4f} [{step.low:.4f}, {step.high:.4f}] | "
-              f"{eager / step.median:>6.2f}x | {even:>16}")  # fmt: skip
+        print(
+            f"{name:>14} | {first.median:>18.1f} | {step.median:.4f} [{step.low:.4f}, {step.high:.4f}] | "
+            f"{eager / step.median:>6.2f}x | {even:>16}"
+        )
     print(f"load at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -59,8 +59,9 @@ BATCH, WIDTH = 64, 256
 class MLP(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
-                                 nn.Linear(WIDTH, 10))  # fmt: skip
+        self.net = nn.Sequential(
+            nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10)
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -108,15 +109,28 @@ def fit_once(config: str, steps: int, warmup: int, root: Path, scrape_every_s: f
     callbacks: list[pl.Callback] = [timer]
     scraper = None
     if config == "publishing":
-        monitor = GPUMonitor(device_indices=list(range(8)), log_metrics=False, interval_s=1.0, publish_interval_s=2.0,
-                             runs_dir=root / "runs", prometheus_port=0)  # fmt: skip
+        monitor = GPUMonitor(
+            device_indices=list(range(8)),
+            log_metrics=False,
+            interval_s=1.0,
+            publish_interval_s=2.0,
+            runs_dir=root / "runs",
+            prometheus_port=0,
+        )
         callbacks.append(monitor)
         scraper = Scraper(monitor, scrape_every_s)  # a thread, not a callback: Lightning's dispatch is not ours
         scraper.on_train_start()
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(BATCH * steps, 64, generator=gen), torch.randint(0, 10, (BATCH * steps,)))
-    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, callbacks=callbacks, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     torch.manual_seed(0)
     trainer.fit(MLP(), DataLoader(data, batch_size=BATCH))
     if scraper is not None:
@@ -153,8 +167,14 @@ class Toggle(pl.Callback):
         self._ends, self._index = [], self._index + 1
         wanted = self._state(self._index)
         if wanted == "on" and self.monitor is None:
-            self.monitor = GPUMonitor(device_indices=list(range(8)), log_metrics=False, interval_s=1.0,
-                                      publish_interval_s=2.0, runs_dir=self.root, prometheus_port=0)  # fmt: skip
+            self.monitor = GPUMonitor(
+                device_indices=list(range(8)),
+                log_metrics=False,
+                interval_s=1.0,
+                publish_interval_s=2.0,
+                runs_dir=self.root,
+                prometheus_port=0,
+            )
             self.scraper = Scraper(self.monitor, self.scrape_every_s)
             self.monitor.setup(trainer, pl_module, "fit")
             self.monitor.on_train_start(trainer, pl_module)
@@ -192,9 +212,15 @@ def bench_toggled(pairs: int, segment: int, scrape_every_s: float) -> None:
     nvml.pynvml = FakeNVML(gpus, clock=lambda: time.monotonic() - start)
     with tempfile.TemporaryDirectory() as tmp:
         toggle = Toggle(Path(tmp), segment, skip=segment // 10, scrape_every_s=scrape_every_s)
-        trainer = pl.Trainer(accelerator="cpu", max_steps=segment * 2 * pairs, callbacks=[toggle], logger=False,
-                             enable_progress_bar=False, enable_model_summary=False,
-                             enable_checkpointing=False)  # fmt: skip
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=segment * 2 * pairs,
+            callbacks=[toggle],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
         torch.manual_seed(0)
         trainer.fit(MLP(), DataLoader(_SameBatch(), batch_size=None))
     on, off = toggle.times["on"], toggle.times["off"]
@@ -204,10 +230,14 @@ def bench_toggled(pairs: int, segment: int, scrape_every_s: float) -> None:
     for name, interval in (("GPUMonitor publishing, on/off", overhead), ("noise floor, off/previous off", calm)):
         low, median, high = (100 * (x - 1) for x in (interval.low, interval.median, interval.high))
         said = {"faster": "slower", "slower": "faster"}.get(verdict(interval), "no clear difference")  # a time ratio
-        print(f"  {name}: step time {median:+.2f}% [{low:+.2f}%, {high:+.2f}%] ({interval.method}, "
-              f"n={interval.n} pairs): {said}")
-    print(f"switched on and off within one fit ({pairs} pairs of {segment}-step segments, "
-          f"{1e3 * statistics.median(off):.3f} ms/step off; a scrape every {scrape_every_s:g} s); target <= +0.5%")
+        print(
+            f"  {name}: step time {median:+.2f}% [{low:+.2f}%, {high:+.2f}%] ({interval.method}, "
+            f"n={interval.n} pairs): {said}"
+        )
+    print(
+        f"switched on and off within one fit ({pairs} pairs of {segment}-step segments, "
+        f"{1e3 * statistics.median(off):.3f} ms/step off; a scrape every {scrape_every_s:g} s); target <= +0.5%"
+    )
 
 
 def heartbeat(index: int, gpus: int = 8, now: float | None = None) -> dict[str, Any]:
@@ -215,26 +245,71 @@ def heartbeat(index: int, gpus: int = 8, now: float | None = None) -> dict[str, 
     now = time.time() if now is None else now
     points = int(HISTORY_S // HISTORY_STEP_S)
     t = [round(now - HISTORY_S + HISTORY_STEP_S * k, 2) for k in range(points)]
-    latest = {"sm_activity_pct": 71.2, "sm_occupancy_pct": 33.1, "tensor_activity_pct": 48.9, "dram_bw_util_pct": 55.0,
-              "utilization_pct": 99.0, "memory_utilization_pct": 41.0, "memory_used_mib": 61234.5,
-              "memory_total_mib": 81559.0, "memory_used_pct": 75.1, "power_w": 612.3, "power_limit_w": 700.0,
-              "power_pct": 87.5, "temperature_c": 71.0, "sm_clock_mhz": 1980.0, "sm_clock_pct": 100.0,
-              "memory_clock_mhz": 2619.0, "memory_clock_pct": 100.0, "throttle_thermal_frac": 0.0,
-              "throttle_power_frac": 0.1, "throttle_hw_slowdown_frac": 0.0, "throttle_any_frac": 0.1,
-              "pcie_rx_mb_s": 120.5, "pcie_tx_mb_s": 30.2}  # fmt: skip
+    latest = {
+        "sm_activity_pct": 71.2,
+        "sm_occupancy_pct": 33.1,
+        "tensor_activity_pct": 48.9,
+        "dram_bw_util_pct": 55.0,
+        "utilization_pct": 99.0,
+        "memory_utilization_pct": 41.0,
+        "memory_used_mib": 61234.5,
+        "memory_total_mib": 81559.0,
+        "memory_used_pct": 75.1,
+        "power_w": 612.3,
+        "power_limit_w": 700.0,
+        "power_pct": 87.5,
+        "temperature_c": 71.0,
+        "sm_clock_mhz": 1980.0,
+        "sm_clock_pct": 100.0,
+        "memory_clock_mhz": 2619.0,
+        "memory_clock_pct": 100.0,
+        "throttle_thermal_frac": 0.0,
+        "throttle_power_frac": 0.1,
+        "throttle_hw_slowdown_frac": 0.0,
+        "throttle_any_frac": 0.1,
+        "pcie_rx_mb_s": 120.5,
+        "pcie_tx_mb_s": 30.2,
+    }
     return {
-        "schema": SCHEMA, "run_id": f"run-{index:03d}", "name": f"experiment {index}", "host": f"node-{index // 8:02d}",
-        "user": "ada", "pid": 1000 + index, "command": "accel-train preset=ddp trainer.devices=8", "node_rank": 0,
-        "num_nodes": 1, "rank": 0, "started": now - 3600, "updated": now, "interval_s": 2.0, "status": "running",
-        "reason": "", "slurm_job_id": None, "metrics_url": None,
-        "ranks": [{"rank": r, "local_rank": r, "device": f"cuda:{r}", "uuid": f"GPU-{index:03d}-{r}"}
-                  for r in range(gpus)],
-        "gpus": [{"index": g, "uuid": f"GPU-{index:03d}-{g}", "name": "NVIDIA H100 80GB HBM3", "latest": latest,
-                  "energy_j": 1.23e6, "history": {m: [round(50 + 0.37 * k, 2) for k in range(points)]
-                                                  for m in HISTORY_METRICS}} for g in range(gpus)],
-        "step": 12345, "max_steps": 100000, "samples": 12345 * 512, "samples_per_s": 4321.5, "eta_s": 17999.0,
-        "alerts": [], "history": {"t": t, "samples_per_s": [4300.0 + k for k in range(points)]},
-    }  # fmt: skip
+        "schema": SCHEMA,
+        "run_id": f"run-{index:03d}",
+        "name": f"experiment {index}",
+        "host": f"node-{index // 8:02d}",
+        "user": "ada",
+        "pid": 1000 + index,
+        "command": "accel-train preset=ddp trainer.devices=8",
+        "node_rank": 0,
+        "num_nodes": 1,
+        "rank": 0,
+        "started": now - 3600,
+        "updated": now,
+        "interval_s": 2.0,
+        "status": "running",
+        "reason": "",
+        "slurm_job_id": None,
+        "metrics_url": None,
+        "ranks": [
+            {"rank": r, "local_rank": r, "device": f"cuda:{r}", "uuid": f"GPU-{index:03d}-{r}"} for r in range(gpus)
+        ],
+        "gpus": [
+            {
+                "index": g,
+                "uuid": f"GPU-{index:03d}-{g}",
+                "name": "NVIDIA H100 80GB HBM3",
+                "latest": latest,
+                "energy_j": 1.23e6,
+                "history": {m: [round(50 + 0.37 * k, 2) for k in range(points)] for m in HISTORY_METRICS},
+            }
+            for g in range(gpus)
+        ],
+        "step": 12345,
+        "max_steps": 100000,
+        "samples": 12345 * 512,
+        "samples_per_s": 4321.5,
+        "eta_s": 17999.0,
+        "alerts": [],
+        "history": {"t": t, "samples_per_s": [4300.0 + k for k in range(points)]},
+    }
 
 
 def bench_scrape(scrapes: int) -> None:
@@ -249,8 +324,10 @@ def bench_scrape(scrapes: int) -> None:
         times.append(time.perf_counter() - started)
     exporter.close()
     interval = summarize([1e3 * t for t in times])
-    print(f"one scrape of 8 GPUs (HTTP GET /metrics, {size} bytes): {interval.format('.2f', ' ms')} "
-          f"({interval.method}, n={interval.n}); target <= 50 ms")
+    print(
+        f"one scrape of 8 GPUs (HTTP GET /metrics, {size} bytes): {interval.format('.2f', ' ms')} "
+        f"({interval.method}, n={interval.n}); target <= 50 ms"
+    )
 
 
 def bench_page(pages: int) -> None:
@@ -276,9 +353,11 @@ def bench_page(pages: int) -> None:
                     size = len(response.read())
                 times.append(time.perf_counter() - started)
     interval = summarize([1e3 * t for t in times])
-    print(f"accel-dash page data, 64 jobs x 8 GPUs ({total / 2**20:.1f} MiB of heartbeats, all rewritten before each "
-          f"request; {size / 2**20:.1f} MiB served): {interval.format('.0f', ' ms')} ({interval.method}, "
-          f"n={interval.n}); target <= 200 ms")
+    print(
+        f"accel-dash page data, 64 jobs x 8 GPUs ({total / 2**20:.1f} MiB of heartbeats, all rewritten before each "
+        f"request; {size / 2**20:.1f} MiB served): {interval.format('.0f', ' ms')} ({interval.method}, "
+        f"n={interval.n}); target <= 200 ms"
+    )
 
 
 def bench_background(scrape_every_s: float, repeats: int = 50) -> None:
@@ -296,8 +375,15 @@ def bench_background(scrape_every_s: float, repeats: int = 50) -> None:
     sampler = NVMLSampler([DeviceReader(d, readings) for d in resolve_devices(range(8))], interval_s=1.0)
     sampler.start(threaded=False)
     with tempfile.TemporaryDirectory() as tmp:
-        job = JobInfo(run_id="bench", name="bench", host="h", user="u", pid=1, command="c",
-                      gpus=[{"index": i, "uuid": f"GPU-bench-{i}", "name": "H100"} for i in range(8)])  # fmt: skip
+        job = JobInfo(
+            run_id="bench",
+            name="bench",
+            host="h",
+            user="u",
+            pid=1,
+            command="c",
+            gpus=[{"index": i, "uuid": f"GPU-bench-{i}", "name": "H100"} for i in range(8)],
+        )
         publisher = RunPublisher(PublishSettings(runs_dir=Path(tmp)), job, sampler)
         costs = {}
         for name, work in (("read 8 GPUs", sampler.sample_once), ("heartbeat", publisher.publish)):
@@ -315,12 +401,18 @@ def bench_background(scrape_every_s: float, repeats: int = 50) -> None:
         exporter.exposition()
         times.append(time.perf_counter() - started)
     costs["render /metrics"] = summarize([1e3 * t for t in times])
-    per_second = (costs["read 8 GPUs"].median / 1.0 + costs["heartbeat"].median / 2.0
-                  + costs["render /metrics"].median / scrape_every_s)  # fmt: skip
-    print("work off the training thread: " + ", ".join(f"{k} {v.format('.2f', ' ms')}" for k, v in costs.items())
-          + f"; at 1 reading/s, 1 heartbeat/2 s, 1 scrape/{scrape_every_s:g} s: {per_second:.2f} ms per second of "
-          f"training, {per_second / 10:.2f}% of one core (the share of the GIL it can take from the training thread; "
-          "the fake NVML is Python, the real one is C and releases the GIL)")
+    per_second = (
+        costs["read 8 GPUs"].median / 1.0
+        + costs["heartbeat"].median / 2.0
+        + costs["render /metrics"].median / scrape_every_s
+    )
+    print(
+        "work off the training thread: "
+        + ", ".join(f"{k} {v.format('.2f', ' ms')}" for k, v in costs.items())
+        + f"; at 1 reading/s, 1 heartbeat/2 s, 1 scrape/{scrape_every_s:g} s: {per_second:.2f} ms per second of "
+        f"training, {per_second / 10:.2f}% of one core (the share of the GIL it can take from the training thread; "
+        "the fake NVML is Python, the real one is C and releases the GIL)"
+    )
 
 
 class _HookTimer(pl.Callback):
@@ -330,8 +422,9 @@ class _HookTimer(pl.Callback):
     def __init__(self, monitor: GPUMonitor, calls: int = 20_000) -> None:
         self.monitor, self.calls, self.per_call_s = monitor, calls, float("nan")
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx != 20:
             return
         started = time.perf_counter()
@@ -350,9 +443,15 @@ def bench_hooks() -> None:
         timer = _HookTimer(monitor)
         gen = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(BATCH * 40, 64, generator=gen), torch.randint(0, 10, (BATCH * 40,)))
-        trainer = pl.Trainer(accelerator="cpu", max_steps=40, callbacks=[monitor, timer], logger=False,
-                             enable_progress_bar=False, enable_model_summary=False,
-                             enable_checkpointing=False)  # fmt: skip
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=40,
+            callbacks=[monitor, timer],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
         trainer.fit(MLP(), DataLoader(data, batch_size=BATCH))
     print(f"GPUMonitor's per-batch hooks on the training thread, publishing: {1e6 * timer.per_call_s:.2f} us per step")
 
@@ -373,14 +472,18 @@ def bench_step(reps: int, steps: int, warmup: int, scrape_every_s: float) -> Non
     for config in configs:
         interval = summarize([1e3 * t for t in times[config]])
         print(f"  {config:>10}: {interval.format('.3f', ' ms/step')} ({interval.method}, n={interval.n})")
-    for name, top, bottom in (("publishing/off", "publishing", "off"), ("noise floor, off again/off", "off again",
-                                                                         "off")):  # fmt: skip
+    for name, top, bottom in (
+        ("publishing/off", "publishing", "off"),
+        ("noise floor, off again/off", "off again", "off"),
+    ):
         interval = ratio(times[top], times[bottom])
         low, median, high = (100 * (x - 1) for x in (interval.low, interval.median, interval.high))
         said = {"faster": "slower", "slower": "faster"}.get(verdict(interval), "no clear difference")  # a time ratio
         print(f"  {name}: step time {median:+.2f}% [{low:+.2f}%, {high:+.2f}%] ({interval.method}): {said}")
-    print(f"whole fits, interleaved ({reps} rounds of {steps} steps; 8 fake GPUs, a scrape every {scrape_every_s:g} "
-          "s); target <= +0.5%")
+    print(
+        f"whole fits, interleaved ({reps} rounds of {steps} steps; 8 fake GPUs, a scrape every {scrape_every_s:g} "
+        "s); target <= +0.5%"
+    )
 
 
 def main() -> None:
@@ -400,8 +503,10 @@ def main() -> None:
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    print(f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the start")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the start"
+    )
     bench_scrape(args.scrapes)
     bench_page(args.pages)
     bench_background(args.scrape_every)

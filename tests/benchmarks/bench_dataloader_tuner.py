@@ -85,8 +85,13 @@ class LatencyTextDataModule(StdlibTextDataModule):
 
     def train_dataloader(self) -> DataLoader:
         loader = super().train_dataloader()
-        return DataLoader(_Latency(loader.dataset, self.delay_s), batch_size=loader.batch_size, shuffle=True,
-                          drop_last=True, generator=loader.generator)  # fmt: skip
+        return DataLoader(
+            _Latency(loader.dataset, self.delay_s),
+            batch_size=loader.batch_size,
+            shuffle=True,
+            drop_last=True,
+            generator=loader.generator,
+        )
 
 
 def _case(name: str, latency_batches: int) -> tuple[pl.LightningModule, pl.LightningDataModule, int | float]:
@@ -105,26 +110,38 @@ def one_epoch(name: str, tuner: DataLoaderTuner | None, latency_batches: int) ->
     model, data, limit = _case(name, latency_batches)
     timer = EpochTimer()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=limit, limit_val_batches=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=limit,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[timer] + ([tuner] if tuner else []),
-    )  # fmt: skip
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, data)
     return timer
 
 
-def io_busy(runs: int, max_tuning_time_s: float, table: bool = False, sweep_rounds: int = 3
-            ) -> list[tuple[LoaderSettings, float, bool]]:  # fmt: skip
+def io_busy(
+    runs: int, max_tuning_time_s: float, table: bool = False, sweep_rounds: int = 3
+) -> list[tuple[LoaderSettings, float, bool]]:
     """Issue 14's criterion: (choice, share of the sweep's best, flagged) of `runs` tunings of an I/O-bound dataset
     beside a CPU-bound process that is not ours (started through a shell that exits, so init adopts it)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "callbacks"))
     import _dataloader_tuner_cases as cases
 
     space = [LoaderSettings(num_workers=w, prefetch_factor=2 if w else None) for w in range(9)]
-    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     busy, results = int(out), []
     try:
         time.sleep(0.5)
@@ -186,8 +203,12 @@ def main(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory() as cache:
             for repeat in range(args.repeats):  # alternated, so a burst of load from other jobs hits both sides
                 base.append(one_epoch(name, None, args.latency_batches))
-                tuner = DataLoaderTuner(max_tuning_time_s=args.max_tuning_time_s, force=repeat == 0, cache_dir=cache,
-                                        print_table=args.table and repeat == 0)  # fmt: skip
+                tuner = DataLoaderTuner(
+                    max_tuning_time_s=args.max_tuning_time_s,
+                    force=repeat == 0,
+                    cache_dir=cache,
+                    print_table=args.table and repeat == 0,
+                )
                 tuned.append(one_epoch(name, tuner, args.latency_batches))
                 tuners.append(tuner)
         first, tuning = tuners[0], [t.tuning_time_s for t in tuners]

@@ -43,8 +43,9 @@ WIDTH = 256  # hidden width of the MLP (--width)
 class MLP(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
-                                 nn.Linear(WIDTH, 10))  # fmt: skip
+        self.net = nn.Sequential(
+            nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10)
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -72,8 +73,9 @@ def fit_once(config: str, steps: int, warmup: int, root: Path, log_every: int = 
     callbacks: list[pl.Callback] = [timer]
     monitor = None
     if config == "GPUMonitor":
-        monitor = GPUMonitor(interval_s=0.1, device_indices=[0], report_dir=root / "report", print_report=False,
-                             plot=False)  # fmt: skip
+        monitor = GPUMonitor(
+            interval_s=0.1, device_indices=[0], report_dir=root / "report", print_report=False, plot=False
+        )
         callbacks.append(monitor)
     elif config == "DeviceStatsMonitor":
         callbacks.append(DeviceStatsMonitor())
@@ -82,10 +84,15 @@ def fit_once(config: str, steps: int, warmup: int, root: Path, log_every: int = 
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(BATCH * steps, 64, generator=gen), torch.randint(0, 10, (BATCH * steps,)))
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=steps, callbacks=callbacks, logger=CSVLogger(root, name=config),
+        accelerator="cpu",
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=CSVLogger(root, name=config),
         log_every_n_steps=log_every,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     torch.manual_seed(0)
     trainer.fit(MLP(), DataLoader(data, batch_size=BATCH))
     intervals = [b - a for a, b in zip(timer.ends[warmup:], timer.ends[warmup + 1 :], strict=False)]
@@ -111,8 +118,10 @@ def main() -> None:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     start = time.monotonic()
-    nvml.pynvml = FakeNVML([FakeGPU("GPU-bench-0000", utilization=lambda t: 50 + 40 * (int(t) % 2))],
-                           clock=lambda: time.monotonic() - start)  # fmt: skip
+    nvml.pynvml = FakeNVML(
+        [FakeGPU("GPU-bench-0000", utilization=lambda t: 50 + 40 * (int(t) % 2))],
+        clock=lambda: time.monotonic() - start,
+    )
     configs = ["none", "GPUMonitor", "DeviceStatsMonitor", "empty Callback"][: 4 if args.empty_callback else 3]
     times: dict[str, list[float]] = {c: [] for c in configs}
     own: list[float] = []
@@ -124,9 +133,11 @@ def main() -> None:
                 if overhead is not None:
                     own.append(overhead)
     base = statistics.median(times["none"])
-    print(f"torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()}, "
-          f"{torch.get_num_threads()} torch threads, {platform.machine()} ({args.reps} reps x {args.steps} steps, "
-          f"log_every_n_steps={args.log_every}, MLP width {WIDTH})")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, lightning {lightning.__version__}, Python {platform.python_version()}, "
+        f"{torch.get_num_threads()} torch threads, {platform.machine()} ({args.reps} reps x {args.steps} steps, "
+        f"log_every_n_steps={args.log_every}, MLP width {WIDTH})"
+    )
     for config in configs:
         median = statistics.median(times[config])
         paired = statistics.median(t / b - 1 for t, b in zip(times[config], times["none"], strict=True))

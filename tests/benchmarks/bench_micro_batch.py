@@ -50,8 +50,15 @@ class Wide(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.budget = budget
-        self.net = nn.Sequential(nn.Linear(features, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
-                                 nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1))  # fmt: skip
+        self.net = nn.Sequential(
+            nn.Linear(features, width),
+            nn.GELU(),
+            nn.Linear(width, width),
+            nn.GELU(),
+            nn.Linear(width, width),
+            nn.GELU(),
+            nn.Linear(width, 1),
+        )
         self.step_times: list[float] = []  # zero_grad to zero_grad: one optimizer step each
         self._started = 0.0
 
@@ -81,9 +88,17 @@ def run(name: str, args: argparse.Namespace, data: TensorDataset, root: str) -> 
         size = int(name.split()[1])
         finder = None
         loader, callbacks, accumulate = DataLoader(data, batch_size=size), [], args.batch // size
-    trainer = pl.Trainer(accelerator="cpu", max_steps=args.steps, accumulate_grad_batches=accumulate, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=callbacks, default_root_dir=root)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=args.steps,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=root,
+    )
     started = time.perf_counter()
     trainer.fit(model, loader)
     wall = time.perf_counter() - started
@@ -116,25 +131,31 @@ def main() -> None:
     data = TensorDataset(torch.randn(samples, args.features, generator=gen), torch.randn(samples, 1, generator=gen))
     names = ["auto", *(f"hand {n}" for n in args.hand)]
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPU(s), torch {torch.__version__}, threads "
-          f"{torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}; batch {args.batch}, budget {args.fits} "
-          f"samples per forward, {args.steps} steps ({args.warmup} untimed), {args.rounds} rounds, width "
-          f"{args.width}")  # fmt: skip
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPU(s), torch {torch.__version__}, threads "
+        f"{torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}; batch {args.batch}, budget {args.fits} "
+        f"samples per forward, {args.steps} steps ({args.warmup} untimed), {args.rounds} rounds, width "
+        f"{args.width}"
+    )
     with TemporaryDirectory() as root:
         for _round, name in interleaved(names, args.rounds):
             results[name].append(run(name, args, data, root))
     reference = results["auto"][0]["weights"]
     auto = summarize([r["samples_per_s"] for r in results["auto"]])
-    print(f"{'configuration':>16} | micro-batch | samples/s median [interval] | vs auto | fit wall s (median) | "
-          "search trials | same update")  # fmt: skip
+    print(
+        f"{'configuration':>16} | micro-batch | samples/s median [interval] | vs auto | fit wall s (median) | "
+        "search trials | same update"
+    )
     for name in names:
         rates = summarize([r["samples_per_s"] for r in results[name]])
         same = all(torch.allclose(r["weights"], reference, rtol=1e-4, atol=1e-4) for r in results[name])
         trials = results[name][0]["search_trials"]
         wall = summarize([r["wall_s"] for r in results[name]]).median
-        print(f"{name:>16} | {results[name][0]['micro_batch']:>11} | {rates.median:>10,.0f} [{rates.low:,.0f}, "
-              f"{rates.high:,.0f}] | {rates.median / auto.median:>6.2f}x | {wall:>19.2f} | "
-              f"{'-' if trials is None else trials:>13} | {'yes' if same else 'NO'}")  # fmt: skip
+        print(
+            f"{name:>16} | {results[name][0]['micro_batch']:>11} | {rates.median:>10,.0f} [{rates.low:,.0f}, "
+            f"{rates.high:,.0f}] | {rates.median / auto.median:>6.2f}x | {wall:>19.2f} | "
+            f"{'-' if trials is None else trials:>13} | {'yes' if same else 'NO'}"
+        )
     print(f"load at the end {os.getloadavg()[0]:.2f}")
 
 

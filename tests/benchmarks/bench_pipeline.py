@@ -105,8 +105,9 @@ def time_pipeline(args: argparse.Namespace, schedule: str, n_micro: int) -> tupl
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return model.pipeline_loss(out, target) / n_micro
 
-    pipe = spec.schedule_class(stages[0] if spec.single_stage else stages, n_microbatches=n_micro, loss_fn=loss_fn,
-                               scale_grads=False)  # fmt: skip
+    pipe = spec.schedule_class(
+        stages[0] if spec.single_stage else stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=False
+    )
     x, y = batch(args)
     first, last = 0 in local, plan.n_stages - 1 in local
     clock = BusyClock(stages)
@@ -171,21 +172,36 @@ def main() -> None:
         return rank_main(args)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-                   *sys.argv[1:], "--out", str(out)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            __file__,
+            *sys.argv[1:],
+            "--out",
+            str(out),
+        ]
         subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
         times = json.loads(out.read_text())
-    print(f"GPT n_layer={args.layers} n_embd={args.width}, batch {args.batch} x {args.seq} tokens, CPU gloo, "
-          f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
-          f"forward+backward per batch, fastest of {args.steps} steps")  # fmt: skip
-    print(f"{'schedule':<24}{'micro-batches':>14}{'1 proc ms':>11}{'ideal ms':>10}{'pp=2 ms':>10}{'speedup':>9}"
-          f"{'bubble':>9}{'idle':>7}{'ideal bubble':>14}")  # fmt: skip
+    print(
+        f"GPT n_layer={args.layers} n_embd={args.width}, batch {args.batch} x {args.seq} tokens, CPU gloo, "
+        f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+        f"forward+backward per batch, fastest of {args.steps} steps"
+    )
+    print(
+        f"{'schedule':<24}{'micro-batches':>14}{'1 proc ms':>11}{'ideal ms':>10}{'pp=2 ms':>10}{'speedup':>9}"
+        f"{'bubble':>9}{'idle':>7}{'ideal bubble':>14}"
+    )
     for key, (one, seconds, busy) in times.items():
         schedule, n_micro = key.split("/")
         measured = 1 - (one / 2) / seconds
         ideal = ideal_bubble(schedule, 2, int(n_micro))
-        print(f"{schedule:<24}{n_micro:>14}{one * 1e3:>11.1f}{one * 1e3 / 2:>10.1f}{seconds * 1e3:>10.1f}"
-              f"{one / seconds:>8.2f}x{measured:>9.1%}{1 - busy:>7.1%}{ideal:>14.1%}")  # fmt: skip
+        print(
+            f"{schedule:<24}{n_micro:>14}{one * 1e3:>11.1f}{one * 1e3 / 2:>10.1f}{seconds * 1e3:>10.1f}"
+            f"{one / seconds:>8.2f}x{measured:>9.1%}{1 - busy:>7.1%}{ideal:>14.1%}"
+        )
 
 
 if __name__ == "__main__":

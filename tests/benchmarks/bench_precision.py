@@ -76,13 +76,26 @@ def precision_presets() -> list[str]:
 
 def bench(preset: str, device: str, steps: int, warmup: int, root_dir: str, overrides: list[str]) -> Row:
     """Train the GPT example for `warmup + steps` steps under `preset`; ConfigError when it cannot run here."""
-    cfg = compose("train", overrides=[
-        f"precision={preset}", f"trainer.accelerator={device}", "trainer.devices=1", "strategy=auto",
-        "accumulation=none", "logger=none", "callbacks=none", f"trainer.max_steps={warmup + steps}",
-        "trainer.max_epochs=-1", "trainer.limit_val_batches=0", "++trainer.enable_checkpointing=false",
-        "++trainer.enable_model_summary=false", "trainer.enable_progress_bar=false",
-        f"trainer.default_root_dir={root_dir}", *overrides,
-    ])  # fmt: skip
+    cfg = compose(
+        "train",
+        overrides=[
+            f"precision={preset}",
+            f"trainer.accelerator={device}",
+            "trainer.devices=1",
+            "strategy=auto",
+            "accumulation=none",
+            "logger=none",
+            "callbacks=none",
+            f"trainer.max_steps={warmup + steps}",
+            "trainer.max_epochs=-1",
+            "trainer.limit_val_batches=0",
+            "++trainer.enable_checkpointing=false",
+            "++trainer.enable_model_summary=false",
+            "trainer.enable_progress_bar=false",
+            f"trainer.default_root_dir={root_dir}",
+            *overrides,
+        ],
+    )
     check_config(cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16_mixed on CPU warns that it runs bf16: the table says so
@@ -117,8 +130,10 @@ def main() -> None:
     with initialize_config_module(config_module=config_module, version_base="1.3"), TemporaryDirectory() as tmp:
         for preset in precision_presets():
             try:
-                runs = [bench(preset, args.device, args.steps, args.warmup, tmp, args.overrides)
-                        for _ in range(args.repeats)]  # fmt: skip
+                runs = [
+                    bench(preset, args.device, args.steps, args.warmup, tmp, args.overrides)
+                    for _ in range(args.repeats)
+                ]
                 rows.append(min(runs, key=lambda row: row.ms_per_step))
             except ConfigError as err:
                 skipped.append((preset, str(err)))
@@ -136,8 +151,10 @@ def main() -> None:
     fp32 = next((row.ms_per_step for row in rows if row.preset == "fp32"), None)
     for row in rows:
         speedup = f"{fp32 / row.ms_per_step:.2f}x" if fp32 else "-"
-        print(f"{row.preset:<12} {row.precision:<20} {row.ms_per_step:>9.1f} {row.samples_per_s:>10.1f} "
-              f"{speedup:>8} {row.final_loss:>11.4f}")  # fmt: skip
+        print(
+            f"{row.preset:<12} {row.precision:<20} {row.ms_per_step:>9.1f} {row.samples_per_s:>10.1f} "
+            f"{speedup:>8} {row.final_loss:>11.4f}"
+        )
     for preset, reason in skipped:
         print(f"{preset:<12} skipped: {reason}")
 

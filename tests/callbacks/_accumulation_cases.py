@@ -129,7 +129,7 @@ def run_case(
                 every_n_train_steps=1,
                 save_top_k=-1,
                 save_on_train_epoch_end=False,
-            )  # fmt: skip
+            )
         )
     trainer = pl.Trainer(
         accelerator="cpu",

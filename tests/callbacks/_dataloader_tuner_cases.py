@@ -72,8 +72,9 @@ class QuietProbe(InterferenceProbe):
     machine runs (the tests of interference use the real probe or a scripted one)."""
 
     def stop(self) -> Interference:
-        self.result = Interference(wall_s=1.0, cpus=2, other_cpu_s=0.0, own_cpu_s=1.0, steal_s=0.0,
-                                   load_start=None, load_end=None)  # fmt: skip
+        self.result = Interference(
+            wall_s=1.0, cpus=2, other_cpu_s=0.0, own_cpu_s=1.0, steal_s=0.0, load_start=None, load_end=None
+        )
         return self.result
 
 
@@ -124,8 +125,9 @@ class Referee(pl.Callback):
     Fills `rates` (every round's samples/s per setting), `sweep` (each setting's median and spread) and `best`.
     """
 
-    def __init__(self, tuner: DataLoaderTuner, space: Sequence[LoaderSettings], rounds: int = 3, steps: int = 64
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self, tuner: DataLoaderTuner, space: Sequence[LoaderSettings], rounds: int = 3, steps: int = 64
+    ) -> None:
         self.tuner, self.space, self.rounds, self.steps = tuner, list(space), rounds, steps
         self.rates: dict[LoaderSettings, list[float]] = {}
         self.sweep: dict[LoaderSettings, Interval] = {}
@@ -140,10 +142,17 @@ class Referee(pl.Callback):
 
         def rate(settings: LoaderSettings) -> float:
             in_flight = settings.num_workers * (settings.prefetch_factor or 0)
-            warmup, window = trial_window(settings.num_workers, max(2, in_flight), max(self.steps, 4 * in_flight),
-                                          len(loader))  # fmt: skip
-            return run_trial(lambda s: rebuild_loader(loader, s), step, settings, warmup=warmup, steps=window,
-                             samples_per_batch=loader.batch_size).samples_per_s  # fmt: skip
+            warmup, window = trial_window(
+                settings.num_workers, max(2, in_flight), max(self.steps, 4 * in_flight), len(loader)
+            )
+            return run_trial(
+                lambda s: rebuild_loader(loader, s),
+                step,
+                settings,
+                warmup=warmup,
+                steps=window,
+                samples_per_batch=loader.batch_size,
+            ).samples_per_s
 
         settings = list(dict.fromkeys([*self.space, self.chosen]))
         self.rates = {s: [] for s in settings}
@@ -166,8 +175,10 @@ class Referee(pl.Callback):
         return ratio(self.rates[self.chosen], self.rates[self.best])
 
     def summary(self) -> str:
-        sweep = ", ".join(f"{s.num_workers}w{'' if s.prefetch_factor in (None, 2) else f'/p{s.prefetch_factor}'} "
-                          f"{v.format('.0f')}" for s, v in self.sweep.items())  # fmt: skip
+        sweep = ", ".join(
+            f"{s.num_workers}w{'' if s.prefetch_factor in (None, 2) else f'/p{s.prefetch_factor}'} {v.format('.0f')}"
+            for s, v in self.sweep.items()
+        )
         share = self.share_interval
         return (
             f"chose {self.tuner.decision} in {self.tuner.tuning_time_s:.1f} s: {100 * self.share_of_best:.0f}% of "
@@ -178,14 +189,27 @@ class Referee(pl.Callback):
 
 
 def trainer(callbacks: list[pl.Callback], root: str, max_steps: int = 20, **kwargs: Any) -> pl.Trainer:
-    settings = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-                "enable_model_summary": False, **kwargs}  # fmt: skip
+    settings = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        **kwargs,
+    }
     return pl.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=callbacks, default_root_dir=root, **settings)
 
 
-def fit(dataset: Dataset, callbacks: list[pl.Callback], root: str, batch_size: int = 8, val: Dataset | None = None,
-        step_loops: int = 0, model: Regression | None = None, ckpt_path: str | None = None, **kwargs: Any
-        ) -> tuple[pl.Trainer, Regression]:  # fmt: skip
+def fit(
+    dataset: Dataset,
+    callbacks: list[pl.Callback],
+    root: str,
+    batch_size: int = 8,
+    val: Dataset | None = None,
+    step_loops: int = 0,
+    model: Regression | None = None,
+    ckpt_path: str | None = None,
+    **kwargs: Any,
+) -> tuple[pl.Trainer, Regression]:
     """Fit `model` (a new `Regression`) on shuffled batches of `dataset` (and validate on `val`); warnings other than
     ours muted."""
     model = Regression(step_loops) if model is None else model
@@ -212,12 +236,17 @@ def _ddp_main(out: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fitter.fit(model, DataLoader(SleepyDataset(400), batch_size=8))
-        results.append({
-            "decision": None if tuner.decision is None else tuner.decision.as_dict(),
-            "trials": [t.as_dict() for t in tuner.trials], "cache_hit": tuner.cache_hit,
-            "loader_workers": fitter.train_dataloader.num_workers, "world_size": fitter.world_size,
-            "weight": model.layer.weight.detach().flatten().tolist(), "global_step": fitter.global_step,
-        })  # fmt: skip
+        results.append(
+            {
+                "decision": None if tuner.decision is None else tuner.decision.as_dict(),
+                "trials": [t.as_dict() for t in tuner.trials],
+                "cache_hit": tuner.cache_hit,
+                "loader_workers": fitter.train_dataloader.num_workers,
+                "world_size": fitter.world_size,
+                "weight": model.layer.weight.detach().flatten().tolist(),
+                "global_step": fitter.global_step,
+            }
+        )
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 

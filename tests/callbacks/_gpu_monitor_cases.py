@@ -125,24 +125,45 @@ def run_distributed(out: Path, topology: str) -> dict[str, Any]:
     GPUMonitor._clock = staticmethod(clock)
     GPUMonitor._threaded = False
     indices = [0, 1] if topology == "node" else [0]  # explicit: there is no CUDA here
-    monitor = GPUMonitor(device_indices=indices, warmup_steps=5, report_dir=out / "report", print_report=False,
-                         max_rank_skew_pct=20.0, low_utilization_pct=None)  # fmt: skip
+    monitor = GPUMonitor(
+        device_indices=indices,
+        warmup_steps=5,
+        report_dir=out / "report",
+        print_report=False,
+        max_rank_skew_pct=20.0,
+        low_utilization_pct=None,
+    )
     driver, recorder = Driver(clock, monitor), RecordingLogger()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2 if topology == "node" else 1, num_nodes=1 if topology == "node" else 2,
-        strategy="ddp", max_steps=15, log_every_n_steps=5, callbacks=[driver, monitor], logger=[recorder],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=2 if topology == "node" else 1,
+        num_nodes=1 if topology == "node" else 2,
+        strategy="ddp",
+        max_steps=15,
+        log_every_n_steps=5,
+        callbacks=[driver, monitor],
+        logger=[recorder],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
     sleep_s = 0.015 if rank == 1 else 0.0  # rank 1 waits 30 ms per batch for data: the straggler
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(TinyRegression(), DataLoader(Data(40, sleep_s), batch_size=2))
     return {
-        "rank": rank, "node": node, "local_rank": trainer.local_rank, "global_step": trainer.global_step,
-        "sampled": any(driver.sampled_on), "own_group": all(driver.own_group), "nvml_inits": fake.inits,
-        "nvml_calls": sum(fake.calls.values()), "records": recorder.records,
+        "rank": rank,
+        "node": node,
+        "local_rank": trainer.local_rank,
+        "global_step": trainer.global_step,
+        "sampled": any(driver.sampled_on),
+        "own_group": all(driver.own_group),
+        "nvml_inits": fake.inits,
+        "nvml_calls": sum(fake.calls.values()),
+        "records": recorder.records,
         "warnings": [str(w.message) for w in caught if issubclass(w.category, LightningAccelWarning)],
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

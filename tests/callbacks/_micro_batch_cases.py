@@ -27,14 +27,30 @@ def main(out: Path) -> None:
     torch.set_num_threads(1)
     model = BudgetedModel(budget_for(4), oom_at_steps=(5,) if rank == 1 else ())
     finder = MicroBatchFinder(grow_after=None)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=20, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=str(out), callbacks=[finder], use_distributed_sampler=False)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=20,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
+        callbacks=[finder],
+        use_distributed_sampler=False,
+    )
     data = loader(640, 32).dataset  # in order: rank r takes samples r, r + 2, ...; a step's 64 are one process's batch
     trainer.fit(model, DataLoader(data, batch_size=32, sampler=DistributedSampler(data, 2, rank, shuffle=False)))
     weights = {name: value.flatten().tolist() for name, value in model.state_dict().items()}
-    result = {"weights": weights, "found": finder.found, "size": finder.size, "recoveries": finder.oom_recoveries,
-              "steps": trainer.global_step, "pieces": model.pieces}  # fmt: skip
+    result = {
+        "weights": weights,
+        "found": finder.found,
+        "size": finder.size,
+        "recoveries": finder.oom_recoveries,
+        "steps": trainer.global_step,
+        "pieces": model.pieces,
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -162,9 +162,15 @@ def test_two_ddp_processes_resume_mid_schedule(two_processes: list[dict[str, Any
 
 def _fit(callbacks: list[pl.Callback], **trainer_kwargs: Any) -> pl.Trainer:
     trainer = pl.Trainer(
-        accelerator="cpu", max_epochs=trainer_kwargs.pop("max_epochs", 1), callbacks=callbacks, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs,
-    )  # fmt: skip
+        accelerator="cpu",
+        max_epochs=trainer_kwargs.pop("max_epochs", 1),
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
     model = cases.Regression(functools.partial(cases.schedules.cosine_schedule))
     loader = torch.utils.data.DataLoader(cases.dataset(1), batch_size=cases.MICRO_BATCH)
     trainer.fit(model, loader)
@@ -229,9 +235,15 @@ def test_conflicts_are_errors() -> None:
 def test_the_first_batch_is_checked_when_the_loader_does_not_say_its_batch_size() -> None:
     """A batch sampler without `batch_size`: `micro_batch_size=4` is taken on trust, and the first batch (2 samples)
     proves it wrong before any step is counted."""
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[AccumulationScheduler(global_batch_size=8, micro_batch_size=4)])  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[AccumulationScheduler(global_batch_size=8, micro_batch_size=4)],
+    )
     model = cases.Regression(functools.partial(cases.schedules.cosine_schedule))
     data = cases.dataset(1)
     pairs = [[i, i + 1] for i in range(0, len(data) - 1, 2)]  # a plain list of index lists: no batch_size to read

@@ -17,13 +17,21 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_accel.callbacks import AccumulationScheduler
 from lightning_accel.errors import ConfigError
 
-BOTH = pytest.mark.parametrize("cls", [GradientAccumulationScheduler, AccumulationScheduler],
-                               ids=["lightning", "lightning_accel"])  # fmt: skip
+BOTH = pytest.mark.parametrize(
+    "cls", [GradientAccumulationScheduler, AccumulationScheduler], ids=["lightning", "lightning_accel"]
+)
 
 
 def _trainer(tmp_path, **kwargs) -> Trainer:
-    return Trainer(default_root_dir=tmp_path, limit_val_batches=1, enable_model_summary=False, logger=False,
-                   enable_progress_bar=False, enable_checkpointing=False, **kwargs)  # fmt: skip
+    return Trainer(
+        default_root_dir=tmp_path,
+        limit_val_batches=1,
+        enable_model_summary=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        **kwargs,
+    )
 
 
 @BOTH
@@ -43,8 +51,12 @@ def test_zero_grad_calls_follow_the_schedule(cls, tmp_path, scheduling, expected
 @pytest.mark.parametrize("accumulate_grad_batches", [1, 2, 3])
 def test_constant_accumulation_matches_the_trainer_argument(tmp_path, accumulate_grad_batches: int) -> None:
     with patch("torch.optim.SGD.zero_grad") as sgd_zero_grad:
-        trainer = _trainer(tmp_path, limit_train_batches=20, max_epochs=1,
-                           callbacks=AccumulationScheduler({0: accumulate_grad_batches}))  # fmt: skip
+        trainer = _trainer(
+            tmp_path,
+            limit_train_batches=20,
+            max_epochs=1,
+            callbacks=AccumulationScheduler({0: accumulate_grad_batches}),
+        )
         trainer.fit(BoringModel())
         assert sgd_zero_grad.call_count == math.ceil(20 / accumulate_grad_batches)
 

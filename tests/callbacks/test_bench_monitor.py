@@ -45,10 +45,18 @@ class _TokenModel(pl.LightningModule):
 def _fit(monitor: BenchMonitor, model: pl.LightningModule, tmp_path, max_steps: int = 12) -> pl.Trainer:
     data = TensorDataset(torch.randint(0, 16, (64, 5), generator=torch.Generator().manual_seed(0)))
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=max_steps, val_check_interval=3, limit_val_batches=1, num_sanity_val_steps=0,
-        callbacks=[monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=str(tmp_path),
-    )  # fmt: skip
+        accelerator="cpu",
+        max_steps=max_steps,
+        val_check_interval=3,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
     return trainer
 
@@ -102,10 +110,21 @@ def test_the_last_step_is_validated_when_epoch_ends_shift_the_validation_batches
     monitor = BenchMonitor(metric="val/score", validate_at_end=validate_at_end)
     data = TensorDataset(torch.randint(0, 16, (64, 5), generator=torch.Generator().manual_seed(0)))
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=8, max_epochs=-1, accumulate_grad_batches=3, val_check_interval=12,
-        check_val_every_n_epoch=None, limit_val_batches=1, num_sanity_val_steps=0, callbacks=[monitor], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-    )  # fmt: skip
+        accelerator="cpu",
+        max_steps=8,
+        max_epochs=-1,
+        accumulate_grad_batches=3,
+        val_check_interval=12,
+        check_val_every_n_epoch=None,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(_TokenModel(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
     m = monitor.measurement
     assert trainer.global_step == 8 and m.batches == 22
@@ -150,9 +169,17 @@ def test_the_micro_batch_the_fit_ran_is_recorded(tmp_path, finder: bool) -> None
     monitor = BenchMonitor(metric="val/score")
     model = _TokenModel()
     extra = [MicroBatchFinder(micro_batch_size=2)] if finder else []
-    trainer = pl.Trainer(accelerator="cpu", max_steps=3, callbacks=[monitor, *extra], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=str(tmp_path), limit_val_batches=0)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        callbacks=[monitor, *extra],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        limit_val_batches=0,
+    )
     data = TensorDataset(torch.randint(0, 16, (64, 5), generator=torch.Generator().manual_seed(0)))
     trainer.fit(model, DataLoader(data, batch_size=4))
     m = monitor.measurement
@@ -165,13 +192,30 @@ def test_the_dataloader_tuners_decision_is_recorded(tmp_path) -> None:
     from lightning_accel.callbacks import DataLoaderTuner
 
     data = TensorDataset(torch.randint(0, 16, (64, 5), generator=torch.Generator().manual_seed(0)))
-    for tuner in (None, DataLoaderTuner(max_workers=1, steps_per_trial=2, warmup_steps=0, prefetch_factors=(2,),
-                                        tune_pin_memory=False, use_cache=False, print_table=False)):  # fmt: skip
+    for tuner in (
+        None,
+        DataLoaderTuner(
+            max_workers=1,
+            steps_per_trial=2,
+            warmup_steps=0,
+            prefetch_factors=(2,),
+            tune_pin_memory=False,
+            use_cache=False,
+            print_table=False,
+        ),
+    ):
         monitor = BenchMonitor(metric="val/score")
-        trainer = pl.Trainer(accelerator="cpu", max_steps=3, callbacks=[monitor, *([tuner] if tuner else [])],
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=str(tmp_path),
-                             limit_val_batches=0)  # fmt: skip
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            callbacks=[monitor, *([tuner] if tuner else [])],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+            limit_val_batches=0,
+        )
         trainer.fit(_TokenModel(), DataLoader(data, batch_size=4))
         loader = monitor.measurement.loader
         if tuner is None:
@@ -226,10 +270,18 @@ def test_split_every_n_batches_counts_the_queued_device_work_with_fewer_synchron
     monitor = _CudaBenchMonitor(None, metric="val/score", split_every_n_batches=every)
     data = TensorDataset(torch.randint(0, 16, (160, 5), generator=torch.Generator().manual_seed(0)))
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=40, val_check_interval=20, limit_val_batches=1, num_sanity_val_steps=0,
-        callbacks=[monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=str(tmp_path),
-    )  # fmt: skip
+        accelerator="cpu",
+        max_steps=40,
+        val_check_interval=20,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(_QueuingModel(device), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
     m = monitor.measurement
     assert m.steady_s / m.steady_batches >= 0.9 * device.step_s  # the queued work is in every step's time

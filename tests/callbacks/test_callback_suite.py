@@ -27,8 +27,10 @@ import lightning_accel.callbacks as callbacks
 def _gpu_monitor(mp: pytest.MonkeyPatch) -> callbacks.GPUMonitor:
     """Two fake GPUs read on a scripted clock, one reading after every batch (see `_gpu_monitor_cases.Driver`)."""
     clock = FakeClock()
-    install(mp, FakeNVML([FakeGPU("GPU-a", utilization=50.0), FakeGPU("GPU-b", utilization=lambda t: 10.0 * t)],
-                         clock=clock))  # fmt: skip
+    install(
+        mp,
+        FakeNVML([FakeGPU("GPU-a", utilization=50.0), FakeGPU("GPU-b", utilization=lambda t: 10.0 * t)], clock=clock),
+    )
     mp.setattr(callbacks.GPUMonitor, "_clock", staticmethod(clock))
     mp.setattr(callbacks.GPUMonitor, "_threaded", False)
     return callbacks.GPUMonitor(device_indices=[0, 1], print_report=False)
@@ -112,10 +114,17 @@ CASES: dict[str, Case] = {
 
 def _fit(case: Case, callback: pl.Callback, root: str) -> pl.Trainer:
     trainer = pl.Trainer(
-        accelerator="cpu", max_epochs=2, callbacks=[*case.helpers(callback), callback], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-        log_every_n_steps=1, **case.trainer(),
-    )  # fmt: skip
+        accelerator="cpu",
+        max_epochs=2,
+        callbacks=[*case.helpers(callback), callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        log_every_n_steps=1,
+        **case.trainer(),
+    )
     trainer.fit(case.model(), tiny_loader())
     return trainer
 
@@ -128,8 +137,11 @@ def check_state_round_trip(name: str, case: Case, fitted: pl.Callback, fresh: pl
     state = fitted.state_dict()
     if case.stateless:
         assert state == {}, f"{name} is listed as stateless ({case.stateless}) but saves {state}"
-        overrides = [hook for hook in ("state_dict", "load_state_dict")
-                     if getattr(type(fitted), hook) is not getattr(pl.Callback, hook)]  # fmt: skip
+        overrides = [
+            hook
+            for hook in ("state_dict", "load_state_dict")
+            if getattr(type(fitted), hook) is not getattr(pl.Callback, hook)
+        ]
         assert not overrides, f"{name} is listed as stateless but overrides {overrides}: give it a case with state"
         return
     assert state != fresh.state_dict(), f"the fits left {name}'s state where a new one starts: {state}"
@@ -182,14 +194,19 @@ class _EchoesButForgets(callbacks.SkippedStepGuard):
 
 @pytest.mark.parametrize(
     ("name", "lossy", "message"),
-    [("NonFiniteGuard", lambda mp: _ForgetsItsCount(action="skip"), "NonFiniteGuard lost state"),
-     ("SkippedStepGuard", lambda mp: _EchoesButForgets(), "a resumed run does not see it")],
+    [
+        ("NonFiniteGuard", lambda mp: _ForgetsItsCount(action="skip"), "NonFiniteGuard lost state"),
+        ("SkippedStepGuard", lambda mp: _EchoesButForgets(), "a resumed run does not see it"),
+    ],
     ids=["drops-a-field", "echoes-what-it-loaded"],
-)  # fmt: skip
+)
 def test_the_round_trip_fails_for_a_callback_that_loses_state(
-    name: str, lossy: Callable[[pytest.MonkeyPatch], pl.Callback], message: str, monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    lossy: Callable[[pytest.MonkeyPatch], pl.Callback],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
     tmp_path,
-) -> None:  # fmt: skip
+) -> None:
     case = dataclasses.replace(CASES[name], make=lossy)
     callback = case.make(monkeypatch)
     _fit(case, callback, str(tmp_path))

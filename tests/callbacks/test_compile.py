@@ -16,9 +16,13 @@ from lightning_accel.system import software
 
 @pytest.mark.parametrize(
     ("kwargs", "setting"),
-    [({"mode": "fast"}, "mode"), ({"fullgraph": "yes"}, "fullgraph"), ({"dynamic": 1}, "dynamic"),
-     ({"backend": ""}, "backend")],
-)  # fmt: skip
+    [
+        ({"mode": "fast"}, "mode"),
+        ({"fullgraph": "yes"}, "fullgraph"),
+        ({"dynamic": 1}, "dynamic"),
+        ({"backend": ""}, "backend"),
+    ],
+)
 def test_bad_options_name_the_setting(kwargs: dict[str, Any], setting: str) -> None:
     with pytest.raises(ConfigError, match=setting) as info:
         Compile(**kwargs)
@@ -27,9 +31,16 @@ def test_bad_options_name_the_setting(kwargs: dict[str, Any], setting: str) -> N
 
 def _fit(callback: Compile, tmp_path: Any, model: pl.LightningModule | None = None) -> pl.LightningModule:
     model = model or TinyRegression(seed=0)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                         callbacks=[callback])  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[callback],
+    )
     trainer.fit(model, tiny_loader())
     return model
 
@@ -89,10 +100,21 @@ def test_compiled_gpt_matches_eager_within_1_percent(tmp_path) -> None:
     for name, extra in (("eager", []), ("compiled", [Compile()])):
         pl.seed_everything(0, verbose=False)
         model = GPTLanguageModel(block_size=32, n_layer=1, n_head=2, n_embd=32)
-        trainer = pl.Trainer(accelerator="cpu", max_steps=12, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=extra,
-                             num_sanity_val_steps=0, default_root_dir=str(tmp_path))  # fmt: skip
-        trainer.fit(model, torch.utils.data.DataLoader(pairs[:48], batch_size=8),
-                    torch.utils.data.DataLoader(pairs[48:], batch_size=8))  # fmt: skip
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=12,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=extra,
+            num_sanity_val_steps=0,
+            default_root_dir=str(tmp_path),
+        )
+        trainer.fit(
+            model,
+            torch.utils.data.DataLoader(pairs[:48], batch_size=8),
+            torch.utils.data.DataLoader(pairs[48:], batch_size=8),
+        )
         losses[name] = float(trainer.callback_metrics["val/loss"])
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=0.01), losses

@@ -62,14 +62,21 @@ def _tuner(**kwargs: Any) -> DataLoaderTuner:
     return DataLoaderTuner(**{"max_tuning_time_s": 20.0, "print_table": False, **kwargs})
 
 
-def _tune(dataset: Any, tmp_path: Path, referee_space: list[LoaderSettings] | None = None, **kwargs: Any
-          ) -> tuple[DataLoaderTuner, cases.Referee | None]:  # fmt: skip
+def _tune(
+    dataset: Any, tmp_path: Path, referee_space: list[LoaderSettings] | None = None, **kwargs: Any
+) -> tuple[DataLoaderTuner, cases.Referee | None]:
     """Fit with the tuner, and check that both loaders train with its decision. With `referee_space`, a sweep over
     those settings follows the tuner (`cases.Referee`: the choice against the sweep's best)."""
     tuner = _tuner(use_cache=False)
     referee = None if referee_space is None else cases.Referee(tuner, referee_space)
-    fitter, _ = cases.fit(dataset, [tuner] if referee is None else [tuner, referee], str(tmp_path),
-                          val=cases.SleepyDataset(16, 0.0), max_steps=5, **kwargs)  # fmt: skip
+    fitter, _ = cases.fit(
+        dataset,
+        [tuner] if referee is None else [tuner, referee],
+        str(tmp_path),
+        val=cases.SleepyDataset(16, 0.0),
+        max_steps=5,
+        **kwargs,
+    )
     if referee is not None:
         print(referee.summary())  # shown by `pytest -rP`
     assert tuner.decision is not None and fitter.global_step == 5
@@ -246,13 +253,25 @@ def test_a_resumed_fit_that_reloads_its_loaders_trains_with_the_decision(tmp_pat
     data, cache = cases.SleepyDataset(96, 0.004), tmp_path / "cache"  # 12 batches an epoch
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=16, save_top_k=-1)
     first = _tuner(steps_per_trial=4, cache_dir=cache)
-    cases.fit(data, [first, saver], str(tmp_path), max_steps=16, enable_checkpointing=True,
-              reload_dataloaders_every_n_epochs=1)  # fmt: skip
+    cases.fit(
+        data,
+        [first, saver],
+        str(tmp_path),
+        max_steps=16,
+        enable_checkpointing=True,
+        reload_dataloaders_every_n_epochs=1,
+    )
     assert first.decision is not None and first.decision.num_workers > 0  # the loader's own: 0 workers
     (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")  # in the middle of the second epoch
     seen, resumed = _LoaderSeen(), _tuner(steps_per_trial=4, cache_dir=cache)
-    fitter, _ = cases.fit(data, [resumed, seen], str(tmp_path), max_steps=20, reload_dataloaders_every_n_epochs=1,
-                          ckpt_path=str(checkpoint))  # fmt: skip
+    fitter, _ = cases.fit(
+        data,
+        [resumed, seen],
+        str(tmp_path),
+        max_steps=20,
+        reload_dataloaders_every_n_epochs=1,
+        ckpt_path=str(checkpoint),
+    )
     assert fitter.global_step == 20 and resumed.decision == first.decision
     assert seen.workers == first.decision.num_workers
 
@@ -416,8 +435,14 @@ def _stalled_trial() -> float:
     loader = torch.utils.data.DataLoader(_StallsAt(stall=8), batch_size=4)
     started = time.perf_counter()
     with pytest.raises(TrialError, match="timed out"):
-        run_trial(lambda s: rebuild_loader(loader, s, stall_timeout_s=1.5), lambda batch, index: None,
-                  LoaderSettings(num_workers=1, prefetch_factor=2), warmup=1, steps=8, samples_per_batch=4)  # fmt: skip
+        run_trial(
+            lambda s: rebuild_loader(loader, s, stall_timeout_s=1.5),
+            lambda batch, index: None,
+            LoaderSettings(num_workers=1, prefetch_factor=2),
+            warmup=1,
+            steps=8,
+            samples_per_batch=4,
+        )
     return time.perf_counter() - started
 
 
@@ -457,8 +482,15 @@ def test_a_failing_worker_shutdown_fails_the_trial_on_every_rank() -> None:
         return list(values)
 
     with pytest.raises(TrialError, match="a worker would not stop"):
-        run_trial(lambda s: Loader(), lambda batch, index: None, LoaderSettings(), warmup=1, steps=4,
-                  samples_per_batch=1, sync=sync)  # fmt: skip
+        run_trial(
+            lambda s: Loader(),
+            lambda batch, index: None,
+            LoaderSettings(),
+            warmup=1,
+            steps=4,
+            samples_per_batch=1,
+            sync=sync,
+        )
     assert reports[-1][-2] == 1.0  # the last collective carried the failure (before the pending-signal flag)
 
 
@@ -498,8 +530,9 @@ def test_a_decision_under_interference_is_applied_but_not_cached(
     assert not again.cache_hit and again.trials and again.result is not None and again.result.confident
 
 
-def test_a_decision_beside_a_real_busy_process_is_not_cached(tmp_path: Path, real_probe: None,
-                                                             busy_process: int) -> None:  # fmt: skip
+def test_a_decision_beside_a_real_busy_process_is_not_cached(
+    tmp_path: Path, real_probe: None, busy_process: int
+) -> None:
     tuner = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache")
     cases.fit(cases.SleepyDataset(400, 0.002), [tuner], str(tmp_path), max_steps=2)
     assert tuner.result is not None and not tuner.result.confident, tuner.trials
@@ -536,8 +569,9 @@ def test_a_right_cached_decision_passes_its_check(tmp_path: Path) -> None:
     assert second.decision is not None and second.decision.num_workers > CPUS
 
 
-def test_io_bound_choice_beside_a_busy_process_gets_many_workers(tmp_path: Path, real_probe: None,
-                                                                 busy_process: int) -> None:  # fmt: skip
+def test_io_bound_choice_beside_a_busy_process_gets_many_workers(
+    tmp_path: Path, real_probe: None, busy_process: int
+) -> None:
     """Issue 14's criterion, once, in the default suite: an I/O-bound dataset slow enough (80 ms a batch per worker)
     that the right answer is unambiguous (8 workers several times 2's throughput), beside a real CPU-bound process
     that is not ours. (The figures behind it: the slow test below.)"""

@@ -76,9 +76,16 @@ def _loader() -> DataLoader:
 
 
 def _fit(model: pl.LightningModule, callbacks: list[pl.Callback], tmp_path) -> pl.Trainer:
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         callbacks=callbacks)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+    )
     trainer.fit(model, _loader())
     return trainer
 

@@ -49,11 +49,22 @@ def _gpu1_util(t: float) -> float:
 def _script() -> list[FakeGPU]:
     """GPU 0 heats up (thermal throttling from t=6 s); GPU 1 fills its memory and then starves (from t=9 s)."""
     return [
-        FakeGPU("GPU-aaaaaaaa-0000", utilization=_gpu0_util, power_mw=lambda t: 300_000 + 10_000 * t,
-                throttle_mask=lambda t: 0x20 if t >= 6 else 0, energy_mj=lambda t: 5e9 + 350_000 * t),
-        FakeGPU("GPU-bbbbbbbb-0000", name="NVIDIA A100-SXM4-80GB", utilization=_gpu1_util, architecture=8,
-                memory_used_mib=lambda t: 60_000 + 2_000 * t, unsupported={"nvmlDeviceGetPcieThroughput"}),
-    ]  # fmt: skip
+        FakeGPU(
+            "GPU-aaaaaaaa-0000",
+            utilization=_gpu0_util,
+            power_mw=lambda t: 300_000 + 10_000 * t,
+            throttle_mask=lambda t: 0x20 if t >= 6 else 0,
+            energy_mj=lambda t: 5e9 + 350_000 * t,
+        ),
+        FakeGPU(
+            "GPU-bbbbbbbb-0000",
+            name="NVIDIA A100-SXM4-80GB",
+            utilization=_gpu1_util,
+            architecture=8,
+            memory_used_mib=lambda t: 60_000 + 2_000 * t,
+            unsupported={"nvmlDeviceGetPcieThroughput"},
+        ),
+    ]
 
 
 def _expected(f: Callable[[float], float], window: int) -> tuple[float, float, float]:
@@ -68,8 +79,13 @@ def _expected(f: Callable[[float], float], window: int) -> tuple[float, float, f
 class Run:
     """One fit with the fake NVML installed and time scripted by the Driver."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fake: FakeNVML | None = None,
-                 clock: FakeClock | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path,
+        fake: FakeNVML | None = None,
+        clock: FakeClock | None = None,
+    ) -> None:
         self.clock = clock or FakeClock()
         self.fake = fake if fake is not None else FakeNVML(_script(), clock=self.clock)
         self.fake.clock = self.clock
@@ -78,16 +94,28 @@ class Run:
         monkeypatch.setattr(GPUMonitor, "_threaded", False)
         self.tmp_path = tmp_path
 
-    def fit(self, monitor: GPUMonitor, max_epochs: int = 3, first_sample: int = 0, ckpt_path: str | None = None,
-            extra: tuple[pl.Callback, ...] = ()) -> tuple[pl.Trainer, cases.RecordingLogger, list[str]]:  # fmt: skip
+    def fit(
+        self,
+        monitor: GPUMonitor,
+        max_epochs: int = 3,
+        first_sample: int = 0,
+        ckpt_path: str | None = None,
+        extra: tuple[pl.Callback, ...] = (),
+    ) -> tuple[pl.Trainer, cases.RecordingLogger, list[str]]:
         driver = cases.Driver(self.clock, monitor)
         driver.samples = first_sample
         recorder = cases.RecordingLogger()
         trainer = pl.Trainer(
-            accelerator="cpu", max_epochs=max_epochs, log_every_n_steps=5, callbacks=[driver, monitor, *extra],
-            logger=[CSVLogger(self.tmp_path / "logs"), recorder], enable_progress_bar=False,
-            enable_model_summary=False, enable_checkpointing=bool(extra), default_root_dir=self.tmp_path,
-        )  # fmt: skip
+            accelerator="cpu",
+            max_epochs=max_epochs,
+            log_every_n_steps=5,
+            callbacks=[driver, monitor, *extra],
+            logger=[CSVLogger(self.tmp_path / "logs"), recorder],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=bool(extra),
+            default_root_dir=self.tmp_path,
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(TinyRegression(), cases.loader(), ckpt_path=ckpt_path)
@@ -140,8 +168,9 @@ def test_a_window_at_every_log_step_and_the_summary_at_the_end(scripted: Scripte
 
 def test_every_window_logs_every_reading_and_its_stats(scripted: Scripted) -> None:
     per_gpu = {k.split("/", 2)[2] for k in scripted.logged[14] if k.startswith("gpu/0/")}
-    expected_keys = {m.name for m in METRICS} | {f"{m.name}/{s}" for m in METRICS for s in ("min", "max")
-                                                  if s in m.stats}  # fmt: skip
+    expected_keys = {m.name for m in METRICS} | {
+        f"{m.name}/{s}" for m in METRICS for s in ("min", "max") if s in m.stats
+    }
     assert per_gpu == expected_keys
     for step in LOG_STEPS:
         assert {k for k in scripted.logged[step] if k.startswith("gpu/0/")} == {f"gpu/0/{k}" for k in per_gpu}, step
@@ -151,8 +180,11 @@ def test_every_window_logs_every_reading_and_its_stats(scripted: Scripted) -> No
 def test_window_values_follow_the_script(scripted: Scripted, window: int) -> None:
     got = scripted.logged[LOG_STEPS[window]]
     util0, util1 = _expected(_gpu0_util, window), _expected(_gpu1_util, window)
-    assert (got["gpu/0/utilization_pct"], got["gpu/0/utilization_pct/min"], got["gpu/0/utilization_pct/max"]) \
-        == pytest.approx(util0, abs=1e-9)  # fmt: skip
+    assert (
+        got["gpu/0/utilization_pct"],
+        got["gpu/0/utilization_pct/min"],
+        got["gpu/0/utilization_pct/max"],
+    ) == pytest.approx(util0, abs=1e-9)
     assert got["gpu/1/utilization_pct"] == pytest.approx(util1[0], abs=1e-9)
     assert got["gpu/0/power_w"] == pytest.approx(_expected(lambda t: 300 + 10 * t, window)[0], abs=1e-9)
     used = _expected(lambda t: 60_000 + 2_000 * t, window)
@@ -180,8 +212,9 @@ def test_one_process_logs_its_overhead_and_no_rank_keys(scripted: Scripted) -> N
 
 def test_each_alert_once_at_the_step_the_script_implies(scripted: Scripted) -> None:
     # windows before warmup_steps=10 are not checked: GPU 0 is idle at first
-    alerts = {k.rsplit("/", 1)[1]: s for s, got in scripted.logged.items() for k in got
-              if k.startswith("gpu_monitor/alert/")}  # fmt: skip
+    alerts = {
+        k.rsplit("/", 1)[1]: s for s, got in scripted.logged.items() for k in got if k.startswith("gpu_monitor/alert/")
+    }
     assert alerts == {"throttling": 19, "memory_headroom": 24, "low_utilization": 29}
 
 
@@ -247,9 +280,11 @@ def test_without_nvml_it_warns_once_and_does_nothing(
     trainer, recorder, warned = run.fit(monitor)
     assert trainer.global_step == 30 and monitor.sampler is None
     assert _ours(recorder) == {} and not (tmp_path / "report").exists()
-    message = {"no_module": "nvidia-ml-py (module `pynvml`) is not installed",
-               "no_library": "NVML is not available (NVMLError_LibraryNotFound: NVML Shared Library Not Found)",
-               "bad_index": "`device_indices` entry 5 names no GPU"}[broken]  # fmt: skip
+    message = {
+        "no_module": "nvidia-ml-py (module `pynvml`) is not installed",
+        "no_library": "NVML is not available (NVMLError_LibraryNotFound: NVML Shared Library Not Found)",
+        "bad_index": "`device_indices` entry 5 names no GPU",
+    }[broken]
     assert len(warned) == 1 and warned[0].startswith(f"GPUMonitor is off on this node: {message}")
     assert run.fake.inits == run.fake.shutdowns  # NVML released again
 
@@ -285,14 +320,20 @@ def test_resuming_continues_the_report(monkeypatch: pytest.MonkeyPatch, tmp_path
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
     first, _, warned_first = run.fit(_monitor(report_dir=tmp_path / "b"), max_epochs=2, extra=(checkpoint,))
     resumed_monitor = _monitor(report_dir=tmp_path / "b")
-    _, recorder, warned = run.fit(resumed_monitor, max_epochs=3, first_sample=20, extra=(checkpoint,),
-                                  ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=20.ckpt"))  # fmt: skip
+    _, recorder, warned = run.fit(
+        resumed_monitor,
+        max_epochs=3,
+        first_sample=20,
+        extra=(checkpoint,),
+        ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=20.ckpt"),
+    )
     assert [w.split(":")[0] for w in warned_first + warned] == [f"GPUMonitor at step {s}" for s in (19, 24, 29)]
     assert sorted(_ours(recorder)) == [24, 29, 30]
     a, b = whole.report.to_dict(), resumed_monitor.report.to_dict()
     skip = {"seconds"}
     assert [{k: v for k, v in g.items() if k not in skip} for g in b["gpus"]] == [
-        {k: pytest.approx(v) for k, v in g.items() if k not in skip} for g in a["gpus"]]  # fmt: skip
+        {k: pytest.approx(v) for k, v in g.items() if k not in skip} for g in a["gpus"]
+    ]
     assert [(x["name"], x["step"]) for x in b["alerts"]] == [(x["name"], x["step"]) for x in a["alerts"]]
     assert b["fit_seconds"] == pytest.approx(a["fit_seconds"]) and b["last_step"] == 30
     assert [p["t"] for p in resumed_monitor.report.history] == pytest.approx([p["t"] for p in whole.report.history])
@@ -319,8 +360,16 @@ def test_the_real_thread_samples_during_a_fit(monkeypatch: pytest.MonkeyPatch, t
     fake = install(monkeypatch, FakeNVML(_script(), clock=time.monotonic))
     recorder = cases.RecordingLogger()
     monitor = GPUMonitor(device_indices=[0, 1], interval_s=0.01, report_dir=tmp_path, print_report=False, plot=False)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=20, log_every_n_steps=5, callbacks=[monitor], logger=[recorder],
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=20,
+        log_every_n_steps=5,
+        callbacks=[monitor],
+        logger=[recorder],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(_StepsAfterAReading(monitor), cases.loader(batches=20))
     logged = _ours(recorder)
     assert [s for s in (4, 9, 14, 19) if "gpu/1/utilization_pct" in logged.get(s, {})] == [4, 9, 14, 19]
@@ -389,17 +438,30 @@ def _free_port() -> int:
 
 def _torchrun(out: Path, topology: str) -> list[subprocess.Popen[str]]:
     script = Path(cases.__file__)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), str(script.parents[1]),
-                                                         os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(script.parent), str(script.parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     base = [sys.executable, "-m", "torch.distributed.run"]
     if topology == "node":
         commands = [[*base, "--standalone", "--nproc-per-node=2", str(script), str(out), topology]]
     else:  # two "nodes" of one process each on this machine
         port = _free_port()
-        commands = [[*base, "--nnodes=2", "--nproc-per-node=1", f"--node-rank={k}", "--master-addr=127.0.0.1",
-                     f"--master-port={port}", str(script), str(out), topology] for k in (0, 1)]  # fmt: skip
-    return [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for c in commands]  # fmt: skip
+        commands = [
+            [
+                *base,
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={k}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                str(script),
+                str(out),
+                topology,
+            ]
+            for k in (0, 1)
+        ]
+    return [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
 
 
 @pytest.fixture(scope="module")
@@ -433,10 +495,11 @@ def test_ddp_one_sampler_per_node_and_no_duplicate_keys(
     report = rank0["report"]  # names and UUIDs of every node's GPUs reached rank zero
     assert [(g["gpu"], g["uuid"], g["utilization_mean_pct"]) for g in report["gpus"]] == [
         (gpu, f"GPU-{gpu[4] if topology == 'nodes' else 0}{gpu[-1]}aaaaaa", value) for gpu, value in gpus.items()
-    ]  # fmt: skip
+    ]
     assert [r["rank"] for r in report["ranks"]] == [0, 1] and report["alerts"][0]["name"] == "rank_skew"
-    ours = functools.partial(filter, lambda k: k.split("/")[0] in ("gpu", "gpus", "ranks", "gpu_monitor", "node0",
-                                                                    "node1"))  # fmt: skip
+    ours = functools.partial(
+        filter, lambda k: k.split("/")[0] in ("gpu", "gpus", "ranks", "gpu_monitor", "node0", "node1")
+    )
     assert not [k for _, metrics in rank1["records"] for k in ours(metrics)]  # only rank zero logs
     steps = [step for step, metrics in rank0["records"] if any(True for _ in ours(metrics))]
     assert steps == [4, 9, 14, 15] and len(steps) == len(set(steps))  # one log call per step

@@ -22,11 +22,24 @@ from lightning_accel.errors import LightningAccelWarning
 from lightning_accel.telemetry.heartbeat import read_heartbeat, read_heartbeats
 
 
-def fit(monitor: GPUMonitor, tmp_path: Path, model: pl.LightningModule | None = None, max_steps: int = 12,
-        extra: tuple[pl.Callback, ...] = ()) -> tuple[pl.Trainer, list[str], BaseException | None]:  # fmt: skip
-    trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, log_every_n_steps=5, callbacks=[*extra, monitor],
-                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, default_root_dir=tmp_path / "run")  # fmt: skip
+def fit(
+    monitor: GPUMonitor,
+    tmp_path: Path,
+    model: pl.LightningModule | None = None,
+    max_steps: int = 12,
+    extra: tuple[pl.Callback, ...] = (),
+) -> tuple[pl.Trainer, list[str], BaseException | None]:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        log_every_n_steps=5,
+        callbacks=[*extra, monitor],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path / "run",
+    )
     raised = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -47,8 +60,13 @@ def test_a_cpu_job_publishes_without_cards_and_without_a_warning(tmp_path: Path)
     trainer, warned, _ = fit(monitor, tmp_path)
     beat = only_heartbeat(tmp_path / "runs")
     assert warned == [] and trainer.global_step == 12 and monitor.sampler is None
-    assert (beat["status"], beat["name"], beat["gpus"], beat["step"], beat["max_steps"]) == ("finished", "cpu job",
-                                                                                              [], 12, 12)  # fmt: skip
+    assert (beat["status"], beat["name"], beat["gpus"], beat["step"], beat["max_steps"]) == (
+        "finished",
+        "cpu job",
+        [],
+        12,
+        12,
+    )
     assert beat["samples"] == 12 * 2 and beat["ranks"] == [{"rank": 0, "local_rank": 0, "device": "cpu", "uuid": None}]
     assert monitor.heartbeat_file == tmp_path / "runs" / f"{beat['run_id']}.{beat['host']}.0.json"
     assert monitor._publisher is None  # nothing left running
@@ -65,18 +83,34 @@ def test_the_heartbeat_carries_the_cards_and_logging_still_gets_its_own_windows(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     clock = FakeClock()
-    gpus = [FakeGPU("GPU-aaaa", power_mw=lambda t: 100_000 + 20_000 * t, energy_mj=lambda t: 250_000.0 * t),
-            FakeGPU("GPU-bbbb", architecture=8, utilization=42.0)]  # fmt: skip
+    gpus = [
+        FakeGPU("GPU-aaaa", power_mw=lambda t: 100_000 + 20_000 * t, energy_mj=lambda t: 250_000.0 * t),
+        FakeGPU("GPU-bbbb", architecture=8, utilization=42.0),
+    ]
     install(monkeypatch, FakeNVML(gpus, clock=clock))
     monkeypatch.setattr(GPUMonitor, "_clock", staticmethod(clock))
     monkeypatch.setattr(GPUMonitor, "_threaded", False)
-    monitor = GPUMonitor(device_indices=[0, 1], runs_dir=tmp_path / "runs", print_report=False, plot=False,
-                         report_dir=tmp_path / "report", warmup_steps=1000)  # fmt: skip
+    monitor = GPUMonitor(
+        device_indices=[0, 1],
+        runs_dir=tmp_path / "runs",
+        print_report=False,
+        plot=False,
+        report_dir=tmp_path / "report",
+        warmup_steps=1000,
+    )
     recorder = cases.RecordingLogger()
     driver = cases.Driver(clock, monitor)  # one reading after each batch, time moving 0.5, 0.25, 0.5, ...
-    trainer = pl.Trainer(accelerator="cpu", max_steps=10, log_every_n_steps=5, callbacks=[driver, monitor],
-                         logger=[recorder], enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=10,
+        log_every_n_steps=5,
+        callbacks=[driver, monitor],
+        logger=[recorder],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(TinyRegression(), cases.loader(batches=20))
     beat = only_heartbeat(tmp_path / "runs")
     gpu_a, gpu_b = beat["gpus"]
@@ -87,7 +121,8 @@ def test_the_heartbeat_carries_the_cards_and_logging_still_gets_its_own_windows(
     assert "sm_activity_pct" in gpu_a["latest"] and "sm_activity_pct" not in gpu_b["latest"]
     assert [g["uuid"] for g in beat["gpus"]] == ["GPU-aaaa", "GPU-bbbb"] and beat["status"] == "finished"
     assert recorder.at(4)["gpu/0/power_w"] == pytest.approx(
-        sum((100 + 20 * t) * w for t, w in _readings(0, 5)) / sum(w for _, w in _readings(0, 5)))
+        sum((100 + 20 * t) * w for t, w in _readings(0, 5)) / sum(w for _, w in _readings(0, 5))
+    )
 
 
 def _readings(first: int, count: int) -> list[tuple[float, float]]:
@@ -156,9 +191,15 @@ def test_metrics_and_the_file_sd_target_live_exactly_while_it_trains(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     install(monkeypatch, FakeNVML([FakeGPU("GPU-cccc", power_mw=123_000.0)]))
-    monitor = GPUMonitor(device_indices=[0], log_metrics=False, runs_dir=tmp_path / "runs", prometheus_port=0,
-                         prometheus_file_sd_dir=tmp_path / "targets", interval_s=0.05,
-                         publish_interval_s=0.2)  # fmt: skip
+    monitor = GPUMonitor(
+        device_indices=[0],
+        log_metrics=False,
+        runs_dir=tmp_path / "runs",
+        prometheus_port=0,
+        prometheus_file_sd_dir=tmp_path / "targets",
+        interval_s=0.05,
+        publish_interval_s=0.2,
+    )
     scrape = _Scrape(monitor)
     seen_targets: list[str] = []
 

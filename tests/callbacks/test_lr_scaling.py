@@ -39,9 +39,16 @@ class _Model(TinyRegression):
 
 def _fit(callback: LRScaling, tmp_path: Path, schedule: str = "lambda", accumulate: int = 4, **kwargs) -> _Model:
     model = _Model(schedule)
-    trainer = pl.Trainer(max_steps=2, accumulate_grad_batches=accumulate, callbacks=[callback], logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                         **kwargs)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=2,
+        accumulate_grad_batches=accumulate,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
     trainer.fit(model)
     return model
 
@@ -75,14 +82,26 @@ def test_onecycle_keeps_its_shape_at_the_scaled_peak(tmp_path: Path) -> None:
 def test_a_resumed_fit_is_not_scaled_twice(tmp_path: Path) -> None:
     callback = LRScaling("linear", reference_global_batch=8)
     model = _Model()
-    trainer = pl.Trainer(max_steps=2, accumulate_grad_batches=4, callbacks=[callback], logger=False,
-                         enable_progress_bar=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=2,
+        accumulate_grad_batches=4,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model)
     trainer.save_checkpoint(tmp_path / "two.ckpt")
     resumed = _Model()
     again = LRScaling("linear", reference_global_batch=8)
-    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=4, callbacks=[again], logger=False,
-                         enable_progress_bar=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=3,
+        accumulate_grad_batches=4,
+        callbacks=[again],
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(resumed, ckpt_path=tmp_path / "two.ckpt")
     assert again.factor is None
     assert resumed.seen and resumed.seen == pytest.approx([0.4 / 3] * len(resumed.seen))  # step 2: 0.1 x 4 / (1 + 2)

@@ -27,9 +27,15 @@ class _Seen(TinyRegression):
 def test_set_for_the_stage_and_restored_after_it(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
     before = torch.get_float32_matmul_precision()
     assert before == "highest"
-    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, callbacks=[MatmulPrecision("high", requested="amp")],
-                         default_root_dir=str(tmp_path))  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[MatmulPrecision("high", requested="amp")],
+        default_root_dir=str(tmp_path),
+    )
     with caplog.at_level(logging.INFO):
         trainer.fit(_Seen(), tiny_loader(16))
     assert trainer.callback_metrics["seen"] == 1.0  # `high` inside the steps
@@ -40,9 +46,17 @@ def test_set_for_the_stage_and_restored_after_it(tmp_path, caplog: pytest.LogCap
 
 def test_each_spawned_rank_gets_it(tmp_path) -> None:
     """`ddp_spawn` ranks are fresh interpreters: a setting made in the launching process would not reach them."""
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=str(tmp_path),
-                         callbacks=[MatmulPrecision("medium")])  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[MatmulPrecision("medium")],
+    )
     trainer.fit(_Seen(), tiny_loader(16))
     assert trainer.callback_metrics["seen"] == 2.0  # `medium` on both ranks (the max over ranks)
     assert torch.get_float32_matmul_precision() == "highest"

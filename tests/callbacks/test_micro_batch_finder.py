@@ -37,8 +37,9 @@ class BudgetedModel(pl.LightningModule):
         onecycle: OneCycleLR over `estimated_optimizer_steps`, stepped every optimizer step.
     """
 
-    def __init__(self, budget: MemoryBudget | None = None, oom_at_steps: tuple[int, ...] = (),
-                 onecycle: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, budget: MemoryBudget | None = None, oom_at_steps: tuple[int, ...] = (), onecycle: bool = False
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -82,13 +83,26 @@ def loader(samples: int = 640, batch_size: int = 32) -> DataLoader:
     return DataLoader(data, batch_size=batch_size)
 
 
-def fit(model: pl.LightningModule, callbacks: list[pl.Callback], root: Any, data: DataLoader | None = None,
-        ckpt_path: str | None = None, **trainer: Any) -> pl.Trainer:  # fmt: skip
+def fit(
+    model: pl.LightningModule,
+    callbacks: list[pl.Callback],
+    root: Any,
+    data: DataLoader | None = None,
+    ckpt_path: str | None = None,
+    **trainer: Any,
+) -> pl.Trainer:
     args: dict[str, Any] = {"max_steps": 20, "enable_checkpointing": False}
     args.update(trainer)
-    pl_trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, default_root_dir=str(root), callbacks=callbacks,
-                            **args)  # fmt: skip
+    pl_trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        callbacks=callbacks,
+        **args,
+    )
     pl_trainer.fit(model, data if data is not None else loader(), ckpt_path=ckpt_path)
     return pl_trainer
 
@@ -220,10 +234,18 @@ def test_resume_keeps_the_micro_batch_and_the_accumulation(tmp_path) -> None:
     fit(straight, [MicroBatchFinder(), AccumulationScheduler(global_batch_size=64)], tmp_path / "straight")
     first = BudgetedModel(budget_for(4))
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=10)
-    fit(first, [MicroBatchFinder(), AccumulationScheduler(global_batch_size=64), saver], tmp_path / "first",
-        max_steps=10, enable_checkpointing=True)  # fmt: skip
-    resumed, finder, accumulation = BudgetedModel(budget_for(4)), MicroBatchFinder(), AccumulationScheduler(
-        global_batch_size=64)  # fmt: skip
+    fit(
+        first,
+        [MicroBatchFinder(), AccumulationScheduler(global_batch_size=64), saver],
+        tmp_path / "first",
+        max_steps=10,
+        enable_checkpointing=True,
+    )
+    resumed, finder, accumulation = (
+        BudgetedModel(budget_for(4)),
+        MicroBatchFinder(),
+        AccumulationScheduler(global_batch_size=64),
+    )
     budget = resumed.budget
     fit(resumed, [finder, accumulation], tmp_path / "resumed", ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert finder.search is None and finder.size == 4  # resumed, not searched again
@@ -236,8 +258,9 @@ def test_resume_keeps_the_micro_batch_and_the_accumulation(tmp_path) -> None:
 def test_optimizer_steps_stay_exact_and_onecycle_ends_at_its_final_lr(tmp_path) -> None:
     model = BudgetedModel(budget_for(4), onecycle=True)
     accumulation = AccumulationScheduler(global_batch_size=64)
-    trainer = fit(model, [MicroBatchFinder(), accumulation], tmp_path, max_steps=-1, max_epochs=2,
-                  data=loader(656, 32))  # 21 batches per epoch: 11 windows, the last of 1 batch  # fmt: skip
+    trainer = fit(
+        model, [MicroBatchFinder(), accumulation], tmp_path, max_steps=-1, max_epochs=2, data=loader(656, 32)
+    )  # 21 batches per epoch: 11 windows, the last of 1 batch
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert trainer.global_step == 22 == scheduler.total_steps  # type: ignore[attr-defined]
     final = scheduler.optimizer.param_groups[0]["min_lr"]  # type: ignore[attr-defined]
@@ -255,10 +278,14 @@ def test_it_splits_each_micro_batch_of_an_accumulation_window(reference, tmp_pat
 
 @pytest.mark.parametrize(
     ("kwargs", "setting"),
-    [({"micro_batch_size": 0}, "micro_batch_size"), ({"micro_batch_size": "big"}, "micro_batch_size"),
-     ({"memory_fraction": 1.5}, "memory_fraction"), ({"memory_fraction": 0}, "memory_fraction"),
-     ({"grow_after": 0}, "grow_after")],
-)  # fmt: skip
+    [
+        ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"micro_batch_size": "big"}, "micro_batch_size"),
+        ({"memory_fraction": 1.5}, "memory_fraction"),
+        ({"memory_fraction": 0}, "memory_fraction"),
+        ({"grow_after": 0}, "grow_after"),
+    ],
+)
 def test_bad_options_name_the_setting(kwargs: dict[str, Any], setting: str) -> None:
     with pytest.raises(ConfigError, match=setting) as info:
         MicroBatchFinder(**kwargs)
@@ -282,8 +309,13 @@ def test_manual_optimization_and_other_strategies_are_refused(tmp_path) -> None:
             return loader()
 
     with pytest.raises(ConfigError, match="BatchSizeFinder"):
-        pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
-                   callbacks=[MicroBatchFinder(), BatchSizeFinder()]).fit(OwnLoader())  # fmt: skip
+        pl.Trainer(
+            accelerator="cpu",
+            max_steps=1,
+            logger=False,
+            enable_progress_bar=False,
+            callbacks=[MicroBatchFinder(), BatchSizeFinder()],
+        ).fit(OwnLoader())
 
 
 def test_two_ddp_ranks_recover_together_when_only_rank_1_runs_out_of_memory(tmp_path) -> None:
@@ -315,9 +347,18 @@ def _two_runs(make_model: Any, callbacks: Any, tmp_path: Any, **trainer: Any) ->
         torch.manual_seed(0)  # the same initial weights
         model, extra = make_model(), callbacks()
         finder = [MicroBatchFinder(micro_batch_size=2)] if with_finder else []
-        pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                   callbacks=[*extra, *finder], **trainer).fit(model, tiny_loader())  # fmt: skip
+        pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+            callbacks=[*extra, *finder],
+            **trainer,
+        ).fit(model, tiny_loader())
         out += [model, extra[0]]
     return tuple(out)  # type: ignore[return-value]
 
@@ -327,8 +368,9 @@ def test_it_composes_with_nonfinite_guard_skipping_a_nan_step(tmp_path) -> None:
 
     from lightning_accel.callbacks import NonFiniteGuard
 
-    plain, plain_guard, split, split_guard = _two_runs(lambda: NaNLossModel(nan_batches=(1,)),
-                                                       lambda: [NonFiniteGuard(action="skip")], tmp_path)  # fmt: skip
+    plain, plain_guard, split, split_guard = _two_runs(
+        lambda: NaNLossModel(nan_batches=(1,)), lambda: [NonFiniteGuard(action="skip")], tmp_path
+    )
     assert plain_guard.nonfinite_losses == split_guard.nonfinite_losses == 1  # seen once per batch, not per piece
     assert plain.steps == split.steps  # the same LR held on the skipped step
     for a, b in zip(plain.weights, split.weights, strict=True):
@@ -341,9 +383,9 @@ def test_it_composes_with_fp16_loss_scaling_and_skipped_step_guard(tmp_path) -> 
 
     from lightning_accel.callbacks import SkippedStepGuard
 
-    plain, plain_guard, split, split_guard = _two_runs(lambda: InfGradModel(inf_batches=(1,)),
-                                                       lambda: [SkippedStepGuard()], tmp_path,
-                                                       plugins=[_fp16()])  # fmt: skip
+    plain, plain_guard, split, split_guard = _two_runs(
+        lambda: InfGradModel(inf_batches=(1,)), lambda: [SkippedStepGuard()], tmp_path, plugins=[_fp16()]
+    )
     assert plain_guard.skipped_steps == split_guard.skipped_steps == 1
     assert plain.lrs == split.lrs
     for (_, _, a), (_, _, b) in zip(plain.steps, split.steps, strict=True):

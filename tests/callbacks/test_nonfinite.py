@@ -247,14 +247,22 @@ with open({ckpt_dir!r} + f"/rank{{trainer.global_rank}}.txt", "w") as f:  # the 
 def test_ddp_a_nan_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
     script = tmp_path / "ddp_nonfinite.py"
     here = Path(__file__)
-    script.write_text(textwrap.dedent(DDP_SCRIPT.format(tests_dir=str(here.parent), tests_root=str(here.parents[1]),
-                                                        ckpt_dir=str(tmp_path))))  # fmt: skip
+    script.write_text(
+        textwrap.dedent(
+            DDP_SCRIPT.format(tests_dir=str(here.parent), tests_root=str(here.parents[1]), ckpt_dir=str(tmp_path))
+        )
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(find_free_network_port())}
     # its own session, so a hang (ranks out of step) kills the launcher and the rank it spawned, which ignore SIGTERM
     proc = subprocess.Popen(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:

@@ -29,9 +29,16 @@ from lightning_accel.errors import LightningAccelWarning, PreflightError
 
 def fit(callback: Preflight, root: str, model: TinyRegression | None = None, **trainer_kwargs: Any) -> TinyRegression:
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=3, callbacks=[callback], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, **trainer_kwargs,
-    )  # fmt: skip
+        accelerator="cpu",
+        max_steps=3,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        **trainer_kwargs,
+    )
     model = model or TinyRegression()
     trainer.fit(model, tiny_loader())
     return model
@@ -48,8 +55,10 @@ def fake_root(root: Path, shm_mib: int | None = None, cpu_max: str | None = None
     if shm_mib is not None:
         shm = root / "dev" / "shm"
         shm.mkdir(parents=True)
-        real, stat = os.statvfs, SimpleNamespace(f_frsize=4096, f_bsize=4096, f_blocks=shm_mib * 256,
-                                                 f_bavail=shm_mib * 256)  # fmt: skip
+        real, stat = (
+            os.statvfs,
+            SimpleNamespace(f_frsize=4096, f_bsize=4096, f_blocks=shm_mib * 256, f_bavail=shm_mib * 256),
+        )
         os.statvfs = lambda path: stat if str(path) == str(shm) else real(path)  # type: ignore[assignment]
     return root
 
@@ -114,10 +123,15 @@ def test_suite_basics(tmp_path: Path) -> None:
     assert type(pickle.loads(pickle.dumps(callback))) is Preflight
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"fail_on": "ERROR"}, "fail_on='ERROR'"), ({"checks": ["gpu"]}, r"unknown check\(s\) \['gpu'\]"),
-    ({"num_workers": -1}, "num_workers=-1"), ({"num_workers": True}, "num_workers=True"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"fail_on": "ERROR"}, "fail_on='ERROR'"),
+        ({"checks": ["gpu"]}, r"unknown check\(s\) \['gpu'\]"),
+        ({"num_workers": -1}, "num_workers=-1"),
+        ({"num_workers": True}, "num_workers=True"),
+    ],
+)
 def test_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Preflight(**kwargs)
@@ -126,8 +140,10 @@ def test_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
 def test_results_are_grouped_by_check_and_name_their_nodes() -> None:
     bad = {"name": "driver_cuda", "status": "FAIL", "detail": "driver too old", "fix": "upgrade"}
     good = {"name": "driver_cuda", "status": "PASS", "detail": "ok", "fix": ""}
-    rows = [{"rank": r, "node": r // 2, "host": f"gpu-{r // 2}", "checks": [bad if r in (2, 3, 5) else good]}
-            for r in range(6)]  # fmt: skip
+    rows = [
+        {"rank": r, "node": r // 2, "host": f"gpu-{r // 2}", "checks": [bad if r in (2, 3, 5) else good]}
+        for r in range(6)
+    ]
     assert _grouped(rows, ("FAIL",)) == (
         "  FAIL driver_cuda on ranks 2, 3 (node 1, host gpu-1); rank 5 (node 2, host gpu-2): driver too old\n"
         "    fix: upgrade"
@@ -148,10 +164,17 @@ def _ddp_main(out: Path) -> None:
     rank = int(os.environ["RANK"])
     root = fake_root(out / f"root{rank}", shm_mib=64 if rank == 1 else 16384)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out),
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
         callbacks=[Preflight(checks=["shm"], num_workers=2, root=root)],
-    )  # fmt: skip
+    )
     model, error = TinyRegression(), ""
     try:
         trainer.fit(model, tiny_loader())

@@ -45,8 +45,15 @@ def _loader() -> DataLoader:
 
 def _trainer(tmp_path, *callbacks: pl.Callback, **kwargs: Any) -> pl.Trainer:
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, monitor=None)
-    options = dict(accelerator="cpu", max_steps=40, logger=False, enable_progress_bar=False,
-                   enable_model_summary=False, default_root_dir=str(tmp_path), num_sanity_val_steps=0)  # fmt: skip
+    options = dict(
+        accelerator="cpu",
+        max_steps=40,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        num_sanity_val_steps=0,
+    )
     options.update(kwargs)
     return pl.Trainer(callbacks=[*callbacks, checkpoint], **options)
 

@@ -28,9 +28,17 @@ from lightning_accel.telemetry.heartbeat import read_heartbeats
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 STALE_AFTER_S = 5.0
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-default-apps", "--disable-features=Translate,OptimizationHints,MediaRouter"]  # fmt: skip
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--disable-features=Translate,OptimizationHints,MediaRouter",
+]
 
 
 def _playwright() -> Any:
@@ -80,18 +88,28 @@ def test_a_real_browser_sees_every_job_live(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     host = socket.gethostname()
     ddp_overrides = [*DDP2, "callbacks.gpu_monitor.run_name=ddp-job", "data.read_delay_ms=4"]
-    single_overrides = [f"callbacks.gpu_monitor.run_name='{HOSTILE}'", "data.read_delay_ms=4",
-                        "+trainer.max_time=00:00:00:30"]  # fmt: skip
+    single_overrides = [
+        f"callbacks.gpu_monitor.run_name='{HOSTILE}'",
+        "data.read_delay_ms=4",
+        "+trainer.max_time=00:00:00:30",
+    ]
     runs.mkdir()
     (runs / "torn.somewhere.0.json").write_text('{"schema": "lightning_accel.heartbeat/1", "run_')  # a torn file
     with (
         job(tmp_path / "ddp", runs, "a", ddp_overrides) as ddp,
         job(tmp_path / "single", runs, "b", single_overrides) as single,
-        dash_server(["--runs-dir", str(runs), "--stale-after", str(STALE_AFTER_S)], module="_fake_dash",
-                    env={"ACCEL_FAKE_GPUS": "ab", "ACCEL_FAKE_PID": str(os.getpid())}) as (url, _),
-    ):  # fmt: skip
-        wait_until(lambda: _jobs_running(runs, 2), timeout_s=180, what="both jobs to train and publish",
-                   detail=lambda: log_of(tmp_path / "ddp") + log_of(tmp_path / "single"))  # fmt: skip
+        dash_server(
+            ["--runs-dir", str(runs), "--stale-after", str(STALE_AFTER_S)],
+            module="_fake_dash",
+            env={"ACCEL_FAKE_GPUS": "ab", "ACCEL_FAKE_PID": str(os.getpid())},
+        ) as (url, _),
+    ):
+        wait_until(
+            lambda: _jobs_running(runs, 2),
+            timeout_s=180,
+            what="both jobs to train and publish",
+            detail=lambda: log_of(tmp_path / "ddp") + log_of(tmp_path / "single"),
+        )
         requests: list[str] = []
         dialogs: list[str] = []
         with sync_playwright() as playwright:
@@ -102,8 +120,11 @@ def test_a_real_browser_sees_every_job_live(tmp_path: Path) -> None:
             page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
             page.goto(url + "/")
             # (polled from here: Playwright's wait_for_function evaluates strings, which the page's CSP forbids)
-            wait_until(lambda: page.locator("article.job[data-status=running]").count() >= 2, timeout_s=30,
-                       what="the page to list both jobs running")  # fmt: skip
+            wait_until(
+                lambda: page.locator("article.job[data-status=running]").count() >= 2,
+                timeout_s=30,
+                what="the page to list both jobs running",
+            )
 
             # both jobs, with their host, ranks and cards
             ddp_view, single_view = _job_view(page, "ddp-job"), _job_view(page, HOSTILE)
@@ -111,8 +132,10 @@ def test_a_real_browser_sees_every_job_live(tmp_path: Path) -> None:
             assert ddp_view["ranks"] == "0 → cpu, 1 → cpu" and single_view["ranks"] == "0 → cpu"
             assert [c["uuid"][:6] for c in ddp_view["cards"]] == ["GPU-a0", "GPU-a1"]
             assert [c["uuid"][:6] for c in single_view["cards"]] == ["GPU-b0", "GPU-b1"]
-            assert all(c["sm"].endswith("%") and c["power"] in ("300 / 700 W", "350 / 700 W") for c in
-                       ddp_view["cards"] + single_view["cards"])  # fmt: skip
+            assert all(
+                c["sm"].endswith("%") and c["power"] in ("300 / 700 W", "350 / 700 W")
+                for c in ddp_view["cards"] + single_view["cards"]
+            )
             assert single_view["name_html"] == "&lt;img src=x onerror=alert(1)&gt;"  # text, not an element
             assert page.locator("article.job img").count() == 0 and dialogs == []
             notes = page.locator("#notes li").all_inner_texts()  # the page serves the rest, and says what it skipped
@@ -126,12 +149,19 @@ def test_a_real_browser_sees_every_job_live(tmp_path: Path) -> None:
             # the values move between two reads
             first = _job_view(page, "ddp-job")
             time.sleep(2.5)
-            second = wait_until(lambda: (view := _job_view(page, "ddp-job"))["step"] != first["step"] and view,
-                                timeout_s=20, what="the DDP job's step to move on the page")  # fmt: skip
+            second = wait_until(
+                lambda: (view := _job_view(page, "ddp-job"))["step"] != first["step"] and view,
+                timeout_s=20,
+                what="the DDP job's step to move on the page",
+            )
             assert [(c["sm"], c["tensor"], c["temperature"], c["energy"]) for c in second["cards"]] != [
-                (c["sm"], c["tensor"], c["temperature"], c["energy"]) for c in first["cards"]]  # fmt: skip
-            wait_until(lambda: max(_job_view(page, HOSTILE)["cards"][0]["points"]) >= 2, timeout_s=30,
-                       what="the sparklines to hold two points")  # fmt: skip
+                (c["sm"], c["tensor"], c["temperature"], c["energy"]) for c in first["cards"]
+            ]
+            wait_until(
+                lambda: max(_job_view(page, HOSTILE)["cards"][0]["points"]) >= 2,
+                timeout_s=30,
+                what="the sparklines to hold two points",
+            )
             shot = tmp_path / "accel-dash.png"
             page.screenshot(path=str(shot), full_page=True)
             if os.environ.get("ACCEL_DASH_SCREENSHOT"):
@@ -140,18 +170,25 @@ def test_a_real_browser_sees_every_job_live(tmp_path: Path) -> None:
             # a SIGKILLed job turns stale within the timeout
             kill(ddp)
             killed_at = time.monotonic()
-            wait_until(lambda: _job_view(page, "ddp-job")["status"] == "stale", timeout_s=STALE_AFTER_S + 15,
-                       what="the killed job to read stale")  # fmt: skip
+            wait_until(
+                lambda: _job_view(page, "ddp-job")["status"] == "stale",
+                timeout_s=STALE_AFTER_S + 15,
+                what="the killed job to read stale",
+            )
             assert time.monotonic() - killed_at < STALE_AFTER_S + 2 * 2.0 + 3.0  # timeout + two refreshes + slack
 
             # a job that ends says finished
             single.wait(timeout=120)
             assert single.returncode == 0, log_of(tmp_path / "single")
-            wait_until(lambda: _job_view(page, HOSTILE)["status"] == "finished", timeout_s=15,
-                       what="the ended job to read finished")  # fmt: skip
+            wait_until(
+                lambda: _job_view(page, HOSTILE)["status"] == "finished",
+                timeout_s=15,
+                what="the ended job to read finished",
+            )
             browser.close()
     # nothing but accel-dash itself was asked for
     origin = urlsplit(url)
-    assert requests and all(urlsplit(r).netloc == origin.netloc and urlsplit(r).scheme == "http" for r in requests), \
-        requests  # fmt: skip
+    assert requests and all(urlsplit(r).netloc == origin.netloc and urlsplit(r).scheme == "http" for r in requests), (
+        requests
+    )
     assert {urlsplit(r).path for r in requests} >= {"/", "/api/state", "/static/dash.js", "/static/uPlot.iife.min.js"}

@@ -29,28 +29,75 @@ from lightning_accel.telemetry.host_gpus import HostGPUs
 HOSTILE = "<img src=x onerror=alert(1)>"
 
 
-def publish(runs: Path, run_id: str, host: str, status: str = "running", age_s: float = 1.0,
-            uuids: tuple[str, ...] = ("GPU-1",), name: str = "job") -> None:  # fmt: skip
+def publish(
+    runs: Path,
+    run_id: str,
+    host: str,
+    status: str = "running",
+    age_s: float = 1.0,
+    uuids: tuple[str, ...] = ("GPU-1",),
+    name: str = "job",
+) -> None:
     now = time.time()
     data = {
-        "schema": SCHEMA, "run_id": run_id, "name": name, "host": host, "user": "ada", "pid": 11,
-        "command": "accel-train", "node_rank": 0, "num_nodes": 1, "rank": 0, "started": now - 60,
-        "updated": now - age_s, "interval_s": 2.0, "status": status, "reason": "", "slurm_job_id": None,
-        "metrics_url": None, "ranks": [{"rank": 0, "local_rank": 0, "device": "cuda:0", "uuid": uuids[0]}],
-        "gpus": [{"index": i, "uuid": u, "name": "H100", "latest": {"sm_activity_pct": 70.0, "power_w": 300.0,
-                  "power_limit_w": 700.0, "temperature_c": 60.0, "memory_used_mib": 2048.0,
-                  "memory_total_mib": 81559.0, "throttle_thermal_frac": 0.5}, "energy_j": 3600.0,
-                  "history": {"power_w": [290.0, 300.0]}} for i, u in enumerate(uuids)],
-        "step": 10, "max_steps": 100, "samples": 320, "samples_per_s": 32.0, "eta_s": 75.0, "alerts": [],
+        "schema": SCHEMA,
+        "run_id": run_id,
+        "name": name,
+        "host": host,
+        "user": "ada",
+        "pid": 11,
+        "command": "accel-train",
+        "node_rank": 0,
+        "num_nodes": 1,
+        "rank": 0,
+        "started": now - 60,
+        "updated": now - age_s,
+        "interval_s": 2.0,
+        "status": status,
+        "reason": "",
+        "slurm_job_id": None,
+        "metrics_url": None,
+        "ranks": [{"rank": 0, "local_rank": 0, "device": "cuda:0", "uuid": uuids[0]}],
+        "gpus": [
+            {
+                "index": i,
+                "uuid": u,
+                "name": "H100",
+                "latest": {
+                    "sm_activity_pct": 70.0,
+                    "power_w": 300.0,
+                    "power_limit_w": 700.0,
+                    "temperature_c": 60.0,
+                    "memory_used_mib": 2048.0,
+                    "memory_total_mib": 81559.0,
+                    "throttle_thermal_frac": 0.5,
+                },
+                "energy_j": 3600.0,
+                "history": {"power_w": [290.0, 300.0]},
+            }
+            for i, u in enumerate(uuids)
+        ],
+        "step": 10,
+        "max_steps": 100,
+        "samples": 320,
+        "samples_per_s": 32.0,
+        "eta_s": 75.0,
+        "alerts": [],
         "history": {"t": [now - 10, now], "samples_per_s": [31.0, 32.0]},
-    }  # fmt: skip
+    }
     runs.mkdir(parents=True, exist_ok=True)
     write_json_atomic(heartbeat_path(runs, run_id, host, 0), data)
 
 
 def host_card(uuid: str, index: int = 0, processes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"index": index, "uuid": uuid, "name": "A100", "mig": False, "latest": {"utilization_pct": 30.0},
-            "processes": processes or []}  # fmt: skip
+    return {
+        "index": index,
+        "uuid": uuid,
+        "name": "A100",
+        "mig": False,
+        "latest": {"utilization_pct": 30.0},
+        "processes": processes or [],
+    }
 
 
 def test_jobs_are_grouped_by_host_and_free_cards_leave_out_the_held_ones(tmp_path: Path) -> None:
@@ -66,10 +113,15 @@ def test_jobs_are_grouped_by_host_and_free_cards_leave_out_the_held_ones(tmp_pat
     assert [h["host"] for h in state["hosts"]] == ["here", "alpha", "zeta"]
     here = state["hosts"][0]
     assert [(j.heartbeat["run_id"], j.status) for j in here["jobs"]] == [
-        ("b-live", "running"), ("a-silent", "stale"), ("done", "finished")]  # fmt: skip
+        ("b-live", "running"),
+        ("a-silent", "stale"),
+        ("done", "finished"),
+    ]
     assert [c["uuid"] for c in here["cards"]] == ["GPU-3", "GPU-4"] and state["hosts"][1]["cards"] == []
-    assert state["notes"] == ["skipped broken.json: it is not valid JSON (truncated or corrupt: Expecting property "
-                              "name enclosed in double quotes: line 1 column 2 (char 1))"]  # fmt: skip
+    assert state["notes"] == [
+        "skipped broken.json: it is not valid JSON (truncated or corrupt: Expecting property "
+        "name enclosed in double quotes: line 1 column 2 (char 1))"
+    ]
     assert json.loads(page_json(state)) == json.loads(json.dumps(page_dict(state), allow_nan=False))  # strict JSON
     assert json.loads(page_json(state))["hosts"][0]["jobs"][1]["status"] == "stale"
 
@@ -158,8 +210,10 @@ def test_the_server_serves_the_page_its_data_and_nothing_else(served: Any) -> No
     state = json.loads(body)
     assert status == 200 and state["hosts"][1]["jobs"][0]["heartbeat"]["name"] == HOSTILE
     assert [len(host["jobs"]) for host in state["hosts"]] == [0, 1]  # the bad files skipped, the good one served
-    assert [note.split(":")[0] for note in state["notes"]] == ["skipped link.elsewhere.0.json",
-                                                               "skipped torn.elsewhere.0.json"]  # fmt: skip
+    assert [note.split(":")[0] for note in state["notes"]] == [
+        "skipped link.elsewhere.0.json",
+        "skipped torn.elsewhere.0.json",
+    ]
     cards = state["hosts"][0]["cards"]
     assert [c["uuid"][:6] for c in cards] == ["GPU-a0", "GPU-a1", "GPU-zz"]  # no job of ours runs here
     assert cards[2]["processes"][0]["user"] not in ("", "?")
@@ -186,18 +240,44 @@ def test_a_taken_port_is_a_clear_error_naming_the_port_option(tmp_path: Path) ->
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "lightning_accel.dash", "--port", str(port), "--runs-dir",
-                               str(tmp_path), "--no-host-gpus"], capture_output=True, text=True, timeout=60,
-                              env=clean_env())  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lightning_accel.dash",
+                "--port",
+                str(port),
+                "--runs-dir",
+                str(tmp_path),
+                "--no-host-gpus",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean_env(),
+        )
     assert done.returncode == 2
     assert done.stderr.startswith(f"accel-dash: error: port {port} on 127.0.0.1 is taken")
     assert "pass another `--port`" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_an_address_not_of_this_machine_names_the_host_option(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "lightning_accel.dash", "--host", "192.0.2.1", "--runs-dir",
-                           str(tmp_path), "--no-host-gpus"], capture_output=True, text=True, timeout=60,
-                          env=clean_env())  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_accel.dash",
+            "--host",
+            "192.0.2.1",
+            "--runs-dir",
+            str(tmp_path),
+            "--no-host-gpus",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
     assert done.returncode == 2 and "cannot serve on `--host 192.0.2.1`" in done.stderr
 
 
@@ -211,8 +291,10 @@ def test_binding_beyond_loopback_is_explicit_and_says_what_it_exposes(tmp_path: 
 
 
 def test_the_page_needs_the_dash_extra_and_says_which(tmp_path: Path) -> None:
-    script = ("import sys; sys.modules['starlette'] = None; from lightning_accel.dash.cli import main; "
-              f"sys.exit(main(['--runs-dir', {str(tmp_path)!r}, '--no-host-gpus']))")  # fmt: skip
+    script = (
+        "import sys; sys.modules['starlette'] = None; from lightning_accel.dash.cli import main; "
+        f"sys.exit(main(['--runs-dir', {str(tmp_path)!r}, '--no-host-gpus']))"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=clean_env())
     assert done.returncode == 2 and "pip install 'lightning_accel[dash]'" in done.stderr
     once = [sys.executable, "-c", script.replace("'--no-host-gpus'", "'--no-host-gpus', '--once'")]
@@ -226,11 +308,12 @@ def test_the_page_script_never_writes_html() -> None:
     assert not re.search(r"https?://|[\"'`]//", script)  # nothing from elsewhere, not even protocol-relative
 
 
-
 def test_accel_dash_starts_without_torch_lightning_or_hydra() -> None:
     """A login node without GPUs runs it: importing the command and the app loads none of the training stack."""
-    script = ("import sys, lightning_accel.dash.cli, lightning_accel.dash.server, lightning_accel.telemetry.host_gpus; "
-              "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'hydra', 'omegaconf'}))")
+    script = (
+        "import sys, lightning_accel.dash.cli, lightning_accel.dash.server, lightning_accel.telemetry.host_gpus; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'hydra', 'omegaconf'}))"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=clean_env())
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 

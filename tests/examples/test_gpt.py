@@ -176,9 +176,16 @@ def test_a_simulated_device_memory_limit_raises_oom_that_micro_batch_finder_size
     data = torch.randint(0, 256, (16, 17), generator=torch.Generator().manual_seed(0))
     loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=4)
     finder = MicroBatchFinder()
-    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                        callbacks=[finder])  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[finder],
+    )
     trainer.fit(GPTLanguageModel(block_size=16, n_layer=1, n_head=2, n_embd=16, device_memory_samples=2), loader)
     assert finder.found == 2 and trainer.global_step == 2
 
@@ -221,10 +228,23 @@ def test_gpt2_small_config_has_gpt2_small_shape(compose_train) -> None:
 def test_gpt2_small_trains_a_few_steps_on_cpu(run_cli, tmp_path: Path) -> None:
     """The GPU-sized config runs end to end here at a short context and batch: 3 optimizer steps, validation, test."""
     run_dir = tmp_path / "run"
-    result = run_cli(["model=gpt2_small", "trainer=smoke", "trainer.accelerator=cpu", "trainer.max_steps=3",
-                      "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
-                      "data.batch_size=2", "data.block_size=128", "~callbacks.model_checkpoint",
-                      f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=600)  # fmt: skip
+    result = run_cli(
+        [
+            "model=gpt2_small",
+            "trainer=smoke",
+            "trainer.accelerator=cpu",
+            "trainer.max_steps=3",
+            "trainer.val_check_interval=3",
+            "trainer.limit_val_batches=1",
+            "trainer.limit_test_batches=1",
+            "data.batch_size=2",
+            "data.block_size=128",
+            "~callbacks.model_checkpoint",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     import json
 

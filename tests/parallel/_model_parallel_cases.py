@@ -94,8 +94,9 @@ class LossRecorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = outputs["loss"].detach().clone() * trainer.accumulate_grad_batches
         dp = pl_module.device_mesh["data_parallel"]
         dist.all_reduce(loss, group=dp.get_group())
@@ -145,16 +146,32 @@ def run_case(
     recorder = LossRecorder()
     callbacks: list[pl.Callback] = [Parallelize(**(parallelize or {"block_classes": BLOCK_CLASSES})), recorder]
     if checkpoint:
-        callbacks.append(pl.callbacks.ModelCheckpoint(
-            dirpath=f"{root}/ckpt", filename="epoch{epoch}", save_top_k=-1, every_n_epochs=1,
-            save_on_train_epoch_end=True, auto_insert_metric_name=False,
-        ))  # fmt: skip
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=f"{root}/ckpt",
+                filename="epoch{epoch}",
+                save_top_k=-1,
+                every_n_epochs=1,
+                save_on_train_epoch_end=True,
+                auto_insert_metric_name=False,
+            )
+        )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=ModelParallelStrategy(tensor_parallel_size=tp),
-        max_epochs=max_epochs, accumulate_grad_batches=accumulate, gradient_clip_val=CLIP, callbacks=callbacks,
-        logger=False, enable_checkpointing=checkpoint, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, use_distributed_sampler=False, num_sanity_val_steps=0,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=world,
+        strategy=ModelParallelStrategy(tensor_parallel_size=tp),
+        max_epochs=max_epochs,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=CLIP,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=checkpoint,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
     dp_size = world // tp
     data = dataset()
     rank = int(os.environ["RANK"])
@@ -196,9 +213,11 @@ def run_all(root: str) -> dict[str, Any]:
     results["tp2"] = run_case(f"{root}/tp2", tp=2, parallelize={"block_classes": BLOCK_CLASSES, "tp_plan": TP_PLAN})
     for sync in (True, False):
         results[f"accumulate4_sync{sync}"] = run_case(
-            f"{root}/acc_{sync}", accumulate=4, max_epochs=1,
+            f"{root}/acc_{sync}",
+            accumulate=4,
+            max_epochs=1,
             parallelize={"block_classes": BLOCK_CLASSES, "sync_grads_every_micro_batch": sync},
-        )  # fmt: skip
+        )
     return results
 
 

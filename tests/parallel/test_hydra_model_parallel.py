@@ -10,9 +10,15 @@ from _run_logs import config_digests
 
 # A few steps of a small GPT on 2 CPU processes under ModelParallelStrategy, parallelized by callbacks.parallelize.
 MODEL_PARALLEL = [
-    "trainer=smoke", "trainer.accelerator=cpu", "trainer.devices=2", "strategy=model_parallel", "trainer.max_steps=6",
-    "data.max_chars=100000", "model.n_embd=32", "model.n_head=4",
-]  # fmt: skip
+    "trainer=smoke",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "strategy=model_parallel",
+    "trainer.max_steps=6",
+    "data.max_chars=100000",
+    "model.n_embd=32",
+    "model.n_head=4",
+]
 
 
 def test_model_parallel_two_cpu_processes_share_one_run_directory(run_cli, tmp_path: Path) -> None:

@@ -44,8 +44,10 @@ def test_reference_learns_and_clips(reference: tuple[list[float], int]) -> None:
 def test_two_ranks_match_one_process_after_20_steps(two_ranks: list[dict[str, Any]], reference: Any, case: str) -> None:
     rank0, rank1 = (r[case] for r in two_ranks)
     losses = rank0["losses"]
-    print(f"{case}: step-20 loss {losses[-1]:.6f} vs single process {reference[0][-1]:.6f} "
-          f"(max relative difference over 20 steps {_relative(losses, reference[0]):.2e})")  # fmt: skip
+    print(
+        f"{case}: step-20 loss {losses[-1]:.6f} vs single process {reference[0][-1]:.6f} "
+        f"(max relative difference over 20 steps {_relative(losses, reference[0]):.2e})"
+    )
     assert rank0["global_step"] == STEPS
     assert abs(losses[-1] - reference[0][-1]) / reference[0][-1] < 2e-3
     assert _relative(losses, reference[0]) < 2e-3
@@ -63,8 +65,10 @@ def test_sharded_checkpoint_resumes_the_same_curve(two_ranks: list[dict[str, Any
         assert results["dp2_checkpoint_is_sharded"]  # a directory of per-rank shards
         full, resumed = results["dp2"], results["dp2_resumed"]
         assert resumed["global_step"] == STEPS and len(resumed["losses"]) == STEPS // 2
-        print(f"resume from step 10: max relative difference over steps 11-20 "
-              f"{_relative(resumed['losses'], full['losses'][STEPS // 2:]):.2e}")  # fmt: skip
+        print(
+            f"resume from step 10: max relative difference over steps 11-20 "
+            f"{_relative(resumed['losses'], full['losses'][STEPS // 2 :]):.2e}"
+        )
         assert _relative(resumed["losses"], full["losses"][STEPS // 2 :]) < 1e-5
 
 

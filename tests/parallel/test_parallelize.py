@@ -29,8 +29,9 @@ class _Recorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.losses.append(outputs["loss"].item())
 
 
@@ -39,9 +40,14 @@ def _fit(model: pl.LightningModule, *callbacks: pl.Callback) -> list[float]:
     tokens = torch.randint(0, 256, (16, 17), generator=gen)
     recorder = _Recorder()
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=3, callbacks=[*callbacks, recorder], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        max_steps=3,
+        callbacks=[*callbacks, recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(LeafSpec|num_workers|log_every_n_steps|val_dataloader).*")
         trainer.fit(model, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4))

@@ -32,9 +32,13 @@ GPTLanguageModel = examples.GPTLanguageModel
 
 TINY = {"block_size": 16, "n_layer": 2, "n_head": 4, "n_embd": 32}
 GPT_PLAN = {
-    "blocks.*.attn.q_proj": "colwise", "blocks.*.attn.k_proj": "colwise", "blocks.*.attn.v_proj": "colwise",
-    "blocks.*.attn.out_proj": "rowwise", "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise",
-}  # fmt: skip
+    "blocks.*.attn.q_proj": "colwise",
+    "blocks.*.attn.k_proj": "colwise",
+    "blocks.*.attn.v_proj": "colwise",
+    "blocks.*.attn.out_proj": "rowwise",
+    "blocks.*.mlp.fc": "colwise",
+    "blocks.*.mlp.proj": "rowwise",
+}
 
 
 def _model() -> GPTLanguageModel:

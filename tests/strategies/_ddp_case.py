@@ -57,13 +57,23 @@ def fit(static_graph: bool, root: str) -> dict[str, Any]:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     model = MLP()
     dataset = data(world)
-    loader = DataLoader(dataset, batch_size=PER_RANK_BATCH,
-                        sampler=DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False))  # fmt: skip
+    loader = DataLoader(
+        dataset,
+        batch_size=PER_RANK_BATCH,
+        sampler=DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False),
+    )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=ddp_strategy(static_graph), max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        accelerator="cpu",
+        devices=world,
+        strategy=ddp_strategy(static_graph),
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
         use_distributed_sampler=False,
-    )  # fmt: skip
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, loader)

@@ -106,8 +106,9 @@ class Recorder(pl.Callback):
         self.losses: list[float] = []
         self.val: list[float] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = trainer.callback_metrics["train/loss"].detach().clone()
         dp = pl_module.device_mesh["data_parallel"]
         torch.distributed.all_reduce(loss, group=dp.get_group())
@@ -118,29 +119,61 @@ class Recorder(pl.Callback):
             self.val.append(trainer.callback_metrics["val/loss"].item())
 
 
-def run_case(root: str, *, schedule: str, dp: int = 1, data_parallel: str = "replicate", accumulate: int = 1,
-             checkpoint: bool = False, resume_from: str | None = None,
-             precision: str = "32-true", scheduler: bool = False,
-             split_points: list[str] | None = None, micro: int = MICRO,
-             val_extra: int = 0) -> dict[str, Any]:  # fmt: skip
+def run_case(
+    root: str,
+    *,
+    schedule: str,
+    dp: int = 1,
+    data_parallel: str = "replicate",
+    accumulate: int = 1,
+    checkpoint: bool = False,
+    resume_from: str | None = None,
+    precision: str = "32-true",
+    scheduler: bool = False,
+    split_points: list[str] | None = None,
+    micro: int = MICRO,
+    val_extra: int = 0,
+) -> dict[str, Any]:
     world = int(os.environ["WORLD_SIZE"])
     recorder = Recorder()
     callbacks: list[pl.Callback] = [recorder]
     if scheduler:  # the project's callback sets the accumulation per window instead of the Trainer
         callbacks.append(AccumulationScheduler({0: accumulate}))
     if checkpoint:
-        callbacks.append(pl.callbacks.ModelCheckpoint(
-            dirpath=f"{root}/ckpt", filename="epoch{epoch}", save_top_k=-1, every_n_epochs=1,
-            save_on_train_epoch_end=True, auto_insert_metric_name=False,
-        ))  # fmt: skip
-    strategy = PipelineStrategy(schedule=schedule, n_microbatches=micro, data_parallel_size=dp,
-                                data_parallel=data_parallel, split_points=split_points)  # type: ignore[arg-type]  # fmt: skip
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=f"{root}/ckpt",
+                filename="epoch{epoch}",
+                save_top_k=-1,
+                every_n_epochs=1,
+                save_on_train_epoch_end=True,
+                auto_insert_metric_name=False,
+            )
+        )
+    strategy = PipelineStrategy(
+        schedule=schedule,
+        n_microbatches=micro,
+        data_parallel_size=dp,
+        data_parallel=data_parallel,
+        split_points=split_points,
+    )  # type: ignore[arg-type]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_epochs=EPOCHS, precision=precision,
-        accumulate_grad_batches=1 if scheduler else accumulate, gradient_clip_val=CLIP, callbacks=callbacks,
-        logger=False, enable_checkpointing=checkpoint, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, num_sanity_val_steps=0, use_distributed_sampler=False,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_epochs=EPOCHS,
+        precision=precision,
+        accumulate_grad_batches=1 if scheduler else accumulate,
+        gradient_clip_val=CLIP,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=checkpoint,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
     dp_rank = int(os.environ["RANK"]) % dp  # the mesh is (pipeline_parallel, data_parallel), row-major
 
     def loader(data: TensorDataset, batch_size: int) -> DataLoader:
@@ -167,8 +200,9 @@ def run_resume(root: str, dp: int, data_parallel: str = "replicate") -> dict[str
     results = {"full": run_case(f"{root}/full", schedule="1f1b", dp=dp, data_parallel=data_parallel, checkpoint=True)}
     results["checkpoint_is_directory"] = Path(f"{root}/full/ckpt/epoch0.ckpt").is_dir()
     checkpoint = f"{root}/full/ckpt/epoch0.ckpt"
-    results["resumed"] = run_case(f"{root}/resumed", schedule="1f1b", dp=dp, data_parallel=data_parallel,
-                                  resume_from=checkpoint)  # fmt: skip
+    results["resumed"] = run_case(
+        f"{root}/resumed", schedule="1f1b", dp=dp, data_parallel=data_parallel, resume_from=checkpoint
+    )
     torch.distributed.barrier()
     if int(os.environ["RANK"]) == 0:
         state = consolidate_checkpoint(f"{root}/full/ckpt/epoch1.ckpt", out=f"{root}/consolidated.pt")
@@ -186,8 +220,9 @@ class RaisesMidEpoch(pl.Callback):
     def __init__(self) -> None:
         self.patched_while_training = False
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.patched_while_training = "clip_grad_by_norm" in trainer.precision_plugin.__dict__
         if batch_idx == 2:
             raise RuntimeError("mid-epoch failure")
@@ -200,10 +235,20 @@ def run_raises_mid_epoch(root: str, dp: int) -> dict[str, Any]:
     held_back = strategy.teardown
     strategy.teardown = lambda: None  # type: ignore[method-assign]
     hook = RaisesMidEpoch()
-    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=1,
-                         gradient_clip_val=CLIP, callbacks=[hook], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                         use_distributed_sampler=False)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=strategy,
+        max_epochs=1,
+        gradient_clip_val=CLIP,
+        callbacks=[hook],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        use_distributed_sampler=False,
+    )
     raised = ""
     try:
         with warnings.catch_warnings():
@@ -213,8 +258,12 @@ def run_raises_mid_epoch(root: str, dp: int) -> dict[str, Any]:
         raised = str(err)
     left = "clip_grad_by_norm" in trainer.precision_plugin.__dict__
     held_back()
-    return {"raised": raised, "global_step": trainer.global_step, "patched_while_training": hook.patched_while_training,
-            "patch_left_after_on_exception": left}  # fmt: skip
+    return {
+        "raised": raised,
+        "global_step": trainer.global_step,
+        "patched_while_training": hook.patched_while_training,
+        "patch_left_after_on_exception": left,
+    }
 
 
 def run_named(name: str, root: str, dp: int) -> dict[str, Any]:
@@ -232,8 +281,9 @@ def run_named(name: str, root: str, dp: int) -> dict[str, Any]:
     if name == "split_points":  # uneven: 1 block, then 3
         return run_case(f"{root}/split", schedule="gpipe", dp=dp, split_points=["blocks.1"])
     if name == "fsdp_accumulation_scheduler":
-        return run_case(f"{root}/fsdp_acc", schedule="1f1b", dp=dp, data_parallel="fsdp", accumulate=2,
-                        scheduler=True, micro=2)  # fmt: skip
+        return run_case(
+            f"{root}/fsdp_acc", schedule="1f1b", dp=dp, data_parallel="fsdp", accumulate=2, scheduler=True, micro=2
+        )
     if name in ("bf16-mixed", "bf16-true"):
         return run_case(f"{root}/{name}", schedule="1f1b", dp=dp, precision=name)
     if name == "fsdp_resume":

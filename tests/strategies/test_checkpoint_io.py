@@ -50,13 +50,25 @@ def test_lightnings_own_save_leaves_a_truncated_file_and_the_plugin_does_not(
 
 
 def test_a_trainer_with_the_plugin_saves_and_resumes(tmp_path: Path) -> None:
-    trainer = pl.Trainer(max_steps=2, plugins=[AtomicCheckpointIO()], default_root_dir=tmp_path, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = pl.Trainer(
+        max_steps=2,
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(BoringModel())
     saved = list((tmp_path / "checkpoints").glob("*.ckpt"))
     assert len(saved) == 1
-    resumed = pl.Trainer(max_steps=3, plugins=[AtomicCheckpointIO()], default_root_dir=tmp_path, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    resumed = pl.Trainer(
+        max_steps=3,
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     resumed.fit(BoringModel(), ckpt_path=saved[0])
     assert resumed.global_step == 3
 

@@ -129,8 +129,12 @@ def test_a_payload_in_any_file_of_a_pipeline_checkpoint_never_runs(tmp_path: Pat
     model(torch.randint(0, 256, (2, 8))).sum().backward()
     optimizer.step()
     one_rank = SimpleNamespace(broadcast=lambda x: x, barrier=lambda: None, global_rank=0)
-    checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [optimizer_state_dict(model, optimizer)],
-                  "epoch": 0, "global_step": 1}  # fmt: skip
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "optimizer_states": [optimizer_state_dict(model, optimizer)],
+        "epoch": 0,
+        "global_step": 1,
+    }
     clean = tmp_path / "clean.ckpt"
     save_pipeline_checkpoint(one_rank, checkpoint, clean)  # type: ignore[arg-type]
     from lightning_accel.strategies.dcp_checks import check_distributed_checkpoint
@@ -142,13 +146,26 @@ def test_a_payload_in_any_file_of_a_pipeline_checkpoint_never_runs(tmp_path: Pat
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["pipeline", "model_parallel", "model_parallel_tp"])
 def test_a_payload_in_any_file_of_a_real_two_rank_checkpoint_never_runs(run_cli, tmp_path: Path, kind: str) -> None:
-    overrides = {"pipeline": ["preset=pipeline"],
-                 "model_parallel": ["strategy=model_parallel"],
-                 "model_parallel_tp": ["strategy=model_parallel", "trainer.strategy.tensor_parallel_size=2"]}[kind]
+    overrides = {
+        "pipeline": ["preset=pipeline"],
+        "model_parallel": ["strategy=model_parallel"],
+        "model_parallel_tp": ["strategy=model_parallel", "trainer.strategy.tensor_parallel_size=2"],
+    }[kind]
     run_dir = tmp_path / "run"
-    result = run_cli([*overrides, "trainer=smoke", "trainer.accelerator=cpu", "trainer.devices=2",
-                      "data.max_chars=200000", "trainer.max_steps=2", "test=false", f"hydra.run.dir={run_dir}"],
-                     cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    result = run_cli(
+        [
+            *overrides,
+            "trainer=smoke",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            "data.max_chars=200000",
+            "trainer.max_steps=2",
+            "test=false",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     clean = run_dir / "checkpoints" / "last.ckpt"
     files = _check_every_file(clean, tmp_path)
@@ -160,10 +177,12 @@ def test_consolidating_refuses_a_distributed_checkpoint_whose_shard_is_truncated
     from lightning_accel.strategies.pipeline.checkpoint import save_pipeline_checkpoint
 
     one_rank = SimpleNamespace(broadcast=lambda x: x, barrier=lambda: None, global_rank=0)
-    save_pipeline_checkpoint(one_rank, {"state_dict": {"w": torch.ones(2)}, "epoch": 0, "note": "x"},  # type: ignore[arg-type]
-                             tmp_path / "c.ckpt")  # fmt: skip
+    save_pipeline_checkpoint(
+        one_rank,
+        {"state_dict": {"w": torch.ones(2)}, "epoch": 0, "note": "x"},  # type: ignore[arg-type]
+        tmp_path / "c.ckpt",
+    )
     shard = tmp_path / "c.ckpt" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:10])
     with pytest.raises(ConfigError, match="truncated|shorter"):
         check_distributed_checkpoint(tmp_path / "c.ckpt")
-

@@ -57,9 +57,14 @@ def test_each_preset_sets_exactly(tmp_path: Path, preset: str, ports, nodes: int
 
 def test_debug_sets_the_flight_recorder_into_the_run_directory(tmp_path: Path) -> None:
     plan = nccl_plan("debug", root=_tree(tmp_path), env={}, trace_dir="/runs/r1")
-    assert plan.set == {**ASYNC, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET",
-                        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/runs/r1/nccl_trace_rank_"}  # fmt: skip
+    assert plan.set == {
+        **ASYNC,
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT,NET",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/runs/r1/nccl_trace_rank_",
+    }
 
 
 def test_socket_interface_given_or_fallback(tmp_path: Path) -> None:
@@ -115,11 +120,22 @@ def test_ddp_strategy_joins_with_the_init_timeout_then_sets_the_collective_one(m
 
     monkeypatch.setattr(lightning_ddp, "_init_dist_connection", spy_init)
     set_timeout = torch.distributed.distributed_c10d._set_pg_timeout
-    monkeypatch.setattr(torch.distributed.distributed_c10d, "_set_pg_timeout",
-                        lambda t, group=None: (seen.__setitem__("collective", t), set_timeout(t, group)))  # fmt: skip
+    monkeypatch.setattr(
+        torch.distributed.distributed_c10d,
+        "_set_pg_timeout",
+        lambda t, group=None: (seen.__setitem__("collective", t), set_timeout(t, group)),
+    )
     strategy = DDPStrategy(init_timeout_s=120, timeout_s=45)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     model = BoringModel()

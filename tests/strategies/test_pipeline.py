@@ -95,8 +95,18 @@ def _launch(out: Path, ranks: int, *names: str) -> Launch:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     """Every 2-rank case of _pipeline_cases.py in one torchrun launch (~15 s on 2 idle cores)."""
     available = [name for name in ZERO_BUBBLE if _available(name)]
-    names = [*SCHEDULES, *available, "accumulate", "accumulation_scheduler", "resume", "bf16-mixed", "bf16-true",
-             "split_points", "short_val", "raises_mid_epoch"]  # fmt: skip
+    names = [
+        *SCHEDULES,
+        *available,
+        "accumulate",
+        "accumulation_scheduler",
+        "resume",
+        "bf16-mixed",
+        "bf16-true",
+        "split_points",
+        "short_val",
+        "raises_mid_epoch",
+    ]
     return _launch(tmp_path_factory.mktemp("pipeline"), 2, *names)
 
 
@@ -130,8 +140,12 @@ def test_two_stages_match_one_process(two_ranks: Launch, reference: Any, schedul
     assert _relative(rank0["val"], reference["val"]) < TOLERANCE and len(rank0["val"]) == cases.EPOCHS
     assert rank1["losses"] == rank0["losses"] and rank1["val"] == rank0["val"]  # the broadcast loss, on every rank
     # each rank holds only its stages: together the whole model, apart nothing in common
-    expected = {"gpipe": ([0], [1]), "1f1b": ([0], [1]), "zbv_zero_bubble": ([0, 3], [1, 2]),
-                "dualpipev": ([0, 3], [1, 2])}.get(schedule, ([0, 2], [1, 3]))  # fmt: skip
+    expected = {
+        "gpipe": ([0], [1]),
+        "1f1b": ([0], [1]),
+        "zbv_zero_bubble": ([0, 3], [1, 2]),
+        "dualpipev": ([0, 3], [1, 2]),
+    }.get(schedule, ([0, 2], [1, 3]))
     assert (rank0["local_stages"], rank1["local_stages"]) == expected
     full = sum(p.numel() for p in cases.make_model().parameters())
     assert rank0["n_params"] + rank1["n_params"] == full and 0 < rank0["n_params"] < full
@@ -154,8 +168,16 @@ def test_micro_batch_rules_of_each_schedule_are_config_errors(compose_train) -> 
         check_microbatches("interleaved_1f1b", 9, 8, 4)
     check_microbatches("interleaved_1f1b", 8, 8, 4)
     with pytest.raises(ConfigError, match=r"`trainer.strategy.n_microbatches=1` is fewer than the 2 pipeline stages"):
-        check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.n_microbatches=1",
-                                    "trainer.strategy.schedule=1f1b"]))  # fmt: skip
+        check_config(
+            compose_train(
+                [
+                    "preset=pipeline",
+                    "trainer.accelerator=cpu",
+                    "trainer.strategy.n_microbatches=1",
+                    "trainer.strategy.schedule=1f1b",
+                ]
+            )
+        )
 
 
 def test_split_points_make_uneven_stages(two_ranks: Launch, reference: Any) -> None:
@@ -179,11 +201,14 @@ def test_accumulation_adds_batches_after_micro_batches(two_ranks: Launch, refere
 
 
 @pytest.mark.parametrize(("precision", "tolerance"), [("bf16-mixed", 2e-3), ("bf16-true", 2e-2)])
-def test_bf16_presets_follow_the_fp32_curve(two_ranks: Launch, reference: Any, precision: str,
-                                             tolerance: float) -> None:  # fmt: skip
+def test_bf16_presets_follow_the_fp32_curve(
+    two_ranks: Launch, reference: Any, precision: str, tolerance: float
+) -> None:
     run, other = two_ranks.case(precision)
-    print(f"{precision}, pp=2: max relative difference from fp32 over {STEPS} steps "
-          f"{_relative(run['losses'], reference['losses']):.1e}")  # fmt: skip
+    print(
+        f"{precision}, pp=2: max relative difference from fp32 over {STEPS} steps "
+        f"{_relative(run['losses'], reference['losses']):.1e}"
+    )
     assert run["global_step"] == STEPS and other["losses"] == run["losses"]
     assert _relative(run["losses"], reference["losses"]) < tolerance
 
@@ -194,14 +219,18 @@ def test_checkpoint_resumes_and_consolidates(two_ranks: Launch, reference: Any) 
         full, resumed = resume["full"], resume["resumed"]
         assert resume["checkpoint_is_directory"]
         assert resumed["global_step"] == STEPS and len(resumed["losses"]) == STEPS // 2
-        print(f"resume from step 10: max relative difference over steps 11-20 "
-              f"{_relative(resumed['losses'], full['losses'][STEPS // 2 :]):.1e}")  # fmt: skip
+        print(
+            f"resume from step 10: max relative difference over steps 11-20 "
+            f"{_relative(resumed['losses'], full['losses'][STEPS // 2 :]):.1e}"
+        )
         assert _relative(resumed["losses"], full["losses"][STEPS // 2 :]) < 1e-6
         assert _relative(resumed["val"], full["val"][1:]) < 1e-6
     consolidated = runs[0]
     assert consolidated["consolidated_keys_match"]
-    print(f"consolidated checkpoint, plain GPT: val loss {consolidated['consolidated_val']:.6f}, "
-          f"pipeline {consolidated['full']['val'][-1]:.6f}")  # fmt: skip
+    print(
+        f"consolidated checkpoint, plain GPT: val loss {consolidated['consolidated_val']:.6f}, "
+        f"pipeline {consolidated['full']['val'][-1]:.6f}"
+    )
     assert abs(consolidated["consolidated_val"] - consolidated["full"]["val"][-1]) < TOLERANCE * reference["val"][-1]
 
 
@@ -216,8 +245,9 @@ def test_no_patch_remains_after_a_fit_that_raises_mid_epoch(two_ranks: Launch) -
 @pytest.mark.slow
 def test_pp2_x_dp2_on_four_ranks(tmp_path: Path, reference: dict[str, Any]) -> None:
     """pp=2 x dp=2: replicated and FSDP2-sharded stages; 4 CPU processes (~60 s on 2 cores), so `-m slow` only."""
-    launch = _launch(tmp_path, 4, *SCHEDULES, "resume", "fsdp_resume", "fsdp_interleaved",
-                     "fsdp_accumulation_scheduler")  # fmt: skip
+    launch = _launch(
+        tmp_path, 4, *SCHEDULES, "resume", "fsdp_resume", "fsdp_interleaved", "fsdp_accumulation_scheduler"
+    )
     for case in [*SCHEDULES, "fsdp_interleaved"]:
         for run in launch.case(case):
             assert _relative(run["losses"], reference["losses"]) < TOLERANCE, case
@@ -250,13 +280,16 @@ def test_even_split_and_split_points() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message", "setting"),
     [
-        ({"split_points": ["blocks.9"]}, r"`split_points` names 'blocks.9', which is not a block of the model",
-         "split_points"),
+        (
+            {"split_points": ["blocks.9"]},
+            r"`split_points` names 'blocks.9', which is not a block of the model",
+            "split_points",
+        ),
         ({"split_points": ["blocks.2", "blocks.1"]}, r"must be distinct, in increasing order", "split_points"),
         ({"n_stages": 5}, r"`n_stages=5` is more stages than the model's 4 blocks", "n_stages"),
         ({"split_points": ["blocks.2"], "n_stages": 3}, r"`n_stages=3` disagrees", "n_stages"),
     ],
-)  # fmt: skip
+)
 def test_bad_splits_name_the_argument(kwargs: dict[str, Any], message: str, setting: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:
         plan_pipeline_stages(4, block_list="blocks", **kwargs)
@@ -337,16 +370,25 @@ def test_trainer_level_errors() -> None:
         ({"n_stages": 0}, ConfigError, r"`n_stages=0` must be a positive integer", "n_stages"),
         ({"n_microbatches": 0}, ConfigError, r"`n_microbatches=0` must be a positive integer", "n_microbatches"),
         ({"n_stages": "3"}, ConfigTypeError, r"`n_stages='3'` must be a positive integer", "n_stages"),
-        ({"data_parallel": "zero"}, ConfigError, r"`data_parallel='zero'` must be 'replicate' or 'fsdp'",
-         "data_parallel"),
-        ({"split_points": [2]}, ConfigTypeError, r"`split_points=\(2,\)` must be a list of module names",
-         "split_points"),
+        (
+            {"data_parallel": "zero"},
+            ConfigError,
+            r"`data_parallel='zero'` must be 'replicate' or 'fsdp'",
+            "data_parallel",
+        ),
+        (
+            {"split_points": [2]},
+            ConfigTypeError,
+            r"`split_points=\(2,\)` must be a list of module names",
+            "split_points",
+        ),
         ({"split_points": ["blocks.2"], "n_stages": 3}, ConfigError, r"`n_stages=3` disagrees", "n_stages"),
         ({"schedule": "zigzag"}, ConfigError, r"`schedule='zigzag'` is not a pipeline schedule", "schedule"),
     ],
-)  # fmt: skip
-def test_a_plain_script_sees_the_constructor_argument(kwargs: dict[str, Any], error: type, message: str,
-                                                      setting: str) -> None:  # fmt: skip
+)
+def test_a_plain_script_sees_the_constructor_argument(
+    kwargs: dict[str, Any], error: type, message: str, setting: str
+) -> None:
     """No Hydra here: the error names `PipelineStrategy`'s own argument, never a config path."""
     with pytest.raises(error, match=message) as err:
         PipelineStrategy(**kwargs)
@@ -371,8 +413,11 @@ def test_settings_hold_the_constructor_defaults_once() -> None:
 
 def test_the_world_size_checks_run_before_launch_and_in_setup() -> None:
     """`validate(world=...)`: what `setup` checks against the world size, also run by the pre-launch check."""
-    with pytest.raises(ConfigError, match=r"`schedule=1f1b` runs one stage per pipeline rank, but there are 4 stages "
-                                          r"for 2 ranks; use `n_stages=2`") as err:  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"`schedule=1f1b` runs one stage per pipeline rank, but there are 4 stages "
+        r"for 2 ranks; use `n_stages=2`",
+    ) as err:
         PipelineSettings(n_stages=4).validate(world=2)
     assert err.value.setting == "schedule"
     with pytest.raises(ConfigError, match=r"`schedule=interleaved_1f1b` needs at least 2 stages per pipeline rank"):
@@ -401,12 +446,16 @@ def test_config_errors_before_launch(compose_train) -> None:
     with pytest.raises(ConfigError, match=r"`trainer.precision=16-mixed` is not supported by `PipelineStrategy`"):
         check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.precision=16-mixed"]))
     with pytest.raises(ConfigError, match=r"`trainer.strategy.data_parallel_size=3` does not divide the world size 2"):
-        check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu",
-                                    "trainer.strategy.data_parallel_size=3"]))  # fmt: skip
+        check_config(
+            compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.data_parallel_size=3"])
+        )
     with pytest.raises(ConfigError, match=r"`trainer.strategy.schedule='zigzag'` is not a pipeline schedule"):
         check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.schedule=zigzag"]))
-    with pytest.raises(ConfigError, match=r"`trainer.strategy.schedule=1f1b` runs one stage per pipeline rank, but "
-                                          r"there are 4 stages for 2 ranks; use `n_stages=2`"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"`trainer.strategy.schedule=1f1b` runs one stage per pipeline rank, but "
+        r"there are 4 stages for 2 ranks; use `n_stages=2`",
+    ):
         check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.n_stages=4"]))
     with pytest.raises(ConfigTypeError, match=r"`trainer.strategy.n_stages='two'` must be a positive integer"):
         check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.n_stages=two"]))

@@ -33,13 +33,22 @@ MIB, GIB = 2**20, 2**30
 
 def gpus(*capabilities: tuple[int, int], mig: bool = False, nvlink: bool = False) -> NvmlFacts:
     """NVML facts of GPUs with these compute capabilities, all visible, on a driver for CUDA 12.4."""
-    infos = tuple(GpuInfo(index=i, name=f"GPU{i}", uuid=f"GPU-{i}", capability=c, nvlinks=18 if nvlink else None)
-                  for i, c in enumerate(capabilities))  # fmt: skip
+    infos = tuple(
+        GpuInfo(index=i, name=f"GPU{i}", uuid=f"GPU-{i}", capability=c, nvlinks=18 if nvlink else None)
+        for i, c in enumerate(capabilities)
+    )
     visible = tuple(VisibleDevice(uuid=f"{'MIG' if mig else 'GPU'}-{i}", gpu=i, mig=mig) for i in range(len(infos)))
-    links = tuple(GpuLink(a=a, b=b, kind="NV" if nvlink else "PHB")
-                  for a in range(len(infos)) for b in range(a + 1, len(infos)))  # fmt: skip
-    return NvmlFacts(available=True, driver_version="550.54.15", cuda_driver_version=(12, 4), gpus=infos,
-                     visible=visible, topology=links)  # fmt: skip
+    links = tuple(
+        GpuLink(a=a, b=b, kind="NV" if nvlink else "PHB") for a in range(len(infos)) for b in range(a + 1, len(infos))
+    )
+    return NvmlFacts(
+        available=True,
+        driver_version="550.54.15",
+        cuda_driver_version=(12, 4),
+        gpus=infos,
+        visible=visible,
+        topology=links,
+    )
 
 
 NO_NVML = NvmlFacts(available=False, why="NVML is not available (NVMLError_LibraryNotFound)")
@@ -50,12 +59,15 @@ def check(name: str, request: CheckRequest | None = None, **facts: object):
     return run_checks(SystemFacts(**facts), request, [name])[0]  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("driver", "runtime", "status", "words"), [
-    ((12, 4), "12.4", "PASS", "supports CUDA 12.4"),
-    ((12, 8), "12.1", "PASS", "runtime is CUDA 12.1"),
-    ((12, 2), "12.8", "WARN", "minor-version compatibility"),
-    ((11, 8), "12.1", "FAIL", "CUDA driver version is insufficient"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("driver", "runtime", "status", "words"),
+    [
+        ((12, 4), "12.4", "PASS", "supports CUDA 12.4"),
+        ((12, 8), "12.1", "PASS", "runtime is CUDA 12.1"),
+        ((12, 2), "12.8", "WARN", "minor-version compatibility"),
+        ((11, 8), "12.1", "FAIL", "CUDA driver version is insufficient"),
+    ],
+)
 def test_driver_against_cuda_runtime(driver: tuple[int, int], runtime: str, status: str, words: str) -> None:
     nvml = NvmlFacts(available=True, driver_version="520.61", cuda_driver_version=driver, gpus=gpus((9, 0)).gpus)
     result = check("driver_cuda", nvml=nvml, torch=TorchBuild(version="2.7.0", cuda=runtime))
@@ -73,13 +85,21 @@ def test_driver_check_skips_without_a_gpu_or_a_cuda_build() -> None:
     assert cpu_torch_on_gpu.status == "WARN" and "CPU-only" in cpu_torch_on_gpu.detail
 
 
-@pytest.mark.parametrize(("nvml", "wanted", "torch_build", "status"), [
-    (NO_NVML, None, CUDA, "SKIP"), (NO_NVML, 2, CUDA, "FAIL"), (gpus((9, 0), (9, 0)), None, CUDA, "PASS"),
-    (gpus((9, 0), (9, 0)), 2, CUDA, "PASS"), (gpus((9, 0)), 4, CUDA, "FAIL"), (gpus((9, 0)), 0, CUDA, "SKIP"),
-    (gpus((9, 0)), 1, TorchBuild(version="2.7.0+cpu"), "FAIL"),
-])  # fmt: skip
-def test_gpus_visible_against_requested(nvml: NvmlFacts, wanted: int | None, torch_build: TorchBuild,
-                                        status: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("nvml", "wanted", "torch_build", "status"),
+    [
+        (NO_NVML, None, CUDA, "SKIP"),
+        (NO_NVML, 2, CUDA, "FAIL"),
+        (gpus((9, 0), (9, 0)), None, CUDA, "PASS"),
+        (gpus((9, 0), (9, 0)), 2, CUDA, "PASS"),
+        (gpus((9, 0)), 4, CUDA, "FAIL"),
+        (gpus((9, 0)), 0, CUDA, "SKIP"),
+        (gpus((9, 0)), 1, TorchBuild(version="2.7.0+cpu"), "FAIL"),
+    ],
+)
+def test_gpus_visible_against_requested(
+    nvml: NvmlFacts, wanted: int | None, torch_build: TorchBuild, status: str
+) -> None:
     result = check("gpus", CheckRequest(gpus=wanted), nvml=nvml, torch=torch_build)
     assert result.status == status
     if wanted == 4:
@@ -114,17 +134,20 @@ ACTIVE = IbPort(device="mlx5_0", port=1, state="ACTIVE", link_layer="InfiniBand"
 DOWN = IbPort(device="mlx5_0", port=1, state="DOWN", link_layer="InfiniBand")
 
 
-@pytest.mark.parametrize(("ports", "env", "nodes", "status", "words"), [
-    ((), {}, 1, "SKIP", "no InfiniBand"),
-    ((), {"NCCL_NET": "IB"}, 1, "FAIL", "NCCL_NET=IB"),
-    ((), {"NCCL_IB_HCA": "mlx5"}, 1, "WARN", "falls back to TCP"),
-    ((), {}, 2, "WARN", "2 nodes"),
-    ((DOWN,), {}, 1, "WARN", "no ACTIVE port"),
-    ((ACTIVE,), {"NCCL_IB_DISABLE": "1"}, 2, "WARN", "NCCL_IB_DISABLE=1"),
-    ((ACTIVE,), {"NCCL_IB_HCA": "mlx5_3"}, 2, "WARN", "names no ACTIVE device"),
-    ((ACTIVE,), {"NCCL_IB_HCA": "=mlx5_0:1"}, 2, "PASS", "mlx5_0:1 ACTIVE InfiniBand 200 Gb/sec"),
-    ((ACTIVE,), {}, 2, "PASS", "ACTIVE"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("ports", "env", "nodes", "status", "words"),
+    [
+        ((), {}, 1, "SKIP", "no InfiniBand"),
+        ((), {"NCCL_NET": "IB"}, 1, "FAIL", "NCCL_NET=IB"),
+        ((), {"NCCL_IB_HCA": "mlx5"}, 1, "WARN", "falls back to TCP"),
+        ((), {}, 2, "WARN", "2 nodes"),
+        ((DOWN,), {}, 1, "WARN", "no ACTIVE port"),
+        ((ACTIVE,), {"NCCL_IB_DISABLE": "1"}, 2, "WARN", "NCCL_IB_DISABLE=1"),
+        ((ACTIVE,), {"NCCL_IB_HCA": "mlx5_3"}, 2, "WARN", "names no ACTIVE device"),
+        ((ACTIVE,), {"NCCL_IB_HCA": "=mlx5_0:1"}, 2, "PASS", "mlx5_0:1 ACTIVE InfiniBand 200 Gb/sec"),
+        ((ACTIVE,), {}, 2, "PASS", "ACTIVE"),
+    ],
+)
 def test_infiniband(ports: tuple[IbPort, ...], env: dict[str, str], nodes: int, status: str, words: str) -> None:
     result = check("infiniband", CheckRequest(num_nodes=nodes), nvml=gpus((9, 0)), infiniband=ports, nccl_env=env)
     assert result.status == status and words in result.detail
@@ -156,9 +179,16 @@ def test_memory_limit() -> None:
     assert check("memory", CheckRequest(num_workers=1), memory=MemoryLimit(limit_bytes=8 * GIB)).status == "PASS"
 
 
-@pytest.mark.parametrize(("size_mib", "workers", "processes", "status"), [
-    (64, 2, 1, "FAIL"), (64, None, 1, "WARN"), (64, 0, 1, "PASS"), (512, 4, 2, "WARN"), (8192, 4, 2, "PASS"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("size_mib", "workers", "processes", "status"),
+    [
+        (64, 2, 1, "FAIL"),
+        (64, None, 1, "WARN"),
+        (64, 0, 1, "PASS"),
+        (512, 4, 2, "WARN"),
+        (8192, 4, 2, "PASS"),
+    ],
+)
 def test_shm(size_mib: int, workers: int | None, processes: int, status: str) -> None:
     shm = ShmInfo(path="/dev/shm", size_bytes=size_mib * MIB, free_bytes=size_mib * MIB)
     request = CheckRequest(gpus=0, processes=processes, num_workers=workers)
@@ -172,11 +202,16 @@ def test_shm(size_mib: int, workers: int | None, processes: int, status: str) ->
 
 
 def test_packages() -> None:
-    good = (PackageVersion(name="torch", required=">=2.4", installed="2.13.0+cpu"),
-            PackageVersion(name="hydra-core", required="<1.5,>=1.3.2", installed="1.3.8"))  # fmt: skip
+    good = (
+        PackageVersion(name="torch", required=">=2.4", installed="2.13.0+cpu"),
+        PackageVersion(name="hydra-core", required="<1.5,>=1.3.2", installed="1.3.8"),
+    )
     assert check("packages", packages=good).status == "PASS"
-    bad = (*good, PackageVersion(name="lightning", required=">=2.4", installed="2.1.0"),
-           PackageVersion(name="rich", required=">=13", installed=None))  # fmt: skip
+    bad = (
+        *good,
+        PackageVersion(name="lightning", required=">=2.4", installed="2.1.0"),
+        PackageVersion(name="rich", required=">=13", installed=None),
+    )
     result = check("packages", packages=bad)
     assert result.status == "FAIL" and "lightning 2.1.0 (needs >=2.4)" in result.detail
     assert "rich missing (needs >=13)" in result.detail
@@ -194,11 +229,13 @@ def test_run_checks_names() -> None:
 
 def test_end_to_end_from_fake_trees_and_fake_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     files = {
-        "proc/self/cgroup": "0::/\n", "proc/self/mountinfo": "1 0 0:1 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
-        "sys/fs/cgroup/cpu.max": "200000 100000\n", "sys/fs/cgroup/memory.max": "17179869184\n",
+        "proc/self/cgroup": "0::/\n",
+        "proc/self/mountinfo": "1 0 0:1 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+        "sys/fs/cgroup/cpu.max": "200000 100000\n",
+        "sys/fs/cgroup/memory.max": "17179869184\n",
         "sys/class/infiniband/mlx5_0/ports/1/state": "1: DOWN\n",
         "proc/cpuinfo": "processor\t: 0\nflags\t\t: fpu avx512f\n\n",
-    }  # fmt: skip
+    }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
@@ -209,18 +246,34 @@ def test_end_to_end_from_fake_trees_and_fake_nvml(tmp_path: Path, monkeypatch: p
     statvfs = lambda path: SimpleNamespace(f_frsize=4096, f_bsize=4096, f_blocks=16384, f_bavail=16384)  # noqa: E731
     facts = collect_facts(tmp_path, {"NCCL_DEBUG": "INFO"}, affinity=range(32), statvfs=statvfs)
     verdicts = {c.name: c.status for c in run_checks(facts, CheckRequest(num_workers=4))}
-    assert verdicts == {"packages": "PASS", "driver_cuda": "FAIL", "gpus": "PASS", "bf16": "PASS", "nccl": "PASS",
-                        "infiniband": "WARN", "cpus": "WARN", "memory": "WARN", "shm": "FAIL"}  # fmt: skip
+    assert verdicts == {
+        "packages": "PASS",
+        "driver_cuda": "FAIL",
+        "gpus": "PASS",
+        "bf16": "PASS",
+        "nccl": "PASS",
+        "infiniband": "WARN",
+        "cpus": "WARN",
+        "memory": "WARN",
+        "shm": "FAIL",
+    }
     plain = facts_to_dict(facts)
     assert plain["cpus"]["effective"] == 2 and plain["shm"]["size_bytes"] == 64 * MIB
     assert plain["nvml"]["cuda_driver_version"] == [11, 8] and "flags" not in plain["cpu"]
 
 
 def test_gpus_check_fails_only_for_gpus_the_run_asked_for() -> None:
-    infos = (GpuInfo(index=0, name="GPU0", uuid="GPU-0", capability=(9, 0)),
-             GpuInfo(index=1, name="", uuid="", why="NVMLError_NoPermission: Insufficient Permissions"))  # fmt: skip
-    nvml = NvmlFacts(available=True, driver_version="550.54.15", cuda_driver_version=(12, 4), gpus=infos,
-                     visible=(VisibleDevice(uuid="GPU-0", gpu=0),))  # fmt: skip
+    infos = (
+        GpuInfo(index=0, name="GPU0", uuid="GPU-0", capability=(9, 0)),
+        GpuInfo(index=1, name="", uuid="", why="NVMLError_NoPermission: Insufficient Permissions"),
+    )
+    nvml = NvmlFacts(
+        available=True,
+        driver_version="550.54.15",
+        cuda_driver_version=(12, 4),
+        gpus=infos,
+        visible=(VisibleDevice(uuid="GPU-0", gpu=0),),
+    )
     one = check("gpus", CheckRequest(gpus=1), nvml=nvml, torch=CUDA)
     assert one.status == "PASS" and "NVML GPU 1 not accessible" in one.detail
     assert "Insufficient Permissions" in one.detail

@@ -40,18 +40,24 @@ def test_shm(tmp_path: Path) -> None:
 
 
 def test_infiniband_ports(tmp_path: Path) -> None:
-    for device, port, state, layer in [("mlx5_0", 1, "4: ACTIVE", "InfiniBand"), ("mlx5_1", 1, "1: DOWN", "Ethernet"),
-                                       ("mlx5_1", 2, "4: ACTIVE", "Ethernet")]:  # fmt: skip
+    for device, port, state, layer in [
+        ("mlx5_0", 1, "4: ACTIVE", "InfiniBand"),
+        ("mlx5_1", 1, "1: DOWN", "Ethernet"),
+        ("mlx5_1", 2, "4: ACTIVE", "Ethernet"),
+    ]:
         base = tmp_path / "sys/class/infiniband" / device / "ports" / str(port)
         base.mkdir(parents=True)
         (base / "state").write_text(state + "\n")
         (base / "link_layer").write_text(layer + "\n")
         (base / "rate").write_text("200 Gb/sec (4X HDR)\n")
     ports = read_infiniband(tmp_path)
-    assert ports[0] == IbPort(device="mlx5_0", port=1, state="ACTIVE", link_layer="InfiniBand",
-                              rate="200 Gb/sec (4X HDR)")  # fmt: skip
+    assert ports[0] == IbPort(
+        device="mlx5_0", port=1, state="ACTIVE", link_layer="InfiniBand", rate="200 Gb/sec (4X HDR)"
+    )
     assert [(p.device, p.port, p.active, p.link_layer) for p in ports[1:]] == [
-        ("mlx5_1", 1, False, "Ethernet"), ("mlx5_1", 2, True, "Ethernet")]  # fmt: skip
+        ("mlx5_1", 1, False, "Ethernet"),
+        ("mlx5_1", 2, True, "Ethernet"),
+    ]
     assert read_infiniband(tmp_path / "none") == ()
 
 
@@ -87,19 +93,26 @@ def test_nvml_facts(monkeypatch: pytest.MonkeyPatch) -> None:
     install(monkeypatch, FakeNVML(gpus, cuda_driver_version=12040, topology_level=40))
     facts = read_nvml({"CUDA_VISIBLE_DEVICES": "2,0"})
     assert facts.available and facts.driver_version == "550.54.15" and facts.cuda_driver_version == (12, 4)
-    assert [(g.index, g.capability, g.nvlinks) for g in facts.gpus] == [(0, (9, 0), 18), (1, (9, 0), 18),
-                                                                        (2, (7, 0), None)]  # fmt: skip
+    assert [(g.index, g.capability, g.nvlinks) for g in facts.gpus] == [
+        (0, (9, 0), 18),
+        (1, (9, 0), 18),
+        (2, (7, 0), None),
+    ]
     assert facts.gpus[2].memory_total_bytes == 16_384 * 2**20
     assert facts.visible == (VisibleDevice(uuid="GPU-c", gpu=2), VisibleDevice(uuid="GPU-a", gpu=0))
     assert [g.name for g in facts.visible_gpus()] == ["Tesla V100-SXM2-16GB", "NVIDIA H100 80GB HBM3"]
-    assert facts.topology == (GpuLink(a=0, b=1, kind="NV"), GpuLink(a=0, b=2, kind="NODE"),
-                              GpuLink(a=1, b=2, kind="NODE"))  # fmt: skip
+    assert facts.topology == (
+        GpuLink(a=0, b=1, kind="NV"),
+        GpuLink(a=0, b=2, kind="NODE"),
+        GpuLink(a=1, b=2, kind="NODE"),
+    )
 
 
 def test_nvml_mig_and_a_driver_that_does_not_say(monkeypatch: pytest.MonkeyPatch) -> None:
     mig = [FakeGPU("MIG-1", gpu_instance_id=1), FakeGPU("MIG-2", gpu_instance_id=2)]
-    fake = install(monkeypatch, FakeNVML([FakeGPU("GPU-a", mig=mig, compute_capability=(8, 0))],
-                                         cuda_driver_version=None))  # fmt: skip
+    fake = install(
+        monkeypatch, FakeNVML([FakeGPU("GPU-a", mig=mig, compute_capability=(8, 0))], cuda_driver_version=None)
+    )
     facts = read_nvml({})
     assert facts.cuda_driver_version is None and facts.gpus[0].mig_enabled and facts.gpus[0].mig_devices == 2
     assert [(d.uuid, d.gpu, d.mig) for d in facts.visible] == [("MIG-1", 0, True), ("MIG-2", 0, True)]
@@ -138,8 +151,11 @@ def test_nvml_facts_list_a_gpu_this_process_may_not_open_as_inaccessible(monkeyp
     install(monkeypatch, FakeNVML([FakeGPU("GPU-a"), FakeGPU("GPU-b"), FakeGPU("GPU-c")], denied={1}))
     facts = read_nvml({})
     assert facts.available, facts.why
-    assert [(g.index, g.uuid, g.accessible) for g in facts.gpus] == [(0, "GPU-a", True), (1, "", False),
-                                                                     (2, "GPU-c", True)]  # fmt: skip
+    assert [(g.index, g.uuid, g.accessible) for g in facts.gpus] == [
+        (0, "GPU-a", True),
+        (1, "", False),
+        (2, "GPU-c", True),
+    ]
     assert "Insufficient Permissions" in facts.gpus[1].why and "NoPermission" in facts.gpus[1].why
     assert [d.uuid for d in facts.visible] == ["GPU-a", "GPU-c"]
     assert facts.topology == (GpuLink(a=0, b=2, kind="PHB"),)

@@ -24,9 +24,15 @@ def _stat(mean: float, low: float | None = None, high: float | None = None, seco
 
 
 def test_rows_round_trip_and_skip_ranks_without_a_sampler() -> None:
-    window = Window(0.0, 2.0, 4, {3: {"utilization_pct": Stat(120.0, 2.0, 40.0, 80.0, 80.0),
-                                      "energy_wh": Stat(0.2, 2.0, 0.05, 0.1, 0.1)},
-                                  5: {"power_w": _stat(300.0)}})  # fmt: skip
+    window = Window(
+        0.0,
+        2.0,
+        4,
+        {
+            3: {"utilization_pct": Stat(120.0, 2.0, 40.0, 80.0, 80.0), "energy_wh": Stat(0.2, 2.0, 0.05, 0.1, 0.1)},
+            5: {"power_w": _stat(300.0)},
+        },
+    )
     leader = pack_row(1, [3, 5], window, 0.25, 0.01, 8, has_sampler=True, device=3, allocated_pct=61.0)
     other = pack_row(1, [3, 5], None, 0.5, 0.2, 8, has_sampler=False, device=5, allocated_pct=70.0)
     assert len(leader) == len(other) == row_size(2)
@@ -39,8 +45,12 @@ def test_rows_round_trip_and_skip_ranks_without_a_sampler() -> None:
 
 
 def test_rank_stats_name_the_straggler() -> None:
-    timings = [RankTiming(0, 0, 0.1, 0.0, 10), RankTiming(1, 0, 0.1, 0.03, 10), RankTiming(2, 1, 0.1, 0.002, 10),
-               RankTiming(3, 1, 0.0, 0.0, 0)]  # rank 3 did not step in this window  # fmt: skip
+    timings = [
+        RankTiming(0, 0, 0.1, 0.0, 10),
+        RankTiming(1, 0, 0.1, 0.03, 10),
+        RankTiming(2, 1, 0.1, 0.002, 10),
+        RankTiming(3, 1, 0.0, 0.0, 0),
+    ]  # rank 3 did not step in this window
     stats = rank_stats(timings)
     assert stats.slowest == 1
     assert stats.step_time_s == (0.1, 0.1, 0.1) and stats.data_time_s == (0.0, 0.002, 0.03)
@@ -49,14 +59,19 @@ def test_rank_stats_name_the_straggler() -> None:
 
 
 def _gpu(util: float = 90.0, used_max: float = 50.0, throttled: float = 0.0) -> dict[str, Stat]:
-    return {"utilization_pct": _stat(util), "memory_used_pct": _stat(used_max - 5, high=used_max),
-            "throttle_any_frac": _stat(throttled), "throttle_thermal_frac": _stat(throttled),
-            "throttle_power_frac": _stat(0.0)}  # fmt: skip
+    return {
+        "utilization_pct": _stat(util),
+        "memory_used_pct": _stat(used_max - 5, high=used_max),
+        "throttle_any_frac": _stat(throttled),
+        "throttle_thermal_frac": _stat(throttled),
+        "throttle_power_frac": _stat(0.0),
+    }
 
 
 def test_each_alert_fires_on_its_condition_with_number_and_fix() -> None:
-    thresholds = AlertThresholds(low_utilization_pct=50, min_memory_headroom_pct=5, max_throttle_pct=25,
-                                 max_rank_skew_pct=20)  # fmt: skip
+    thresholds = AlertThresholds(
+        low_utilization_pct=50, min_memory_headroom_pct=5, max_throttle_pct=25, max_rank_skew_pct=20
+    )
     healthy = {"gpu/0": _gpu(), "gpu/1": _gpu()}
     assert check_alerts(10, healthy, None, thresholds) == []
     gpus = {"gpu/0": _gpu(), "gpu/1": _gpu(util=31.0, used_max=96.5, throttled=0.4)}
@@ -82,8 +97,9 @@ def test_each_alert_fires_on_its_condition_with_number_and_fix() -> None:
 
 def test_memory_headroom_sees_what_the_run_allocated_not_the_allocators_cache() -> None:
     """NVML shows 97% used; the caching allocator holds most of it as free blocks: the run's tensors peaked at 60%."""
-    thresholds = AlertThresholds(low_utilization_pct=None, min_memory_headroom_pct=5, max_throttle_pct=None,
-                                 max_rank_skew_pct=None)  # fmt: skip
+    thresholds = AlertThresholds(
+        low_utilization_pct=None, min_memory_headroom_pct=5, max_throttle_pct=None, max_rank_skew_pct=None
+    )
     gpus = {"gpu/0": _gpu(used_max=97.0)}
     assert check_alerts(10, gpus, None, thresholds, allocated_pct={"gpu/0": 60.0}) == []
     tight = check_alerts(10, gpus, None, thresholds, allocated_pct={"gpu/0": 96.0})
@@ -94,8 +110,9 @@ def test_memory_headroom_sees_what_the_run_allocated_not_the_allocators_cache() 
 
 
 def test_thresholds_of_none_turn_alerts_off() -> None:
-    off = AlertThresholds(low_utilization_pct=None, min_memory_headroom_pct=None, max_throttle_pct=None,
-                          max_rank_skew_pct=None)  # fmt: skip
+    off = AlertThresholds(
+        low_utilization_pct=None, min_memory_headroom_pct=None, max_throttle_pct=None, max_rank_skew_pct=None
+    )
     gpus = {"gpu/0": _gpu(util=1.0, used_max=100.0, throttled=1.0)}
     ranks = rank_stats([RankTiming(0, 0, 0.1, 0.0, 5), RankTiming(1, 0, 0.1, 1.0, 5)])
     assert check_alerts(10, gpus, ranks, off) == []

@@ -26,8 +26,11 @@ def _called_by_the_package() -> set[str]:
 
 
 def _parameters(function: object) -> list[tuple[str, object]]:
-    return [(p.name, p.default) for p in inspect.signature(function).parameters.values()  # type: ignore[arg-type]
-            if p.name != "self"]  # fmt: skip
+    return [
+        (p.name, p.default)
+        for p in inspect.signature(function).parameters.values()  # type: ignore[arg-type]
+        if p.name != "self"
+    ]
 
 
 def test_every_function_the_package_calls_is_in_nvidia_ml_py_and_in_the_fake() -> None:
@@ -48,26 +51,49 @@ def test_constants_match() -> None:
     for name in [n for n in dir(fake) if n.startswith("NVML_")]:
         assert getattr(fake, name) == getattr(pynvml, name), name
     assert (readings._TEMPERATURE_GPU, readings._CLOCK_SM, readings._CLOCK_MEM) == (
-        pynvml.NVML_TEMPERATURE_GPU, pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_MEM)  # fmt: skip
+        pynvml.NVML_TEMPERATURE_GPU,
+        pynvml.NVML_CLOCK_SM,
+        pynvml.NVML_CLOCK_MEM,
+    )
     assert (readings._PCIE_TX, readings._PCIE_RX) == (pynvml.NVML_PCIE_UTIL_TX_BYTES, pynvml.NVML_PCIE_UTIL_RX_BYTES)
-    reasons = (pynvml.nvmlClocksEventReasonSwPowerCap, pynvml.nvmlClocksEventReasonHwSlowdown,
-               pynvml.nvmlClocksEventReasonSwThermalSlowdown, pynvml.nvmlClocksEventReasonHwThermalSlowdown,
-               pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown)  # fmt: skip
-    assert (readings._SW_POWER_CAP, readings._HW_SLOWDOWN, readings._SW_THERMAL, readings._HW_THERMAL,
-            readings._HW_POWER_BRAKE) == reasons  # fmt: skip
+    reasons = (
+        pynvml.nvmlClocksEventReasonSwPowerCap,
+        pynvml.nvmlClocksEventReasonHwSlowdown,
+        pynvml.nvmlClocksEventReasonSwThermalSlowdown,
+        pynvml.nvmlClocksEventReasonHwThermalSlowdown,
+        pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown,
+    )
+    assert (
+        readings._SW_POWER_CAP,
+        readings._HW_SLOWDOWN,
+        readings._SW_THERMAL,
+        readings._HW_THERMAL,
+        readings._HW_POWER_BRAKE,
+    ) == reasons
     assert readings._ARCH_HOPPER == pynvml.NVML_DEVICE_ARCH_HOPPER and readings._MEMORY_V2 == pynvml.nvmlMemory_v2
     assert readings._FUNCTION_NOT_FOUND == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
-    assert [metric_id for metric_id, _ in readings._GPM] == [pynvml.NVML_GPM_METRIC_SM_UTIL,
-                                                             pynvml.NVML_GPM_METRIC_SM_OCCUPANCY,
-                                                             pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
-                                                             pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL]  # fmt: skip
+    assert [metric_id for metric_id, _ in readings._GPM] == [
+        pynvml.NVML_GPM_METRIC_SM_UTIL,
+        pynvml.NVML_GPM_METRIC_SM_OCCUPANCY,
+        pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
+        pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL,
+    ]
     assert system_gpu._MAX_NVLINKS == pynvml.NVML_NVLINK_MAX_LINKS
-    assert (system_gpu._P2P_CAPS_INDEX_NVLINK, system_gpu._P2P_STATUS_OK) == (pynvml.NVML_P2P_CAPS_INDEX_NVLINK,
-                                                                            pynvml.NVML_P2P_STATUS_OK)  # fmt: skip
+    assert (system_gpu._P2P_CAPS_INDEX_NVLINK, system_gpu._P2P_STATUS_OK) == (
+        pynvml.NVML_P2P_CAPS_INDEX_NVLINK,
+        pynvml.NVML_P2P_STATUS_OK,
+    )
 
 
-@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_NO_PERMISSION,
-                                  pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_GPU_IS_LOST])  # fmt: skip
+@pytest.mark.parametrize(
+    "code",
+    [
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_ERROR_NO_PERMISSION,
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+        pynvml.NVML_ERROR_GPU_IS_LOST,
+    ],
+)
 def test_errors_are_the_real_subclasses(code: int) -> None:
     fake = FakeNVML([FakeGPU("GPU-a", errors={"nvmlDeviceGetPowerUsage": code})])
     with pytest.raises(pynvml.nvmlExceptionClass(code)) as raised:
@@ -98,7 +124,8 @@ def test_return_types_and_struct_sizes(binding: str, text: type, gpm_slots: int)
     assert type(fake.nvmlDeviceGetAttributes(fake.gpus[0].mig[0])) is pynvml.c_nvmlDeviceAttributes
     request = fake.c_nvmlGpmMetricsGet_t()
     assert len(request.metrics) == gpm_slots and [f[0] for f in request._fields_] == [
-        f[0] for f in pynvml.c_nvmlGpmMetricsGet_t._fields_]  # fmt: skip
+        f[0] for f in pynvml.c_nvmlGpmMetricsGet_t._fields_
+    ]
     if binding == "13":
         assert ctypes.sizeof(request) == ctypes.sizeof(pynvml.c_nvmlGpmMetricsGet_t)
     assert isinstance(fake.nvmlDeviceGetCudaComputeCapability(gpu), tuple)

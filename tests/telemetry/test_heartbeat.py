@@ -34,16 +34,42 @@ NOW = time.time()
 def heartbeat(run_id: str = "run-1", **changes: Any) -> dict[str, Any]:
     """A valid heartbeat of one node with one GPU, updated at NOW."""
     data = {
-        "schema": SCHEMA, "run_id": run_id, "name": "gpt small", "host": "node-a", "user": "ada", "pid": 4242,
-        "command": "accel-train preset=ddp", "node_rank": 0, "num_nodes": 1, "rank": 0, "started": NOW - 100,
-        "updated": NOW, "interval_s": 2.0, "status": "running", "reason": "", "slurm_job_id": None,
-        "metrics_url": None, "ranks": [{"rank": 0, "local_rank": 0, "device": "cuda:0", "uuid": "GPU-1"}],
-        "gpus": [{"index": 0, "uuid": "GPU-1", "name": "NVIDIA H100", "energy_j": 3000.0,
-                  "latest": {"power_w": 300.0, "sm_activity_pct": 71.5}, "history": {"power_w": [290.0, None, 300.0]}}],
-        "step": 120, "max_steps": 1000, "samples": 3840, "samples_per_s": 310.5, "eta_s": 88.0,
+        "schema": SCHEMA,
+        "run_id": run_id,
+        "name": "gpt small",
+        "host": "node-a",
+        "user": "ada",
+        "pid": 4242,
+        "command": "accel-train preset=ddp",
+        "node_rank": 0,
+        "num_nodes": 1,
+        "rank": 0,
+        "started": NOW - 100,
+        "updated": NOW,
+        "interval_s": 2.0,
+        "status": "running",
+        "reason": "",
+        "slurm_job_id": None,
+        "metrics_url": None,
+        "ranks": [{"rank": 0, "local_rank": 0, "device": "cuda:0", "uuid": "GPU-1"}],
+        "gpus": [
+            {
+                "index": 0,
+                "uuid": "GPU-1",
+                "name": "NVIDIA H100",
+                "energy_j": 3000.0,
+                "latest": {"power_w": 300.0, "sm_activity_pct": 71.5},
+                "history": {"power_w": [290.0, None, 300.0]},
+            }
+        ],
+        "step": 120,
+        "max_steps": 1000,
+        "samples": 3840,
+        "samples_per_s": 310.5,
+        "eta_s": 88.0,
         "alerts": [{"name": "throttling", "step": 100, "message": "hot"}],
         "history": {"t": [NOW - 20, NOW - 10, NOW], "samples_per_s": [300.0, 305.0, None]},
-    }  # fmt: skip
+    }
     data.update(changes)
     return data
 
@@ -133,8 +159,10 @@ def test_bad_files_are_skipped_with_a_note_and_the_rest_still_read(tmp_path: Pat
     jobs, notes = read_heartbeats(runs, now=NOW)
     assert [job.heartbeat["run_id"] for job in jobs] == ["good"]
     reasons = {note.split(":")[0].removeprefix("skipped "): note for note in notes}
-    assert set(reasons) == {f"{n}.h.0.json" for n in ("corrupt", "truncated", "oversized", "wrongtype", "array",
-                                                        "nan", "inf", "deep", "link", "fifo")}  # fmt: skip
+    assert set(reasons) == {
+        f"{n}.h.0.json"
+        for n in ("corrupt", "truncated", "oversized", "wrongtype", "array", "nan", "inf", "deep", "link", "fifo")
+    }
     assert "is a symlink" in reasons["link.h.0.json"] and "is not valid JSON" in reasons["corrupt.h.0.json"]
     assert "over the limit" in reasons["oversized.h.0.json"] and "`pid` of type str" in reasons["wrongtype.h.0.json"]
     assert "not a finite number" in reasons["inf.h.0.json"] and "NaN" in reasons["nan.h.0.json"]
@@ -159,8 +187,11 @@ def test_ended_and_stale_jobs_are_listed_for_the_keep_window(tmp_path: Path) -> 
     write(runs, heartbeat("silent", updated=NOW - 100))
     write(runs, heartbeat("long-silent", updated=NOW - 5000))
     jobs, notes = read_heartbeats(runs, now=NOW, stale_after_s=30, keep_s=3600)
-    assert {job.heartbeat["run_id"]: job.status for job in jobs} == {"live": "running", "recent": "finished",
-                                                                      "silent": "stale"}  # fmt: skip
+    assert {job.heartbeat["run_id"]: job.status for job in jobs} == {
+        "live": "running",
+        "recent": "finished",
+        "silent": "stale",
+    }
     assert {job.heartbeat["status"] for job in jobs} == {"running", "finished"}  # what the jobs wrote
     assert notes == []
 
@@ -234,5 +265,8 @@ def test_a_job_passes_its_text_on_as_read_unless_checking_changed_it(tmp_path: P
     assert jobs["clean"].text == clean.read_text()  # nothing parsed and printed again
     assert json.loads(jobs["cut"].text) == jobs["cut"].heartbeat != json.loads(cut.read_text())
     assert len(jobs["cut"].heartbeat["name"]) == 2000 and "unknown" not in jobs["cut"].text
-    assert json.loads(jobs["clean"].as_json()) == {"file": "clean.node-a.0.json", "status": "running",
-                                                   "heartbeat": jobs["clean"].heartbeat}  # fmt: skip
+    assert json.loads(jobs["clean"].as_json()) == {
+        "file": "clean.node-a.0.json",
+        "status": "running",
+        "heartbeat": jobs["clean"].heartbeat,
+    }

@@ -16,23 +16,44 @@ def _fake(monkeypatch: pytest.MonkeyPatch, gpus: list[FakeGPU] | None = None, **
 
 
 def test_a_reading_converts_nvml_units(monkeypatch: pytest.MonkeyPatch) -> None:
-    gpu = FakeGPU(UUIDS[0], memory_used_mib=20_389.75, memory_total_mib=81_559.0, power_mw=350_500.0,
-                  power_limit_mw=700_000.0, sm_clock_mhz=990.0, pcie_rx_kb_s=12_000.0, pcie_tx_kb_s=3_000.0,
-                  energy_mj=lambda t: 7_200_000.0 * (1 + t))  # fmt: skip
+    gpu = FakeGPU(
+        UUIDS[0],
+        memory_used_mib=20_389.75,
+        memory_total_mib=81_559.0,
+        power_mw=350_500.0,
+        power_limit_mw=700_000.0,
+        sm_clock_mhz=990.0,
+        pcie_rx_kb_s=12_000.0,
+        pcie_tx_kb_s=3_000.0,
+        energy_mj=lambda t: 7_200_000.0 * (1 + t),
+    )
     clock = FakeClock()
     _fake(monkeypatch, [gpu], clock=clock)
     [device] = resolve_devices([0])
     reader = DeviceReader(device)
     first = reader.read()
     assert first == {
-        "utilization_pct": 90.0, "memory_utilization_pct": 40.0,
-        "memory_used_mib": 20_389.75, "memory_total_mib": 81_559.0, "memory_used_pct": 25.0,
-        "power_w": 350.5, "power_limit_w": 700.0, "power_pct": pytest.approx(50.07142857),
-        "temperature_c": 60.0, "sm_clock_mhz": 990.0, "sm_clock_pct": 50.0, "memory_clock_mhz": 2619.0,
-        "memory_clock_pct": 100.0, "throttle_thermal_frac": 0.0, "throttle_power_frac": 0.0,
-        "throttle_hw_slowdown_frac": 0.0, "throttle_any_frac": 0.0, "pcie_rx_mb_s": 12.0, "pcie_tx_mb_s": 3.0,
+        "utilization_pct": 90.0,
+        "memory_utilization_pct": 40.0,
+        "memory_used_mib": 20_389.75,
+        "memory_total_mib": 81_559.0,
+        "memory_used_pct": 25.0,
+        "power_w": 350.5,
+        "power_limit_w": 700.0,
+        "power_pct": pytest.approx(50.07142857),
+        "temperature_c": 60.0,
+        "sm_clock_mhz": 990.0,
+        "sm_clock_pct": 50.0,
+        "memory_clock_mhz": 2619.0,
+        "memory_clock_pct": 100.0,
+        "throttle_thermal_frac": 0.0,
+        "throttle_power_frac": 0.0,
+        "throttle_hw_slowdown_frac": 0.0,
+        "throttle_any_frac": 0.0,
+        "pcie_rx_mb_s": 12.0,
+        "pcie_tx_mb_s": 3.0,
         "energy_wh": 0.0,  # energy counts from the first reading; GPM needs two samples
-    }  # fmt: skip
+    }
     clock.advance(0.5)
     second = reader.read()
     assert second["energy_wh"] == pytest.approx(3_600_000.0 / 3.6e6)  # 0.5 s x 7.2e6 mJ/s = 1 Wh
@@ -53,26 +74,45 @@ def test_a_reading_converts_nvml_units(monkeypatch: pytest.MonkeyPatch) -> None:
         (0x40, 1, 0, 0),
         (0x80, 0, 1, 0),
         (0x24, 1, 1, 0),
-    ],  # fmt: skip
+    ],
 )
 def test_throttle_reasons(monkeypatch: pytest.MonkeyPatch, mask: int, thermal: int, power: int, hw: int) -> None:
     _fake(monkeypatch, [FakeGPU(UUIDS[0], throttle_mask=mask)])
     values = DeviceReader(resolve_devices([0])[0], readings=["throttle"]).read()
-    assert values == {"throttle_thermal_frac": thermal, "throttle_power_frac": power, "throttle_hw_slowdown_frac": hw,
-                      "throttle_any_frac": float(bool(thermal or power or hw))}  # fmt: skip
+    assert values == {
+        "throttle_thermal_frac": thermal,
+        "throttle_power_frac": power,
+        "throttle_hw_slowdown_frac": hw,
+        "throttle_any_frac": float(bool(thermal or power or hw)),
+    }
 
 
 def test_unsupported_readings_are_dropped_once_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
-    unsupported = {"nvmlDeviceGetPcieThroughput", "nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetMaxClockInfo",
-                   "nvmlDeviceGetEnforcedPowerLimit"}  # fmt: skip
+    unsupported = {
+        "nvmlDeviceGetPcieThroughput",
+        "nvmlDeviceGetTotalEnergyConsumption",
+        "nvmlDeviceGetMaxClockInfo",
+        "nvmlDeviceGetEnforcedPowerLimit",
+    }
     fake = _fake(monkeypatch, [FakeGPU(UUIDS[0], unsupported=unsupported, architecture=8)])  # Ampere: no GPM
     reader = DeviceReader(resolve_devices([0])[0])
     readings = [reader.read() for _ in range(4)]
     assert all(r == readings[0] for r in readings)
-    assert set(readings[0]) == {"utilization_pct", "memory_utilization_pct", "memory_used_mib", "memory_total_mib",
-                                "memory_used_pct", "power_w", "temperature_c", "sm_clock_mhz", "memory_clock_mhz",
-                                "throttle_thermal_frac", "throttle_power_frac", "throttle_hw_slowdown_frac",
-                                "throttle_any_frac"}  # fmt: skip
+    assert set(readings[0]) == {
+        "utilization_pct",
+        "memory_utilization_pct",
+        "memory_used_mib",
+        "memory_total_mib",
+        "memory_used_pct",
+        "power_w",
+        "temperature_c",
+        "sm_clock_mhz",
+        "memory_clock_mhz",
+        "throttle_thermal_frac",
+        "throttle_power_frac",
+        "throttle_hw_slowdown_frac",
+        "throttle_any_frac",
+    }
     assert reader.dropped == {"pcie_rx", "pcie_tx", "energy", "power_limit", "gpm"}
     assert fake.calls["nvmlDeviceGetPcieThroughput"] == 2  # rx once, tx once, then never again
     assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 1
@@ -140,10 +180,14 @@ def test_cuda_uuids_beat_the_visible_list(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_mig_device_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
-    migs = [FakeGPU("MIG-1234abcd-0000", memory_used_mib=1_000.0, memory_total_mib=9_856.0, gpu_instance_id=7,
-                    gpm={2: 11.0}),
-            FakeGPU("MIG-5678ef00-0000", memory_used_mib=4_928.0, memory_total_mib=9_856.0, gpu_instance_id=9,
-                    gpm={2: 33.0})]  # fmt: skip
+    migs = [
+        FakeGPU(
+            "MIG-1234abcd-0000", memory_used_mib=1_000.0, memory_total_mib=9_856.0, gpu_instance_id=7, gpm={2: 11.0}
+        ),
+        FakeGPU(
+            "MIG-5678ef00-0000", memory_used_mib=4_928.0, memory_total_mib=9_856.0, gpu_instance_id=9, gpm={2: 33.0}
+        ),
+    ]
     gpus = [FakeGPU(UUIDS[0]), FakeGPU(UUIDS[1], power_mw=250_000.0, temperature_c=55.0, mig=migs)]
     clock = FakeClock()
     fake = _fake(monkeypatch, gpus, clock=clock)
@@ -166,8 +210,7 @@ def test_mig_device_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_gpu_this_process_may_not_open_is_left_out_and_the_others_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake(monkeypatch, denied={1})  # nvmlDeviceGetCount counts GPU 1; its handle raises NO_PERMISSION (cgroups)
     devices = resolve_devices([0, 1, 2])  # CUDA enumerates only the GPUs it may open
-    assert [(d.index, d.nvml_index, d.uuid) for d in devices] == [(0, 0, UUIDS[0]), (1, 2, UUIDS[2]),
-                                                                   (2, 3, UUIDS[3])]  # fmt: skip
+    assert [(d.index, d.nvml_index, d.uuid) for d in devices] == [(0, 0, UUIDS[0]), (1, 2, UUIDS[2]), (2, 3, UUIDS[3])]
     assert [d.uuid for d in resolve_devices([0, 1], "0,2")] == [UUIDS[0], UUIDS[3]]
     [reader_device] = resolve_devices([0], UUIDS[3])
     assert DeviceReader(reader_device, readings=["power"]).read()["power_w"] == 400.0
@@ -190,8 +233,11 @@ def test_memory_used_leaves_out_what_the_driver_reserves(monkeypatch: pytest.Mon
 
 
 def test_memory_falls_back_to_the_v1_struct_on_an_older_driver(monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake(monkeypatch, [FakeGPU(UUIDS[0], memory_used_mib=20_000.0, memory_reserved_mib=600.0)],
-          missing={"nvmlDeviceGetMemoryInfo_v2"})  # fmt: skip
+    _fake(
+        monkeypatch,
+        [FakeGPU(UUIDS[0], memory_used_mib=20_000.0, memory_reserved_mib=600.0)],
+        missing={"nvmlDeviceGetMemoryInfo_v2"},
+    )
     reader = DeviceReader(resolve_devices([0])[0], readings=["memory"])
     assert reader.read()["memory_used_mib"] == 20_600.0 and "memory" not in reader.dropped
 

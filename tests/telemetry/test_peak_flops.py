@@ -40,8 +40,9 @@ def test_real_nvml_names_match_their_own_row(name: str, row: str, bf16_tflops: f
     assert (peak.source, peak.flops) == (row, pytest.approx(bf16_tflops * 1e12))
 
 
-@pytest.mark.parametrize(("name", "row"), [("Tesla V100-SXM2-16GB", "V100 SXM2"), ("Tesla V100-PCIE-32GB", "V100 PCIe"),
-                                           ("Tesla T4", "T4")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "row"), [("Tesla V100-SXM2-16GB", "V100 SXM2"), ("Tesla V100-PCIE-32GB", "V100 PCIe"), ("Tesla T4", "T4")]
+)
 def test_gpus_without_bf16_name_the_row_and_say_why(name: str, row: str) -> None:
     assert lookup_peak_flops(name, "fp16").source == row
     peak = lookup_peak_flops(name, "bf16")

@@ -12,24 +12,49 @@ from prometheus_client.parser import text_string_to_metric_families
 from lightning_accel.telemetry.prometheus import GPU_LABELS, PROMETHEUS_METRICS, RUN_LABELS, Exporter
 
 ALL_READINGS = {
-    "sm_activity_pct": 80.0, "tensor_activity_pct": 50.0, "sm_occupancy_pct": 30.0, "dram_bw_util_pct": 60.0,
-    "utilization_pct": 99.0, "memory_utilization_pct": 40.0, "memory_used_mib": 1024.0, "memory_total_mib": 81559.0,
-    "power_w": 400.0, "power_limit_w": 700.0, "temperature_c": 61.0, "sm_clock_mhz": 1980.0,
-    "memory_clock_mhz": 2619.0, "throttle_thermal_frac": 0.25, "throttle_power_frac": 0.0,
-    "throttle_hw_slowdown_frac": 0.0, "throttle_any_frac": 0.25, "pcie_rx_mb_s": 2.0, "pcie_tx_mb_s": 1.0,
-}  # fmt: skip
+    "sm_activity_pct": 80.0,
+    "tensor_activity_pct": 50.0,
+    "sm_occupancy_pct": 30.0,
+    "dram_bw_util_pct": 60.0,
+    "utilization_pct": 99.0,
+    "memory_utilization_pct": 40.0,
+    "memory_used_mib": 1024.0,
+    "memory_total_mib": 81559.0,
+    "power_w": 400.0,
+    "power_limit_w": 700.0,
+    "temperature_c": 61.0,
+    "sm_clock_mhz": 1980.0,
+    "memory_clock_mhz": 2619.0,
+    "throttle_thermal_frac": 0.25,
+    "throttle_power_frac": 0.0,
+    "throttle_hw_slowdown_frac": 0.0,
+    "throttle_any_frac": 0.25,
+    "pcie_rx_mb_s": 2.0,
+    "pcie_tx_mb_s": 1.0,
+}
 
 
 def heartbeat(**changes: Any) -> dict[str, Any]:
     data = {
-        "run_id": "r1", "name": 'say "hi"\n', "host": "node-a", "user": "ada", "rank": 2, "started": 1.7e9,
-        "step": 120, "samples": 4000, "eta_s": 30.0, "slurm_job_id": None,
-        "ranks": [{"rank": 2, "local_rank": 0, "device": "cuda:0", "uuid": "GPU-a"},
-                  {"rank": 3, "local_rank": 1, "device": "cuda:1", "uuid": "GPU-b"}],
-        "gpus": [{"index": 0, "uuid": "GPU-a", "name": "NVIDIA H100", "latest": ALL_READINGS, "energy_j": 5000.0},
-                 {"index": 1, "uuid": "GPU-b", "name": "NVIDIA A100", "latest": {"utilization_pct": 50.0},
-                  "energy_j": None}],
-    }  # fmt: skip
+        "run_id": "r1",
+        "name": 'say "hi"\n',
+        "host": "node-a",
+        "user": "ada",
+        "rank": 2,
+        "started": 1.7e9,
+        "step": 120,
+        "samples": 4000,
+        "eta_s": 30.0,
+        "slurm_job_id": None,
+        "ranks": [
+            {"rank": 2, "local_rank": 0, "device": "cuda:0", "uuid": "GPU-a"},
+            {"rank": 3, "local_rank": 1, "device": "cuda:1", "uuid": "GPU-b"},
+        ],
+        "gpus": [
+            {"index": 0, "uuid": "GPU-a", "name": "NVIDIA H100", "latest": ALL_READINGS, "energy_j": 5000.0},
+            {"index": 1, "uuid": "GPU-b", "name": "NVIDIA A100", "latest": {"utilization_pct": 50.0}, "energy_j": None},
+        ],
+    }
     data.update(changes)
     return data
 
@@ -50,8 +75,12 @@ def test_every_documented_metric_with_its_labels_and_base_units() -> None:
         for sample in samples[metric.name]:
             assert set(sample.labels) == set(metric.labels), (metric.name, sample.labels)
             assert not {"job", "instance"} & set(sample.labels)
-    gpu0 = {s.name: s.value for name, found in samples.items() for s in found if s.labels.get("uuid") == "GPU-a"
-            and s.labels.get("reason") in (None, "thermal")}  # fmt: skip
+    gpu0 = {
+        s.name: s.value
+        for name, found in samples.items()
+        for s in found
+        if s.labels.get("uuid") == "GPU-a" and s.labels.get("reason") in (None, "thermal")
+    }
     assert gpu0["accel_gpu_sm_active_ratio"] == 0.8 and gpu0["accel_gpu_utilization_ratio"] == 0.99
     assert gpu0["accel_gpu_memory_used_bytes"] == 2**30 and gpu0["accel_gpu_sm_clock_hertz"] == 1.98e9
     assert gpu0["accel_gpu_power_watts"] == 400.0 and gpu0["accel_gpu_energy_joules_total"] == 5000.0

@@ -47,10 +47,12 @@ def _free_port() -> int:
 @contextmanager
 def _fake_dcgm_exporter(host: str) -> Iterator[int]:
     """dcgm-exporter's exposition of this host's first fake card (its label names: `UUID`, `Hostname`)."""
-    body = ("# HELP DCGM_FI_PROF_SM_ACTIVE Ratio of cycles an SM has at least 1 warp assigned.\n"
-            "# TYPE DCGM_FI_PROF_SM_ACTIVE gauge\n"
-            f'DCGM_FI_PROF_SM_ACTIVE{{gpu="0",UUID="{UUID_A0}",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",'
-            f'Hostname="{host}"}} 0.425\n').encode()  # fmt: skip
+    body = (
+        "# HELP DCGM_FI_PROF_SM_ACTIVE Ratio of cycles an SM has at least 1 warp assigned.\n"
+        "# TYPE DCGM_FI_PROF_SM_ACTIVE gauge\n"
+        f'DCGM_FI_PROF_SM_ACTIVE{{gpu="0",UUID="{UUID_A0}",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",'
+        f'Hostname="{host}"}} 0.425\n'
+    ).encode()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -77,22 +79,40 @@ def _prometheus(tmp_path: Path, targets: Path, dcgm_port: int) -> Iterator[str]:
     binary = tool("prometheus")
     port = _free_port()
     config = tmp_path / "prometheus.yml"
-    config.write_text(json.dumps({  # YAML is a superset of JSON
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [
-            {"job_name": "lightning_accel", "file_sd_configs": [{"files": [f"{targets}/*.json"],
-                                                                 "refresh_interval": "1s"}]},
-            {"job_name": "dcgm", "static_configs": [{"targets": [f"127.0.0.1:{dcgm_port}"]}]},
-        ],
-    }))  # fmt: skip
+    config.write_text(
+        json.dumps(
+            {  # YAML is a superset of JSON
+                "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                "scrape_configs": [
+                    {
+                        "job_name": "lightning_accel",
+                        "file_sd_configs": [{"files": [f"{targets}/*.json"], "refresh_interval": "1s"}],
+                    },
+                    {"job_name": "dcgm", "static_configs": [{"targets": [f"127.0.0.1:{dcgm_port}"]}]},
+                ],
+            }
+        )
+    )
     log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _ready(url, proc), timeout_s=60, what="Prometheus to be ready",
-                   detail=lambda: (tmp_path / "prometheus.log").read_text()[-2000:])  # fmt: skip
+        wait_until(
+            lambda: _ready(url, proc),
+            timeout_s=60,
+            what="Prometheus to be ready",
+            detail=lambda: (tmp_path / "prometheus.log").read_text()[-2000:],
+        )
         yield url
     finally:
         proc.terminate()
@@ -146,28 +166,43 @@ def test_a_real_prometheus_scrapes_a_training_job(tmp_path: Path) -> None:
     promtool = tool("promtool")
     targets, runs = tmp_path / "targets", tmp_path / "runs"
     host = socket.gethostname()
-    overrides = [*DDP2, "callbacks.gpu_monitor.prometheus_port=0", "callbacks.gpu_monitor.readings=null",
-                 f"callbacks.gpu_monitor.prometheus_file_sd_dir={targets}", "data.read_delay_ms=4",
-                 "+trainer.max_time=00:00:00:32", "callbacks.gpu_monitor.run_name=prom-job"]  # fmt: skip
+    overrides = [
+        *DDP2,
+        "callbacks.gpu_monitor.prometheus_port=0",
+        "callbacks.gpu_monitor.readings=null",
+        f"callbacks.gpu_monitor.prometheus_file_sd_dir={targets}",
+        "data.read_delay_ms=4",
+        "+trainer.max_time=00:00:00:32",
+        "callbacks.gpu_monitor.run_name=prom-job",
+    ]
     with _fake_dcgm_exporter(host) as dcgm_port, _prometheus(tmp_path, targets, dcgm_port) as prom:
         with job(tmp_path / "ddp", runs, "a", overrides) as ddp:
             # the job's node writes its target; Prometheus finds it and scrapes it
-            wait_until(lambda: _query(prom, 'up{job="lightning_accel"} == 1'), timeout_s=180,
-                       what="Prometheus to scrape the job", detail=lambda: log_of(tmp_path / "ddp"))  # fmt: skip
+            wait_until(
+                lambda: _query(prom, 'up{job="lightning_accel"} == 1'),
+                timeout_s=180,
+                what="Prometheus to scrape the job",
+                detail=lambda: log_of(tmp_path / "ddp"),
+            )
             [job_read] = wait_until(lambda: read_heartbeats(runs)[0], timeout_s=30, what="the heartbeat")
             beat = job_read.heartbeat
-            assert beat["ranks"] == [{"rank": 0, "local_rank": 0, "device": "cpu", "uuid": None},
-                                     {"rank": 1, "local_rank": 1, "device": "cpu", "uuid": None}]  # fmt: skip
+            assert beat["ranks"] == [
+                {"rank": 0, "local_rank": 0, "device": "cpu", "uuid": None},
+                {"rank": 1, "local_rank": 1, "device": "cpu", "uuid": None},
+            ]
             with urllib.request.urlopen(beat["metrics_url"], timeout=10) as response:
                 exposition = response.read()
             done = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, timeout=60)
-            assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), (done.stdout + done.stderr)
+            assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done.stdout + done.stderr
             assert not re.search(rb'[{,](job|instance)="', exposition)  # never our labels
 
             # scrapes over a whole RATE_WINDOW (a series younger than the window has its rate scaled down)
             scrapes = f"count_over_time(accel_train_global_step[{RATE_WINDOW}])"
-            wait_until(lambda: (found := _query(prom, scrapes)) and float(found[0]["value"][1]) >= 19, timeout_s=60,
-                       what=f"a series as old as {RATE_WINDOW}")  # fmt: skip
+            wait_until(
+                lambda: (found := _query(prom, scrapes)) and float(found[0]["value"][1]) >= 19,
+                timeout_s=60,
+                what=f"a series as old as {RATE_WINDOW}",
+            )
 
             # every documented metric, with its documented labels
             series = _api(prom, "series", **{"match[]": '{__name__=~"accel_.+"}'})
@@ -180,8 +215,10 @@ def test_a_real_prometheus_scrapes_a_training_job(tmp_path: Path) -> None:
                 assert (labels["host"], labels["run_id"], labels["job"]) == (host, beat["run_id"], "lightning_accel")
 
             # the energy counter's rate is the fake's power
-            rates = {r["metric"]["uuid"]: float(r["value"][1])
-                     for r in _query(prom, f"rate(accel_gpu_energy_joules_total[{RATE_WINDOW}])")}  # fmt: skip
+            rates = {
+                r["metric"]["uuid"]: float(r["value"][1])
+                for r in _query(prom, f"rate(accel_gpu_energy_joules_total[{RATE_WINDOW}])")
+            }
             for index, power_w in enumerate(POWER_W):
                 [rate] = [value for uuid, value in rates.items() if uuid.startswith(f"GPU-a{index}")]
                 assert abs(rate - power_w) < 0.1 * power_w, rates
@@ -205,6 +242,8 @@ def test_a_real_prometheus_scrapes_a_training_job(tmp_path: Path) -> None:
             ddp.wait(timeout=180)
             assert ddp.returncode == 0, log_of(tmp_path / "ddp")
         assert list(targets.iterdir()) == []
-        wait_until(lambda: not [t for t in _api(prom, "targets")["activeTargets"]
-                                if t["labels"]["job"] == "lightning_accel"], timeout_s=30,
-                   what="Prometheus to drop the ended job's target")  # fmt: skip
+        wait_until(
+            lambda: not [t for t in _api(prom, "targets")["activeTargets"] if t["labels"]["job"] == "lightning_accel"],
+            timeout_s=30,
+            what="Prometheus to drop the ended job's target",
+        )

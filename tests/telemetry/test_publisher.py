@@ -25,18 +25,29 @@ WALL = 1_700_000_000.0
 
 
 def job(**changes: object) -> JobInfo:
-    values = {"run_id": "r1", "name": "tiny", "host": "node-a", "user": "ada", "pid": 7, "command": "accel-train",
-              "ranks": [{"rank": 0, "local_rank": 0, "device": "cuda:0", "uuid": "GPU-a"},
-                        {"rank": 1, "local_rank": 1, "device": "cuda:1", "uuid": "GPU-b"}],
-              "gpus": [{"index": 0, "uuid": "GPU-a", "name": "H100"}, {"index": 1, "uuid": "GPU-b", "name": "A100"}],
-              "max_steps": 100}  # fmt: skip
+    values = {
+        "run_id": "r1",
+        "name": "tiny",
+        "host": "node-a",
+        "user": "ada",
+        "pid": 7,
+        "command": "accel-train",
+        "ranks": [
+            {"rank": 0, "local_rank": 0, "device": "cuda:0", "uuid": "GPU-a"},
+            {"rank": 1, "local_rank": 1, "device": "cuda:1", "uuid": "GPU-b"},
+        ],
+        "gpus": [{"index": 0, "uuid": "GPU-a", "name": "H100"}, {"index": 1, "uuid": "GPU-b", "name": "A100"}],
+        "max_steps": 100,
+    }
     values.update(changes)
     return JobInfo(**values)  # type: ignore[arg-type]
 
 
 def scripted(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> NVMLSampler:
-    gpus = [FakeGPU("GPU-a", power_mw=lambda t: 200_000 + 10_000 * t, energy_mj=lambda t: 300_000.0 * t),
-            FakeGPU("GPU-b", architecture=8, utilization=55.0)]  # an A100: no GPM  # fmt: skip
+    gpus = [
+        FakeGPU("GPU-a", power_mw=lambda t: 200_000 + 10_000 * t, energy_mj=lambda t: 300_000.0 * t),
+        FakeGPU("GPU-b", architecture=8, utilization=55.0),
+    ]  # an A100: no GPM
     install(monkeypatch, FakeNVML(gpus, clock=clock))
     readers = [DeviceReader(d) for d in resolve_devices([0, 1])]
     return NVMLSampler(readers, clock=clock, views=1)
@@ -51,8 +62,12 @@ def test_a_heartbeat_holds_the_window_the_progress_and_the_history(
     publisher = RunPublisher(PublishSettings(runs_dir=tmp_path / "runs"), job(), sampler, clock=wall)
     publisher.start(threaded=False)
     first = read_heartbeat(tmp_path / "runs" / "r1.node-a.0.json")
-    assert (first["status"], first["step"], first["samples_per_s"], first["gpus"][0]["latest"]) == ("running", 0, None,
-                                                                                                      {})  # fmt: skip
+    assert (first["status"], first["step"], first["samples_per_s"], first["gpus"][0]["latest"]) == (
+        "running",
+        0,
+        None,
+        {},
+    )
     for second in range(1, 11):  # 10 s of readings, 32 samples per step, 2 steps a second
         clock.t, wall.t = float(second), WALL + second
         sampler.sample_once()
@@ -78,8 +93,9 @@ def test_an_unwritable_runs_dir_warns_once_and_publishing_goes_on(tmp_path: Path
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")  # root ignores permissions, not this
     warned: list[str] = []
-    publisher = RunPublisher(PublishSettings(runs_dir=blocker / "runs", prometheus_port=0), job(gpus=[], ranks=[]),
-                             warn=warned.append)  # fmt: skip
+    publisher = RunPublisher(
+        PublishSettings(runs_dir=blocker / "runs", prometheus_port=0), job(gpus=[], ranks=[]), warn=warned.append
+    )
     publisher.start(threaded=False)
     publisher.progress.step = 5
     publisher.publish()
@@ -109,8 +125,12 @@ def _free_port() -> int:
 
 
 def test_metrics_target_and_textfile_live_while_the_job_runs(tmp_path: Path) -> None:
-    settings = PublishSettings(runs_dir=tmp_path / "runs", prometheus_port=0, file_sd_dir=tmp_path / "targets",
-                               textfile_dir=tmp_path / "textfile")  # fmt: skip
+    settings = PublishSettings(
+        runs_dir=tmp_path / "runs",
+        prometheus_port=0,
+        file_sd_dir=tmp_path / "targets",
+        textfile_dir=tmp_path / "textfile",
+    )
     publisher = RunPublisher(settings, job(run_id="../../escape"))
     publisher.start(threaded=False)
     [target] = list((tmp_path / "targets").iterdir())
@@ -167,8 +187,13 @@ def test_a_process_that_exits_without_finishing_marks_its_heartbeat_failed(tmp_p
         RunPublisher(PublishSettings(runs_dir=Path({str(tmp_path)!r})), job).start()
         raise SystemExit(3)  # as an uncaught error outside the fit would
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert done.returncode == 3, done.stderr
     beat = read_heartbeat(tmp_path / "exit.h.0.json")
     assert (beat["status"], beat["reason"]) == ("failed", "the process exited before the fit ended")

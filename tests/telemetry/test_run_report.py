@@ -14,25 +14,42 @@ from lightning_accel.telemetry.report import RunReport
 from lightning_accel.telemetry.sampler import Stat
 
 
-def _window(util: tuple[float, float, float], power: float, throttled: float, temp_max: float, mem_max_mib: float,
-            energy: float, seconds: float) -> dict[str, dict[str, Stat]]:  # fmt: skip
+def _window(
+    util: tuple[float, float, float],
+    power: float,
+    throttled: float,
+    temp_max: float,
+    mem_max_mib: float,
+    energy: float,
+    seconds: float,
+) -> dict[str, dict[str, Stat]]:
     mean, low, high = util
-    return {"gpu/0": {
-        "utilization_pct": Stat(mean * seconds, seconds, low, high, high),
-        "power_w": Stat(power * seconds, seconds, power, power, power),
-        "throttle_any_frac": Stat(throttled * seconds, seconds, 0.0, 1.0, 0.0),
-        "temperature_c": Stat(60 * seconds, seconds, 50.0, temp_max, 60.0),
-        "memory_used_mib": Stat(mem_max_mib * seconds, seconds, 0.0, mem_max_mib, mem_max_mib),
-        "memory_total_mib": Stat(81920 * seconds, seconds, 81920.0, 81920.0, 81920.0),
-        "energy_wh": Stat(0.0, seconds, 0.0, energy, energy),
-    }}  # fmt: skip
+    return {
+        "gpu/0": {
+            "utilization_pct": Stat(mean * seconds, seconds, low, high, high),
+            "power_w": Stat(power * seconds, seconds, power, power, power),
+            "throttle_any_frac": Stat(throttled * seconds, seconds, 0.0, 1.0, 0.0),
+            "temperature_c": Stat(60 * seconds, seconds, 50.0, temp_max, 60.0),
+            "memory_used_mib": Stat(mem_max_mib * seconds, seconds, 0.0, mem_max_mib, mem_max_mib),
+            "memory_total_mib": Stat(81920 * seconds, seconds, 81920.0, 81920.0, 81920.0),
+            "energy_wh": Stat(0.0, seconds, 0.0, energy, energy),
+        }
+    }
 
 
 W1 = _window((60.0, 20.0, 90.0), 300.0, 0.1, 70.0, 30720.0, 0.5, 10.0)
 W2 = _window((90.0, 80.0, 100.0), 400.0, 0.0, 75.0, 40960.0, 2.0, 30.0)
-EXPECTED = {"utilization_mean_pct": 82.5, "utilization_peak_pct": 100.0, "memory_peak_gib": 40.0,
-            "memory_total_gib": 80.0, "power_mean_w": 375.0, "throttled_pct": 2.5, "temperature_max_c": 75.0,
-            "energy_wh": 2.0, "seconds": 40.0}  # fmt: skip
+EXPECTED = {
+    "utilization_mean_pct": 82.5,
+    "utilization_peak_pct": 100.0,
+    "memory_peak_gib": 40.0,
+    "memory_total_gib": 80.0,
+    "power_mean_w": 375.0,
+    "throttled_pct": 2.5,
+    "temperature_max_c": 75.0,
+    "energy_wh": 2.0,
+    "seconds": 40.0,
+}
 
 
 def _row(report: RunReport) -> dict[str, float]:
@@ -45,12 +62,14 @@ def test_totals_over_windows() -> None:
     report.add_window(10.0, 9, W1, [RankTiming(0, 0, 0.1, 0.01, 10), RankTiming(1, 0, 0.2, 0.05, 10)])
     report.add_window(40.0, 19, W2, [RankTiming(0, 0, 0.3, 0.03, 10), RankTiming(1, 0, 0.2, 0.05, 10)])
     assert _row(report) == EXPECTED
-    assert report.rank_rows() == [{"rank": 0, "step_time_ms": pytest.approx(200.0), "data_time_ms": pytest.approx(20.0),
-                                   "steps": 20},
-                                  {"rank": 1, "step_time_ms": pytest.approx(200.0), "data_time_ms": pytest.approx(50.0),
-                                   "steps": 20}]  # fmt: skip
+    assert report.rank_rows() == [
+        {"rank": 0, "step_time_ms": pytest.approx(200.0), "data_time_ms": pytest.approx(20.0), "steps": 20},
+        {"rank": 1, "step_time_ms": pytest.approx(200.0), "data_time_ms": pytest.approx(50.0), "steps": 20},
+    ]
     assert [(p["t"], p["step"], p["gpus"]["gpu/0"]["utilization_pct"]) for p in report.history] == [
-        (10.0, 9, 60.0), (40.0, 19, 90.0)]  # fmt: skip
+        (10.0, 9, 60.0),
+        (40.0, 19, 90.0),
+    ]
 
 
 def test_a_resumed_report_continues_the_run() -> None:

@@ -22,8 +22,10 @@ def _sampler(monkeypatch: pytest.MonkeyPatch, gpus: list[FakeGPU], clock: FakeCl
 
 def test_windows_are_exact_time_weighted_aggregates(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
-    gpus = [FakeGPU("GPU-a", utilization=lambda t: 10.0 * t, energy_mj=lambda t: 3_600.0 * t),
-            FakeGPU("GPU-b", utilization=lambda t: 100.0 if t < 2 else 0.0)]  # fmt: skip
+    gpus = [
+        FakeGPU("GPU-a", utilization=lambda t: 10.0 * t, energy_mj=lambda t: 3_600.0 * t),
+        FakeGPU("GPU-b", utilization=lambda t: 100.0 if t < 2 else 0.0),
+    ]
     sampler = _sampler(monkeypatch, gpus, clock)
     sampler.start(threaded=False)  # the reference reading at t=0 covers no time
     assert sampler.close_window() is None

@@ -29,15 +29,24 @@ class Probe(pl.Callback):
         first = batch[0] if isinstance(batch, (list, tuple)) else batch
         self._samples += len(first)
         if trainer.global_step > self._step:  # the optimizer stepped on this batch
-            self.steps.append({"step": self._step, "lr": self._lr, "samples": self._samples,
-                               "epoch": trainer.current_epoch})
+            self.steps.append(
+                {"step": self._step, "lr": self._lr, "samples": self._samples, "epoch": trainer.current_epoch}
+            )
             self._samples = 0
 
     def on_train_end(self, trainer, pl_module):
-        record = {"rank": trainer.global_rank, "world_size": trainer.world_size, "pid": os.getpid(),
-                  "strategy": type(trainer.strategy).__name__, "precision": str(trainer.precision),
-                  "float32_matmul_precision": self._matmul, "global_step": trainer.global_step,
-                  "epochs": trainer.current_epoch, "accumulate_grad_batches": trainer.accumulate_grad_batches,
-                  "callbacks": sorted(type(c).__name__ for c in trainer.callbacks), "steps": self.steps}
+        record = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "pid": os.getpid(),
+            "strategy": type(trainer.strategy).__name__,
+            "precision": str(trainer.precision),
+            "float32_matmul_precision": self._matmul,
+            "global_step": trainer.global_step,
+            "epochs": trainer.current_epoch,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "callbacks": sorted(type(c).__name__ for c in trainer.callbacks),
+            "steps": self.steps,
+        }
         Path(self.path).mkdir(parents=True, exist_ok=True)
         (Path(self.path) / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))

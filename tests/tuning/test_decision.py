@@ -18,8 +18,17 @@ KEY = "0123456789abcdef0123"
 
 def _decision(**kwargs: Any) -> TunerDecision:
     settings = LoaderSettings(num_workers=4, prefetch_factor=2, persistent_workers=True)
-    return TunerDecision(**{"fingerprint": KEY, "settings": settings, "samples_per_s": 1350.0, "wait_share": 0.4,
-                            "speedup": 5.7, "facts": {"dataset": "x"}, **kwargs})  # fmt: skip
+    return TunerDecision(
+        **{
+            "fingerprint": KEY,
+            "settings": settings,
+            "samples_per_s": 1350.0,
+            "wait_share": 0.4,
+            "speedup": 5.7,
+            "facts": {"dataset": "x"},
+            **kwargs,
+        }
+    )
 
 
 def test_round_trips_through_plain_types_json_and_pickle() -> None:
@@ -32,8 +41,10 @@ def test_round_trips_through_plain_types_json_and_pickle() -> None:
 
 def test_from_trials_takes_the_speedup_over_the_loaders_own_settings() -> None:
     own, chosen = LoaderSettings(), LoaderSettings(num_workers=2, prefetch_factor=2, persistent_workers=True)
-    trials = [Trial(settings=own, steps=10, seconds=2.0, samples_per_batch=8),
-              Trial(settings=chosen, steps=10, seconds=0.5, wait_s=0.1, samples_per_batch=8)]  # fmt: skip
+    trials = [
+        Trial(settings=own, steps=10, seconds=2.0, samples_per_batch=8),
+        Trial(settings=chosen, steps=10, seconds=0.5, wait_s=0.1, samples_per_batch=8),
+    ]
     decision = TunerDecision.from_trials(KEY, {}, trials[1], trials, own)
     assert decision.settings == chosen and decision.speedup == pytest.approx(4.0)
     assert decision.wait_share == pytest.approx(0.2) and decision.confident
@@ -97,8 +108,13 @@ def test_cache_put_get_and_remove(tmp_path: Path) -> None:
 
 
 def _timed(workers: int, rate: float) -> Trial:
-    return Trial(settings=LoaderSettings(num_workers=workers, prefetch_factor=2 if workers else None), status="done",
-                 steps=10, seconds=10 * 8 / rate, samples_per_batch=8)  # fmt: skip
+    return Trial(
+        settings=LoaderSettings(num_workers=workers, prefetch_factor=2 if workers else None),
+        status="done",
+        steps=10,
+        seconds=10 * 8 / rate,
+        samples_per_batch=8,
+    )
 
 
 def test_the_speedup_sets_the_chosen_median_against_the_loader_s_own_median() -> None:
@@ -106,8 +122,14 @@ def test_the_speedup_sets_the_chosen_median_against_the_loader_s_own_median() ->
     its median 180: the speedup is 180 / 200 = 0.9x, not 180 / 100 (the first run) = 1.8x. Under load the first run
     is as likely a burst as not: the tuner logged 0.82x for its own choice that way."""
     original = _timed(2, 100.0).settings
-    trials = [_timed(2, 100.0), _timed(1, 150.0), _timed(2, 300.0), _timed(1, 180.0), _timed(2, 200.0),
-              _timed(1, 190.0)]  # fmt: skip
+    trials = [
+        _timed(2, 100.0),
+        _timed(1, 150.0),
+        _timed(2, 300.0),
+        _timed(1, 180.0),
+        _timed(2, 200.0),
+        _timed(1, 190.0),
+    ]
     chosen = trials[3]
     decision = TunerDecision.from_trials(KEY, {}, chosen, trials, original)
     assert decision.speedup == pytest.approx(180.0 / 200.0)
@@ -132,8 +154,18 @@ def test_the_table_is_reported_once(capsys: pytest.CaptureFixture[str]) -> None:
         if with_handler:
             log.addHandler(handler)
         try:
-            publish(decision, trials[0].settings, trials, tuning_time_s=1.0, cache_hit=False, step_mode="training",
-                    print_table=True, loggers=(), step=0, log=log)  # fmt: skip
+            publish(
+                decision,
+                trials[0].settings,
+                trials,
+                tuning_time_s=1.0,
+                cache_hit=False,
+                step_mode="training",
+                print_table=True,
+                loggers=(),
+                step=0,
+                log=log,
+            )
         finally:
             log.removeHandler(handler)
         out = capsys.readouterr().out

@@ -87,8 +87,11 @@ def test_split_sizes_even_and_uneven() -> None:
 
 def test_split_batch_keeps_the_structure() -> None:
     Pair = namedtuple("Pair", "x y")
-    batch = {"input": (torch.arange(30).view(30, 1), [torch.arange(30)]), "pair": Pair(torch.zeros(30, 2), "tag"),
-             "name": "b"}  # fmt: skip
+    batch = {
+        "input": (torch.arange(30).view(30, 1), [torch.arange(30)]),
+        "pair": Pair(torch.zeros(30, 2), "tag"),
+        "name": "b",
+    }
     pieces = split_batch(batch, [8, 8, 8, 6])
     assert [p["input"][0].shape[0] for p in pieces] == [8, 8, 8, 6]
     assert torch.equal(torch.cat([p["input"][1][0] for p in pieces]), torch.arange(30))
@@ -116,8 +119,9 @@ def test_sample_weighted_pieces_give_the_whole_batchs_gradient(n: int, piece: in
         equal.load_state_dict(whole.state_dict())
         for px, py in split_batch((x, y), sizes):
             (torch.nn.functional.mse_loss(equal(px), py) / len(sizes)).backward()
-        assert not all(torch.allclose(a.grad, b.grad) for a, b in zip(whole.parameters(), equal.parameters(),
-                                                                        strict=True))  # fmt: skip
+        assert not all(
+            torch.allclose(a.grad, b.grad) for a, b in zip(whole.parameters(), equal.parameters(), strict=True)
+        )
 
 
 def test_a_long_sequence_batch_runs_out_where_short_ones_fit() -> None:
@@ -189,8 +193,11 @@ def test_one_sample_that_does_not_fit_fails_fast_naming_the_fixes() -> None:
     from lightning_accel.tuning.micro_batch import MicroBatchTooLargeError, backward_in_pieces
 
     _, split, data = _whole_and_split(8, limit_samples=0)
-    with pytest.raises(MicroBatchTooLargeError, match=r"One sample of this batch does not fit .*activation "
-                       r"checkpointing.*bf16.*ModelParallelStrategy"):  # fmt: skip
+    with pytest.raises(
+        MicroBatchTooLargeError,
+        match=r"One sample of this batch does not fit .*activation "
+        r"checkpointing.*bf16.*ModelParallelStrategy",
+    ):
         backward_in_pieces(_mse(split), data, list(split.parameters()))
     assert all(p.grad is None for p in split.parameters())  # nothing half-accumulated is left behind
 
@@ -202,8 +209,9 @@ def test_ranks_with_batches_of_different_lengths_halve_the_same_size() -> None:
 
     _, split, data = _whole_and_split(3, limit_samples=10**6)
     votes = iter([True, False])  # the other rank, on a batch of 4, ran out at 4 and fitted at 2
-    step = backward_in_pieces(_mse(split), data, list(split.parameters()), piece=4,
-                              agree=lambda mine: mine or next(votes))  # fmt: skip
+    step = backward_in_pieces(
+        _mse(split), data, list(split.parameters()), piece=4, agree=lambda mine: mine or next(votes)
+    )
     assert (step.piece, step.recoveries) == (2, 1)
 
 

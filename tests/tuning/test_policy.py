@@ -15,8 +15,13 @@ COMMON = {"max_workers": 8, "prefetch_factors": [2], "pin_memory": False, "toler
 
 
 def _trial(workers: int, rate: float, status: Status = "done") -> Trial:
-    return Trial(settings=LoaderSettings(num_workers=workers, prefetch_factor=2 if workers else None), status=status,
-                 steps=10, seconds=10 * 8 / rate, samples_per_batch=8)  # fmt: skip
+    return Trial(
+        settings=LoaderSettings(num_workers=workers, prefetch_factor=2 if workers else None),
+        status=status,
+        steps=10,
+        seconds=10 * 8 / rate,
+        samples_per_batch=8,
+    )
 
 
 def test_worker_counts_and_choice() -> None:
@@ -51,8 +56,15 @@ class Scripted:
         wait_s = self.wait(settings.num_workers) * seconds
         seconds *= self.factor if burst else 1.0
         status: Status = "cut" if cut is not None and seconds / 10 > cut and (self.cuts or not burst) else "done"
-        return Trial(settings=settings, status=status, steps=10, seconds=seconds, wait_s=wait_s, samples_per_batch=8,
-                     flag=FLAG if burst or self.everything_flagged else "")  # fmt: skip
+        return Trial(
+            settings=settings,
+            status=status,
+            steps=10,
+            seconds=seconds,
+            wait_s=wait_s,
+            samples_per_batch=8,
+            flag=FLAG if burst or self.everything_flagged else "",
+        )
 
 
 def _scripted(rates: Callable[[int], float], wait: float) -> tuple[Scripted, list[int]]:

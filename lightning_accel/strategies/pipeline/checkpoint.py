@@ -131,8 +131,10 @@ def consolidate_checkpoint(path: str | Path, out: str | Path | None = None) -> d
 
     path = Path(path)
     if not (path / ".metadata").is_file():
-        raise ConfigError(f"{str(path)!r} is not a distributed checkpoint directory (no .metadata); pass the "
-                          "directory a PipelineStrategy run saved.")  # fmt: skip
+        raise ConfigError(
+            f"{str(path)!r} is not a distributed checkpoint directory (no .metadata); pass the "
+            "directory a PipelineStrategy run saved."
+        )
     check_distributed_checkpoint(path)  # before torch unpickles the index and the shards' non-tensor items
     meta = load_metadata(path / _METADATA_FILENAME) if (path / _METADATA_FILENAME).is_file() else {}
     state: dict[str, Any] = _load_distributed_checkpoint(path)

@@ -84,9 +84,20 @@ class PipelineRunner:
         group: the pipeline-parallel process group; device: where the stages run.
     """
 
-    def __init__(self, *, module: Any, views: Sequence[nn.Module], stages: Sequence[int], plan: PipelineStagePlan,
-                 spec: ScheduleSpec, n_microbatches: int, ranks: Sequence[int], rank: int, group: Any,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        module: Any,
+        views: Sequence[nn.Module],
+        stages: Sequence[int],
+        plan: PipelineStagePlan,
+        spec: ScheduleSpec,
+        n_microbatches: int,
+        ranks: Sequence[int],
+        rank: int,
+        group: Any,
+        device: torch.device,
+    ) -> None:
         self.module = module
         self.views = list(views)
         self.stages = list(stages)

@@ -161,9 +161,13 @@ def check_precision(precision: str) -> None:
 
 
 def check_pipeline_settings(
-    values: Mapping[str, Any] | None = None, /, *, precision: str | None = None, world: int | None = None,
+    values: Mapping[str, Any] | None = None,
+    /,
+    *,
+    precision: str | None = None,
+    world: int | None = None,
     **arguments: Any,
-) -> PipelineSettings:  # fmt: skip
+) -> PipelineSettings:
     """The checks of `PipelineStrategy`'s arguments that need no model, before anything is launched.
 
     Args:

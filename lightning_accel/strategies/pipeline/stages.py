@@ -224,9 +224,11 @@ def prune_to_stages(model: nn.Module, plan: PipelineStagePlan, stages: Sequence[
         for name in (*before, *after):
             if name not in top:
                 setattr(target, name, None)
-        setattr(target, plan.block_list, nn.ModuleList(
-            [block if i in owned else nn.Identity() for i, block in enumerate(blocks)]
-        ))  # fmt: skip
+        setattr(
+            target,
+            plan.block_list,
+            nn.ModuleList([block if i in owned else nn.Identity() for i, block in enumerate(blocks)]),
+        )
 
     views = []
     for stage in stages:

@@ -123,14 +123,24 @@ class PipelineStrategy(_LightningModelParallelStrategy):
     ) -> None:
         check_torch_pipelining()
         settings = PipelineSettings(
-            schedule=schedule, n_microbatches=n_microbatches, split_points=split_points, n_stages=n_stages,  # type: ignore[arg-type]
-            data_parallel_size=data_parallel_size, data_parallel=data_parallel, block_list=block_list,
-            process_group_backend=process_group_backend, timeout=timeout,
-        )  # fmt: skip
+            schedule=schedule,
+            n_microbatches=n_microbatches,
+            split_points=split_points,
+            n_stages=n_stages,  # type: ignore[arg-type]
+            data_parallel_size=data_parallel_size,
+            data_parallel=data_parallel,
+            block_list=block_list,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         settings.validate()
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
-                         save_distributed_checkpoint=True, process_group_backend=process_group_backend,
-                         timeout=timeout)  # fmt: skip
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         self.settings = settings
         self.plan: PipelineStagePlan | None = None
         self.local_stages: list[int] = []
@@ -183,10 +193,17 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         assert self.plan is not None and self._n_microbatches is not None
         spec = self.settings.spec
         self._runner = PipelineRunner(
-            module=module, views=self._views, stages=self.local_stages, plan=self.plan, spec=spec,
-            n_microbatches=self._n_microbatches, ranks=stage_ranks(self.plan.n_stages, self.pp_size, spec.placement),
-            rank=self.pp_rank, group=self.device_mesh["pipeline_parallel"].get_group(), device=self.root_device,
-        )  # fmt: skip
+            module=module,
+            views=self._views,
+            stages=self.local_stages,
+            plan=self.plan,
+            spec=spec,
+            n_microbatches=self._n_microbatches,
+            ranks=stage_ranks(self.plan.n_stages, self.pp_size, spec.placement),
+            rank=self.pp_rank,
+            group=self.device_mesh["pipeline_parallel"].get_group(),
+            device=self.root_device,
+        )
         self._patch_clipping()
 
     def _build_stages(self, module: pl.LightningModule) -> None:
@@ -293,8 +310,9 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         clip = functools.partial(
             clip_grad_norm_over_stages, group=self.device_mesh["pipeline_parallel"].get_group(), device=self.root_device
         )
-        undo = patch_attribute(self.precision_plugin, "clip_grad_by_norm", clip,
-                               why="PipelineStrategy's gradient clipping over all stages")  # fmt: skip
+        undo = patch_attribute(
+            self.precision_plugin, "clip_grad_by_norm", clip, why="PipelineStrategy's gradient clipping over all stages"
+        )
         self._patches.callback(undo)
 
     @override

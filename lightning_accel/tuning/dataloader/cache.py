@@ -59,9 +59,13 @@ class DecisionCache:
         if why is not None:
             if self._refused != why:
                 self._refused = why
-                warnings.warn(f"DataLoaderTuner: the decision cache is not used: {why}, so any entry in it could have "
-                              "been planted; fix its permissions (chmod go-w) or set `cache_dir` to a folder of your "
-                              "own.", LightningAccelWarning, stacklevel=3)  # fmt: skip
+                warnings.warn(
+                    f"DataLoaderTuner: the decision cache is not used: {why}, so any entry in it could have "
+                    "been planted; fix its permissions (chmod go-w) or set `cache_dir` to a folder of your "
+                    "own.",
+                    LightningAccelWarning,
+                    stacklevel=3,
+                )
             return {}
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))

@@ -45,21 +45,45 @@ class TunerDecision:
     """What the fingerprint hashes (dataset, batch size, model, hardware, world size)."""
 
     @classmethod
-    def from_trials(cls, key: str, facts: Mapping[str, Any], chosen: Trial, trials: Sequence[Trial],
-                    original: LoaderSettings, *, confident: bool = True, note: str = "") -> TunerDecision:  # fmt: skip
+    def from_trials(
+        cls,
+        key: str,
+        facts: Mapping[str, Any],
+        chosen: Trial,
+        trials: Sequence[Trial],
+        original: LoaderSettings,
+        *,
+        confident: bool = True,
+        note: str = "",
+    ) -> TunerDecision:
         """The decision for `chosen`, with its speedup over the loader's own settings `original` (when timed)."""
         own = _median_run(trials, original)
         speedup = chosen.samples_per_s / own.samples_per_s if own is not None and own.samples_per_s > 0 else None
-        return cls(fingerprint=key, settings=chosen.settings, samples_per_s=chosen.samples_per_s,
-                   wait_share=chosen.wait_share, speedup=speedup, confident=confident, note=note,
-                   tuned_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), facts=dict(facts))  # fmt: skip
+        return cls(
+            fingerprint=key,
+            settings=chosen.settings,
+            samples_per_s=chosen.samples_per_s,
+            wait_share=chosen.wait_share,
+            speedup=speedup,
+            confident=confident,
+            note=note,
+            tuned_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            facts=dict(facts),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """Plain types only (JSON and `torch.load(weights_only=True)` read them)."""
-        return {"fingerprint": self.fingerprint, "settings": self.settings.as_dict(),
-                "samples_per_s": self.samples_per_s, "wait_share": self.wait_share, "speedup": self.speedup,
-                "confident": self.confident, "note": self.note, "tuned_at": self.tuned_at,
-                "facts": dict(self.facts)}  # fmt: skip
+        return {
+            "fingerprint": self.fingerprint,
+            "settings": self.settings.as_dict(),
+            "samples_per_s": self.samples_per_s,
+            "wait_share": self.wait_share,
+            "speedup": self.speedup,
+            "confident": self.confident,
+            "note": self.note,
+            "tuned_at": self.tuned_at,
+            "facts": dict(self.facts),
+        }
 
     @classmethod
     def from_dict(cls, entry: object, *, fingerprint: str, max_workers: int) -> TunerDecision | None:
@@ -78,8 +102,9 @@ class TunerDecision:
         workers, prefetch = raw["num_workers"], raw["prefetch_factor"]
         if not _is_int(workers) or not 0 <= workers <= max_workers:
             return None
-        if (workers == 0 and prefetch is not None) or (workers > 0 and not (_is_int(prefetch) and
-                                                                              1 <= prefetch <= MAX_PREFETCH_FACTOR)):
+        if (workers == 0 and prefetch is not None) or (
+            workers > 0 and not (_is_int(prefetch) and 1 <= prefetch <= MAX_PREFETCH_FACTOR)
+        ):
             return None  # bounded like a setting a user writes: 10**9 batches in flight hung a run for 12 minutes
         if not all(isinstance(raw[k], bool) for k in ("pin_memory", "persistent_workers")):
             return None
@@ -92,14 +117,30 @@ class TunerDecision:
             return None
         confident, note, tuned_at = entry.get("confident", True), entry.get("note", ""), entry.get("tuned_at", "")
         facts = entry.get("facts", {})
-        if not (isinstance(confident, bool) and isinstance(note, str) and isinstance(tuned_at, str)
-                and isinstance(facts, Mapping)):  # fmt: skip
+        if not (
+            isinstance(confident, bool)
+            and isinstance(note, str)
+            and isinstance(tuned_at, str)
+            and isinstance(facts, Mapping)
+        ):
             return None
-        settings = LoaderSettings(num_workers=workers, prefetch_factor=prefetch, pin_memory=raw["pin_memory"],
-                                  persistent_workers=raw["persistent_workers"])  # fmt: skip
-        return cls(fingerprint=fingerprint, settings=settings, samples_per_s=float(rate), wait_share=float(wait),
-                   speedup=None if speedup is None else float(speedup), confident=confident, note=note,
-                   tuned_at=tuned_at, facts=dict(facts))  # fmt: skip
+        settings = LoaderSettings(
+            num_workers=workers,
+            prefetch_factor=prefetch,
+            pin_memory=raw["pin_memory"],
+            persistent_workers=raw["persistent_workers"],
+        )
+        return cls(
+            fingerprint=fingerprint,
+            settings=settings,
+            samples_per_s=float(rate),
+            wait_share=float(wait),
+            speedup=None if speedup is None else float(speedup),
+            confident=confident,
+            note=note,
+            tuned_at=tuned_at,
+            facts=dict(facts),
+        )
 
 
 def _is_int(value: object) -> bool:

@@ -35,9 +35,21 @@ from lightning_accel.tuning.dataloader.timing import (
 )
 from lightning_accel.tuning.dataloader.trial_runner import TrialRunner
 
-__all__ = ["StepMode", "facts", "is_tuned", "make_step", "memory_free", "rank_sync", "rebuilt",
-           "same_host_pids", "search_in_lockstep", "stop_workers", "swap_loaders", "untouched",
-           "untunable"]  # fmt: skip
+__all__ = [
+    "StepMode",
+    "facts",
+    "is_tuned",
+    "make_step",
+    "memory_free",
+    "rank_sync",
+    "rebuilt",
+    "same_host_pids",
+    "search_in_lockstep",
+    "stop_workers",
+    "swap_loaders",
+    "untouched",
+    "untunable",
+]
 
 StepMode = Literal["train", "forward", "data"]
 _TUNED = "_lightning_accel_tuned"  # marks the DataLoaders this package built, so a reloaded one is told apart
@@ -90,8 +102,11 @@ def untouched(pl_module: pl.LightningModule) -> Iterator[None]:
     buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
     buffers += [(p, p.detach().clone()) for p in pl_module.parameters() if not p.requires_grad]
     grads = [(p, p.grad) for p in pl_module.parameters()]
-    metrics = [(m, copy.deepcopy({k: getattr(m, k) for k in m._defaults}), m._update_count, m._computed)
-               for m in pl_module.modules() if isinstance(m, Metric)]  # fmt: skip
+    metrics = [
+        (m, copy.deepcopy({k: getattr(m, k) for k in m._defaults}), m._update_count, m._computed)
+        for m in pl_module.modules()
+        if isinstance(m, Metric)
+    ]
     modes = [(m, m.training) for m in pl_module.modules()]  # per module: a frozen part may stay in eval mode
     with contextlib.ExitStack() as undo:
         for name in ("log", "log_dict"):
@@ -205,13 +220,24 @@ def facts(trainer: pl.Trainer, loader: Any, batch_size: int | None, cpus: int) -
     device = torch.cuda.get_device_name(trainer.strategy.root_device) if cuda else read_cpu_info().model_name
     module = trainer.lightning_module
     sampler = loader.batch_sampler if loader.batch_size is None else loader.sampler
-    return {"dataset": name(loader.dataset), "length": len(loader.dataset), "batch_size": batch_size,
-            "batches": len(loader), "drop_last": bool(loader.drop_last), "sampler": name(sampler),
-            "collate_fn": getattr(loader.collate_fn, "__qualname__", name(loader.collate_fn)),
-            "loader": loader_settings(loader).as_dict(), "model": name(module),
-            "parameters": sum(p.numel() for p in module.parameters()), "precision": str(trainer.precision),
-            "accelerator": name(trainer.accelerator), "device": device, "cpus_per_rank": cpus,
-            "world_size": trainer.world_size, "processes_per_node": trainer.num_devices}  # fmt: skip
+    return {
+        "dataset": name(loader.dataset),
+        "length": len(loader.dataset),
+        "batch_size": batch_size,
+        "batches": len(loader),
+        "drop_last": bool(loader.drop_last),
+        "sampler": name(sampler),
+        "collate_fn": getattr(loader.collate_fn, "__qualname__", name(loader.collate_fn)),
+        "loader": loader_settings(loader).as_dict(),
+        "model": name(module),
+        "parameters": sum(p.numel() for p in module.parameters()),
+        "precision": str(trainer.precision),
+        "accelerator": name(trainer.accelerator),
+        "device": device,
+        "cpus_per_rank": cpus,
+        "world_size": trainer.world_size,
+        "processes_per_node": trainer.num_devices,
+    }
 
 
 def memory_free(processes: int) -> int:
@@ -257,8 +283,9 @@ def search_in_lockstep(
     except Exception as err:
         error = err
     if sync([float(error is not None)])[0]:
-        raise TrialError(f"the first batch failed: {error!r}" if error else "the first batch failed on another "
-                         "rank") from error  # fmt: skip
+        raise TrialError(
+            f"the first batch failed: {error!r}" if error else "the first batch failed on another rank"
+        ) from error
     # samples_in's default 1: a batch with no tensor counts as one sample, so throughput counts batches
     batch_size, batch_bytes = batch_size or samples_in(probe, default=1), batch_nbytes(probe)
     original = loader_settings(loader)  # as a trial runs it: persistence only matters between epochs
@@ -267,14 +294,26 @@ def search_in_lockstep(
     budget, original, shm_free, memory_free = strategy.broadcast(shared, src=0)  # one search on every rank
     most_bytes, fewest_batches = sync([float(batch_bytes), -float(len(loader))])
     batch_bytes, length = int(most_bytes), int(-fewest_batches)
-    measure = TrialRunner(loader=loader, step=step, samples_per_batch=batch_size, batches=length,
-                          warmup_steps=warmup_steps, steps_per_trial=steps_per_trial, deadline=deadline, sync=sync,
-                          pids=same_host_pids())  # fmt: skip
+    measure = TrialRunner(
+        loader=loader,
+        step=step,
+        samples_per_batch=batch_size,
+        batches=length,
+        warmup_steps=warmup_steps,
+        steps_per_trial=steps_per_trial,
+        deadline=deadline,
+        sync=sync,
+        pids=same_host_pids(),
+    )
     with untouched(pl_module):
         trials = policy.search(
-            measure, budget=budget, max_workers=max_workers or 4 * budget, prefetch_factors=prefetch_factors,
-            original=original, tolerance=tolerance,
+            measure,
+            budget=budget,
+            max_workers=max_workers or 4 * budget,
+            prefetch_factors=prefetch_factors,
+            original=original,
+            tolerance=tolerance,
             pin_memory=tune_pin_memory and isinstance(trainer.accelerator, CUDAAccelerator),
             guard=lambda s: policy.memory_note(s, batch_bytes, shm_free, memory_free),
-        )  # fmt: skip
+        )
     return trials, original

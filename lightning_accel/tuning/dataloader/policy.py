@@ -10,8 +10,17 @@ from lightning_accel.measure import Interval, interleaved, ratio
 from lightning_accel.tuning.dataloader.decision import TunerDecision
 from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
 
-__all__ = ["LOADER_BOUND_SHARE", "choose", "clearly_apart", "decide", "medians", "memory_note", "no_data_wait",
-           "search", "worker_counts"]  # fmt: skip
+__all__ = [
+    "LOADER_BOUND_SHARE",
+    "choose",
+    "clearly_apart",
+    "decide",
+    "medians",
+    "memory_note",
+    "no_data_wait",
+    "search",
+    "worker_counts",
+]
 
 LOADER_BOUND_SHARE = 0.1
 """Above this share of step time waiting for data, more workers than CPUs are tried (the loader may wait on I/O)."""
@@ -46,8 +55,13 @@ def no_data_wait(trial: Trial, tolerance: float) -> bool:
     trial under interference (`Trial.flag`) never counts: another job's load can lengthen every step, and a small
     share read then would end the search, or override faster measured settings, on one inflated timing.
     """
-    return trial.settings.num_workers == 0 and trial.status == "done" and trial.steps > 0 and not trial.flag and (
-        trial.loader_share <= tolerance)  # fmt: skip
+    return (
+        trial.settings.num_workers == 0
+        and trial.status == "done"
+        and trial.steps > 0
+        and not trial.flag
+        and (trial.loader_share <= tolerance)
+    )
 
 
 def medians(trials: Sequence[Trial]) -> list[Trial]:
@@ -79,8 +93,9 @@ def choose(trials: Sequence[Trial], tolerance: float) -> Trial | None:
     return min((t for t in finished if t.samples_per_s >= best * (1.0 - tolerance)), key=lambda t: t.settings.cost)
 
 
-def decide(trials: Sequence[Trial], tolerance: float, *, fingerprint: str, facts: Mapping[str, Any],
-           original: LoaderSettings) -> TunerDecision | None:  # fmt: skip
+def decide(
+    trials: Sequence[Trial], tolerance: float, *, fingerprint: str, facts: Mapping[str, Any], original: LoaderSettings
+) -> TunerDecision | None:
     """The decision `trials` support: `choose`'s setting, with its speedup over the loader's own settings `original`;
     not confident (applied, never cached) when any trial was measured under interference. None when no trial
     finished."""
@@ -168,8 +183,9 @@ def search(
             return next(t for t in trials if t.settings == settings)
         seen.add(settings)
         note = guard(settings)
-        trial = Trial(settings=settings, status="skipped", note=note) if note else measure(settings, bar() if cut
-                                                                                           else None)  # fmt: skip
+        trial = (
+            Trial(settings=settings, status="skipped", note=note) if note else measure(settings, bar() if cut else None)
+        )
         trials.append(trial)
         out_of_time = trial.status == "time"
         return None if out_of_time else trial
@@ -180,7 +196,8 @@ def search(
         nonlocal out_of_time
         first = {t.settings: t for t in medians(trials) if t.settings in (a, b)}
         rates: dict[LoaderSettings, list[float | None]] = {
-            s: [first[s].samples_per_s if s in first else None] for s in (a, b)}  # fmt: skip
+            s: [first[s].samples_per_s if s in first else None] for s in (a, b)
+        }
         if a not in first or b not in first or not clearly_apart(first[a], first[b], tolerance):
             for _, settings in interleaved([a, b], repeats):
                 trial = measure(settings, None)
@@ -197,8 +214,11 @@ def search(
             return None
 
     def base(workers: int) -> LoaderSettings:
-        return LoaderSettings(num_workers=workers, prefetch_factor=prefetch_factors[0] if workers else None,
-                              persistent_workers=workers > 0)  # fmt: skip
+        return LoaderSettings(
+            num_workers=workers,
+            prefetch_factor=prefetch_factors[0] if workers else None,
+            persistent_workers=workers > 0,
+        )
 
     counts = [base(w) for w in worker_counts(budget)]
     cut_at: int | None = None

@@ -13,8 +13,16 @@ from lightning_accel.tuning.dataloader.decision import TunerDecision
 from lightning_accel.tuning.dataloader.policy import medians
 from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
 
-__all__ = ["COLUMNS", "decision_line", "decision_metrics", "publish", "rich_table", "shown_on_a_stream", "table_rows",
-           "table_text"]
+__all__ = [
+    "COLUMNS",
+    "decision_line",
+    "decision_metrics",
+    "publish",
+    "rich_table",
+    "shown_on_a_stream",
+    "table_rows",
+    "table_text",
+]
 
 COLUMNS = ("workers", "prefetch", "pin", "samples/s", "data wait", "startup s", "steps", "interference", "note")
 
@@ -26,13 +34,19 @@ def table_rows(trials: Sequence[Trial], chosen: Trial | None) -> list[list[str]]
     for trial in trials:
         s = trial.settings
         measured = trial.status != "skipped"
-        rows.append([
-            str(s.num_workers), str(s.prefetch_factor or "-"), "yes" if s.pin_memory else "no",
-            f"{trial.samples_per_s:,.1f}" if measured and trial.steps else "-",
-            f"{100 * trial.wait_share:.0f}%" if measured and trial.steps else "-",
-            f"{trial.startup_s:.2f}" if measured else "-", str(trial.steps), "yes" if trial.flag else "-",
-            "chosen" if trial is chosen else (trial.note or trial.status),
-        ])  # fmt: skip
+        rows.append(
+            [
+                str(s.num_workers),
+                str(s.prefetch_factor or "-"),
+                "yes" if s.pin_memory else "no",
+                f"{trial.samples_per_s:,.1f}" if measured and trial.steps else "-",
+                f"{100 * trial.wait_share:.0f}%" if measured and trial.steps else "-",
+                f"{trial.startup_s:.2f}" if measured else "-",
+                str(trial.steps),
+                "yes" if trial.flag else "-",
+                "chosen" if trial is chosen else (trial.note or trial.status),
+            ]
+        )
     return rows
 
 
@@ -51,17 +65,23 @@ def rich_table(rows: Sequence[Sequence[str]], title: str) -> Any:
     return table
 
 
-def decision_metrics(decision: TunerDecision, trials: Sequence[Trial], tuning_time_s: float, cache_hit: bool
-                     ) -> dict[str, float]:  # fmt: skip
+def decision_metrics(
+    decision: TunerDecision, trials: Sequence[Trial], tuning_time_s: float, cache_hit: bool
+) -> dict[str, float]:
     """The `dataloader_tuner/...` metrics of a decision (see `DataLoaderTuner`'s docstring)."""
     settings = decision.settings
     metrics = {
-        "num_workers": settings.num_workers, "prefetch_factor": settings.prefetch_factor or 0,
-        "pin_memory": settings.pin_memory, "persistent_workers": settings.persistent_workers,
-        "samples_per_s": decision.samples_per_s, "data_wait_share": decision.wait_share,
-        "speedup": decision.speedup or math.nan, "tuning_time_s": tuning_time_s,
-        "trials": sum(t.status != "skipped" for t in trials), "cache_hit": cache_hit,
-    }  # fmt: skip
+        "num_workers": settings.num_workers,
+        "prefetch_factor": settings.prefetch_factor or 0,
+        "pin_memory": settings.pin_memory,
+        "persistent_workers": settings.persistent_workers,
+        "samples_per_s": decision.samples_per_s,
+        "data_wait_share": decision.wait_share,
+        "speedup": decision.speedup or math.nan,
+        "tuning_time_s": tuning_time_s,
+        "trials": sum(t.status != "skipped" for t in trials),
+        "cache_hit": cache_hit,
+    }
     return {f"dataloader_tuner/{key}": float(value) for key, value in metrics.items()}
 
 
@@ -70,17 +90,33 @@ def decision_line(result: TunerDecision, original: LoaderSettings, source: str) 
     own settings `original`, and the throughput measured with it."""
     if not result.confident:
         source += f"; not cached: {result.note}"
-    changed = ", ".join(f"{k} {getattr(original, k)} -> {v}" for k, v in result.settings.as_dict().items()
-                        if getattr(original, k) != v) or "no change"  # fmt: skip
+    changed = (
+        ", ".join(
+            f"{k} {getattr(original, k)} -> {v}"
+            for k, v in result.settings.as_dict().items()
+            if getattr(original, k) != v
+        )
+        or "no change"
+    )
     return (
         f"DataLoaderTuner ({source}): {changed}; {result.samples_per_s:,.1f} samples/s per rank "
         f"({result.speedup or float('nan'):.2f}x the loader's own settings)."
     )
 
 
-def publish(result: TunerDecision, original: LoaderSettings, trials: Sequence[Trial], *, tuning_time_s: float,
-            cache_hit: bool, step_mode: str, print_table: bool, loggers: Iterable[Any], step: int,
-            log: logging.Logger) -> None:  # fmt: skip
+def publish(
+    result: TunerDecision,
+    original: LoaderSettings,
+    trials: Sequence[Trial],
+    *,
+    tuning_time_s: float,
+    cache_hit: bool,
+    step_mode: str,
+    print_table: bool,
+    loggers: Iterable[Any],
+    step: int,
+    log: logging.Logger,
+) -> None:
     """Report a decision on rank zero, once: the table of `trials` and the decision line at INFO on `log` (the run's
     log file and console under Hydra); with `print_table`, also with rich on the console where no logging handler
     shows `log`'s INFO on a terminal stream (a plain script), so the table never appears twice. The
@@ -114,8 +150,11 @@ def shown_on_a_stream(log: logging.Logger) -> bool:
     while logger is not None:
         for handler in logger.handlers:
             stream = getattr(handler, "stream", None)
-            if (not isinstance(handler, logging.FileHandler) and stream in (sys.stdout, sys.stderr)
-                    and handler.level <= logging.INFO):  # fmt: skip
+            if (
+                not isinstance(handler, logging.FileHandler)
+                and stream in (sys.stdout, sys.stderr)
+                and handler.level <= logging.INFO
+            ):
                 return True
         logger = logger.parent if logger.propagate else None
     return False

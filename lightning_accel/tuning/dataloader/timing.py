@@ -16,8 +16,19 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_accel.signals import pending_signal
 
-__all__ = ["LoaderSettings", "Status", "Sync", "Trial", "TrialError", "batch_nbytes", "frozen_rng", "loader_settings",
-           "rebuild_loader", "run_trial", "trial_window"]  # fmt: skip
+__all__ = [
+    "LoaderSettings",
+    "Status",
+    "Sync",
+    "Trial",
+    "TrialError",
+    "batch_nbytes",
+    "frozen_rng",
+    "loader_settings",
+    "rebuild_loader",
+    "run_trial",
+    "trial_window",
+]
 
 Status = Literal["done", "cut", "skipped", "time"]
 Sync = Callable[[Sequence[float]], list[float]]
@@ -90,10 +101,19 @@ class Trial:
         return self.wait_s / (self.wait_s + compute) if self.wait_s + compute > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.settings.as_dict(), "status": self.status, "steps": self.steps, "seconds": self.seconds,
-                "wait_s": self.wait_s, "startup_s": self.startup_s, "samples_per_s": self.samples_per_s,
-                "wait_share": self.wait_share, "step_s_median": self.step_s_median, "flag": self.flag,
-                "note": self.note}  # fmt: skip
+        return {
+            **self.settings.as_dict(),
+            "status": self.status,
+            "steps": self.steps,
+            "seconds": self.seconds,
+            "wait_s": self.wait_s,
+            "startup_s": self.startup_s,
+            "samples_per_s": self.samples_per_s,
+            "wait_share": self.wait_share,
+            "step_s_median": self.step_s_median,
+            "flag": self.flag,
+            "note": self.note,
+        }
 
 
 class TrialError(RuntimeError):
@@ -128,18 +148,23 @@ def rebuild_loader(loader: DataLoader, settings: LoaderSettings, stall_timeout_s
         raise TypeError("an IterableDataset changes meaning with num_workers (each worker replays it); not rebuilt.")
     workers = settings.num_workers
     common: dict[str, Any] = {
-        "num_workers": workers, "collate_fn": loader.collate_fn, "pin_memory": settings.pin_memory,
-        "timeout": (loader.timeout or stall_timeout_s) if workers else 0, "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context if workers else None, "generator": loader.generator,
+        "num_workers": workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": settings.pin_memory,
+        "timeout": (loader.timeout or stall_timeout_s) if workers else 0,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context if workers else None,
+        "generator": loader.generator,
         "prefetch_factor": (settings.prefetch_factor or 2) if workers else None,
         "persistent_workers": settings.persistent_workers and workers > 0,
         "pin_memory_device": loader.pin_memory_device,
-    }  # fmt: skip
+    }
     if hasattr(loader, "in_order"):
         common["in_order"] = loader.in_order
     if loader.batch_size is not None:  # DataLoader made the BatchSampler from batch_size, sampler and drop_last
-        return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler,
-                          drop_last=loader.drop_last, **common)  # fmt: skip
+        return DataLoader(
+            loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last, **common
+        )
     if loader.batch_sampler is not None:
         return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **common)
     return DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **common)
@@ -270,8 +295,9 @@ def run_trial(
                     error = err
             if (index + 1) % check and index + 1 < steps:
                 continue
-            slowest, late, failed, ended, signalled = sync([timed, float(clock() >= deadline), float(error is not None),
-                                                            float(exhausted), float(pending_signal())])  # fmt: skip
+            slowest, late, failed, ended, signalled = sync(
+                [timed, float(clock() >= deadline), float(error is not None), float(exhausted), float(pending_signal())]
+            )
             if failed or ended or signalled or index + 1 == steps:
                 break
             if cut_s_per_step is not None and slowest > (index + 1) * cut_s_per_step:
@@ -286,12 +312,16 @@ def run_trial(
         except Exception as err:  # reported to every rank by the collective below, like a failed step
             error = error or err
     median = sorted(computes)[len(computes) // 2] if computes else 0.0
-    seconds, wait_s, startup_s, fewest, step_s, failed, signalled = sync([
-        timed, wait, trial.startup_s, -done, median, float(error is not None), float(pending_signal())])  # fmt: skip
+    seconds, wait_s, startup_s, fewest, step_s, failed, signalled = sync(
+        [timed, wait, trial.startup_s, -done, median, float(error is not None), float(pending_signal())]
+    )
     _stop_if_signalled(signalled)  # every rank together: a stop signal on any of them ends the trials
     if failed:
-        raise TrialError(f"DataLoader trial {settings} failed: {error!r}" if error else
-                         f"DataLoader trial {settings} failed on another rank") from error  # fmt: skip
+        raise TrialError(
+            f"DataLoader trial {settings} failed: {error!r}"
+            if error
+            else f"DataLoader trial {settings} failed on another rank"
+        ) from error
     trial.steps, trial.seconds, trial.wait_s, trial.startup_s = int(-fewest), seconds, wait_s, startup_s
     trial.step_s_median = step_s
     if trial.steps == 0 and trial.status == "done":

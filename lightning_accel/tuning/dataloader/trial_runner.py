@@ -51,10 +51,19 @@ class TrialRunner:
         warmup, steps = trial_window(settings.num_workers, self.warmup_steps, self.steps_per_trial, self.batches)
         probe = InterferenceProbe(pids=lambda: self.pids)
         with probe:
-            trial = run_trial(lambda s: rebuild_loader(self.loader, replace(s, persistent_workers=False),
-                                                       stall_timeout_s=TRIAL_STALL_S), self.step, settings,
-                              warmup=warmup, steps=steps, samples_per_batch=self.samples_per_batch,
-                              cut_s_per_step=cut_s_per_step, deadline=self.deadline, sync=self.sync)  # fmt: skip
+            trial = run_trial(
+                lambda s: rebuild_loader(
+                    self.loader, replace(s, persistent_workers=False), stall_timeout_s=TRIAL_STALL_S
+                ),
+                self.step,
+                settings,
+                warmup=warmup,
+                steps=steps,
+                samples_per_batch=self.samples_per_batch,
+                cut_s_per_step=cut_s_per_step,
+                deadline=self.deadline,
+                sync=self.sync,
+            )
         seen = probe.result
         if self.sync([float(seen is not None and seen.flagged)])[0]:  # any rank's flag, on every rank
             trial.flag = seen.describe() if seen is not None and seen.flagged else "interference on another rank"

@@ -37,8 +37,11 @@ class LiveWait:
 
     def batch_end(self, now: float) -> None:
         if self._start is not None and self._gap is not None and not self.complete:
-            self.wait_s, self.step_s, self.counted = self.wait_s + self._gap, self.step_s + now - self._start, (
-                self.counted + 1)  # fmt: skip
+            self.wait_s, self.step_s, self.counted = (
+                self.wait_s + self._gap,
+                self.step_s + now - self._start,
+                (self.counted + 1),
+            )
         self.seen, self._end, self._start, self._gap = self.seen + 1, now, None, None
 
     def pause(self) -> None:

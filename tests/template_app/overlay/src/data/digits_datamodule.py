@@ -31,8 +31,10 @@ class DigitsDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.trainer is not None:  # the template's division of the batch by the world size
             if self.hparams.batch_size % self.trainer.world_size != 0:
-                raise RuntimeError(f"Batch size ({self.hparams.batch_size}) is not divisible by the number of "
-                                   f"devices ({self.trainer.world_size}).")
+                raise RuntimeError(
+                    f"Batch size ({self.hparams.batch_size}) is not divisible by the number of "
+                    f"devices ({self.trainer.world_size})."
+                )
             self.batch_size_per_device = self.hparams.batch_size // self.trainer.world_size
         if not self.data_train and not self.data_val and not self.data_test:
             from sklearn.datasets import load_digits
@@ -43,13 +45,19 @@ class DigitsDataModule(LightningDataModule):
             images = (images - 0.1307) / 0.3081
             dataset = TensorDataset(images, torch.tensor(digits.target, dtype=torch.long))
             self.data_train, self.data_val, self.data_test = random_split(
-                dataset=dataset, lengths=self.hparams.train_val_test_split,
+                dataset=dataset,
+                lengths=self.hparams.train_val_test_split,
                 generator=torch.Generator().manual_seed(42),
             )
 
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader[Any]:
-        return DataLoader(dataset=dataset, batch_size=self.batch_size_per_device,
-                          num_workers=self.hparams.num_workers, pin_memory=self.hparams.pin_memory, shuffle=shuffle)
+        return DataLoader(
+            dataset=dataset,
+            batch_size=self.batch_size_per_device,
+            num_workers=self.hparams.num_workers,
+            pin_memory=self.hparams.pin_memory,
+            shuffle=shuffle,
+        )
 
     def train_dataloader(self) -> DataLoader[Any]:
         return self._loader(self.data_train, shuffle=True)
