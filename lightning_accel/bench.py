@@ -225,7 +225,7 @@ def check_profile(profile: str | None, flag: str = "--profile") -> None:
     Raises:
         ConfigError: naming the profile, what torch sees, and the fix.
     """
-    from lightning_accel.benchmark.plan import PROFILES
+    from lightning_accel.benchmark.stage_plan import PROFILES
 
     chosen = PROFILES.get(profile or "")
     if chosen is None or not chosen.needs_cuda:
@@ -259,7 +259,7 @@ def print_plan(ladder: Sequence[str], overrides: Sequence[str], settings: object
     from rich.console import Console
     from rich.table import Table
 
-    from lightning_accel.benchmark.plan import describe_changes, plan_stages
+    from lightning_accel.benchmark.stage_plan import describe_changes, plan_stages
 
     plans, seed = plan_stages(ladder, overrides, settings, out)  # type: ignore[arg-type]
     changes = describe_changes(plans)
@@ -281,8 +281,8 @@ def print_plan(ladder: Sequence[str], overrides: Sequence[str], settings: object
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `accel-bench` (also `python -m lightning_accel.bench`); returns the exit code."""
     from lightning_accel.benchmark import BenchSettings, default_ladder, higher_is_better, run_bench
-    from lightning_accel.benchmark.plan import PROFILES
     from lightning_accel.benchmark.process import terminate_as_interrupt
+    from lightning_accel.benchmark.stage_plan import PROFILES
     from lightning_accel.launch import log_root, unique_stamp
 
     parser = build_parser()

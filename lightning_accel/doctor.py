@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_accel.system.checks import CHECKS, STATUSES, Check, CheckRequest, run_checks
+from lightning_accel.system.doctor_checks import CHECKS, STATUSES, Check, CheckRequest, run_checks
 from lightning_accel.system.facts import SystemFacts, collect_facts, facts_to_dict
 
 __all__ = ["JSON_SCHEMA_VERSION", "build_parser", "main", "report"]

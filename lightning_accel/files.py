@@ -8,7 +8,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["TEMP_SUFFIX", "atomic_path", "atomic_write", "remove_stale_temporaries"]
+__all__ = ["TEMP_SUFFIX", "PathLike", "atomic_path", "atomic_write", "remove_stale_temporaries"]
+
+PathLike = str | os.PathLike
+"""A file path as users give it: a string or a path object."""
 
 TEMP_SUFFIX = ".tmp"
 """The suffix of the temporary files `atomic_path` writes (hidden names: `.<prefix>.<id>.tmp`)."""

@@ -18,13 +18,12 @@ import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
+from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError
-from lightning_accel.patching import patch_attribute
 from lightning_accel.system.host import MAX_RUN_ID, external_run_id
 
 if TYPE_CHECKING:
@@ -50,11 +49,6 @@ _PROCESS_TOKEN = secrets.token_hex(3)  # one per process: two runs started in th
 
 log = logging.getLogger(__name__)
 
-# The launcher modules that look `_hydra_subprocess_cmd` up at call time.
-_LAUNCHER_MODULES = (
-    "lightning.pytorch.strategies.launchers.subprocess_script",
-    "lightning.fabric.strategies.launchers.subprocess_script",
-)
 # Set by Lightning's launcher in the parent process for the children to inherit.
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 # Hydra command-line flags (with a value) that choose the primary config: kept for the child ranks.
@@ -163,9 +157,7 @@ def hydra_safe_launch(trainer: pl.Trainer | None = None, child_timeout_s: float 
     saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
     undo = ExitStack()
     try:
-        for name in _LAUNCHER_MODULES:
-            why = "launching DDP child ranks from a Hydra app"
-            undo.callback(patch_attribute(import_module(name), "_hydra_subprocess_cmd", child_rank_command, why=why))
+        undo.callback(_lightning.patch_hydra_subprocess_cmd(child_rank_command, "launching DDP child ranks from Hydra"))
         yield
     finally:
         undo.close()

@@ -1,7 +1,9 @@
-"""The one way this package patches Lightning internals: replace an attribute, get back its undo."""
+"""The one way this package patches an attribute (of a Lightning object, a module, a thread): replace it, get back
+its undo. Lightning's private attributes are patched only through `_lightning`, which calls this."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,10 +29,10 @@ def patch_attribute(obj: Any, name: str, value: Any, *, why: str = "") -> Callab
         RuntimeError: when `obj` has no attribute `name` (another Lightning version), naming both and `why`.
     """
     if not hasattr(obj, name):
-        import lightning
-
+        lightning = sys.modules.get("lightning")  # named where loaded; this module never imports it
         raise RuntimeError(
-            f"`{type(obj).__name__}.{name}` does not exist in this Lightning {lightning.__version__}"
+            f"`{type(obj).__name__}.{name}` does not exist"
+            + (f" in this Lightning {lightning.__version__}" if lightning is not None else "")
             + (f"; {why} needs it" if why else "")
             + ": use Lightning 2.x, or leave the feature out."
         )

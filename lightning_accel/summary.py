@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_accel.callbacks.run_stats import RunStats
-    from lightning_accel.run_plan import RunShape
 
 __all__ = ["RunSummary", "collect_summary", "print_summary", "write_summary"]
 
@@ -50,7 +49,7 @@ def collect_summary(
     trainer: pl.Trainer,
     datamodule: Any,
     stats: RunStats,
-    shape: RunShape,
+    strategy_family: str,
     metrics: dict[str, float],
     wall_time_s: float,
     run_dir: str,
@@ -71,7 +70,7 @@ def collect_summary(
         train_samples=samples,
         samples_per_s=samples / stats.fit_seconds if stats.fit_seconds > 0 else 0.0,
         world_size=trainer.world_size,
-        strategy=shape.family,
+        strategy=strategy_family,
         best_checkpoint=(getattr(checkpoint, "best_model_path", "") or None),
         tested_weights=tested_weights,
         run_dir=run_dir,

@@ -275,7 +275,7 @@ def _fit_and_test(
         if not trainer.is_global_zero:
             return None
         return collect_summary(
-            trainer, datamodule, stats, shape, metrics, time.perf_counter() - started, run_dir, tested
+            trainer, datamodule, stats, shape.family, metrics, time.perf_counter() - started, run_dir, tested
         )
 
 

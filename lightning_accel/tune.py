@@ -101,8 +101,8 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
     """What this machine and the user's model allow (`search.Space`), and the model's name for the preset."""
     from omegaconf import OmegaConf
 
-    from lightning_accel.benchmark.compose import compose_user_config
-    from lightning_accel.benchmark.search import Space
+    from lightning_accel.autotune.search import Space
+    from lightning_accel.benchmark.stage_config import compose_user_config
     from lightning_accel.precision import resolve_precision
     from lightning_accel.run_plan import build_run_plan
     from lightning_accel.system.software import compile_problem
@@ -136,7 +136,7 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
 def print_space(space: object, name: str, config_dir: Path) -> None:
     """`--dry-run`: what this machine and model allow, every move and whether the search may try it, and where the
     preset would go."""
-    from lightning_accel.benchmark.search import moves_here
+    from lightning_accel.autotune.search import moves_here
 
     print(f"accel-tune --dry-run: nothing ran. The space here: {space}")
     for move, applies in moves_here(space):  # type: ignore[arg-type]
@@ -153,12 +153,12 @@ def print_space(space: object, name: str, config_dir: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `accel-tune` (also `python -m lightning_accel.tune`); returns the exit code."""
+    from lightning_accel.autotune.autopilot import TuneSettings, tune
+    from lightning_accel.autotune.preset_file import check_preset_name
     from lightning_accel.bench import check_profile
     from lightning_accel.benchmark import BenchSettings
-    from lightning_accel.benchmark.autopilot import TuneSettings, tune
-    from lightning_accel.benchmark.plan import PROFILES, profile_overrides
-    from lightning_accel.benchmark.preset_file import check_preset_name
     from lightning_accel.benchmark.process import terminate_as_interrupt
+    from lightning_accel.benchmark.stage_plan import PROFILES, profile_overrides
     from lightning_accel.launch import log_root, unique_stamp
 
     started = time.monotonic()

@@ -30,8 +30,8 @@ from lightning_accel.benchmark import (
     run_bench,
     speedups,
 )
-from lightning_accel.benchmark.plan import plan_stages
 from lightning_accel.benchmark.results import next_step
+from lightning_accel.benchmark.stage_plan import plan_stages
 from lightning_accel.telemetry.peak_flops import compute_dtype, lookup_peak_flops
 
 
@@ -485,7 +485,7 @@ def test_a_stage_past_its_timeout_is_stopped_with_its_children(tmp_path: Path) -
 
 
 def test_paths_become_hydra_values() -> None:
-    from lightning_accel.benchmark.compose import hydra_value
+    from lightning_accel.benchmark.stage_config import hydra_value
 
     assert hydra_value(Path("/tmp/out/0-baseline")) == "/tmp/out/0-baseline"
     assert hydra_value(Path("/tmp/my runs/it's")) == "'/tmp/my runs/it\\'s'"
@@ -533,7 +533,7 @@ def test_gpu_profile_plans_gpt2_small_with_compile_kept_out_of_the_rates(tmp_pat
     """`--profile gpu` on a one-GPU machine (planned here with one visible CUDA device): GPT-2 small on every stage,
     amp + compile as a rung, the DDP rungs skipped with the reason, 10 warm-up batches and one batch in ten
     synchronised in every run, the DataLoaderTuner bounded; a model the user selects is kept."""
-    from lightning_accel.benchmark.plan import PROFILES
+    from lightning_accel.benchmark.stage_plan import PROFILES
 
     monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: 1)
     monkeypatch.setattr("lightning_accel.precision._probe_cuda", lambda: ((9, 0), "NVIDIA H200"))
@@ -568,7 +568,7 @@ def test_gpu_profile_is_refused_without_a_gpu_before_anything_runs(run_cli, tmp_
 
 
 def test_quick_bounds_a_dataloader_tuner_search() -> None:
-    from lightning_accel.benchmark.plan import StagePlan, budget_overrides
+    from lightning_accel.benchmark.stage_plan import StagePlan, budget_overrides
 
     plan = StagePlan(name="amp", overrides=("preset=amp",), callbacks=("dataloader_tuner", "lr_monitor"))
     _, quick = budget_overrides(plan, BenchSettings(profile="quick"), 32)
@@ -599,7 +599,7 @@ def test_metric_direction_from_whole_words(metric: str, higher: bool) -> None:
 def test_run_directories_survive_hydra_override_parsing(path: str) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from lightning_accel.benchmark.compose import hydra_value
+    from lightning_accel.benchmark.stage_config import hydra_value
 
     parsed = OverridesParser.create().parse_override(f"hydra.run.dir={hydra_value(Path(path))}")
     assert parsed.value() == path
@@ -954,7 +954,7 @@ def test_ctrl_c_keeps_the_runs_that_finished(tmp_path: Path, monkeypatch: pytest
 
 
 def test_what_a_stage_changes_names_compile_and_micro_batch(tmp_path: Path) -> None:
-    from lightning_accel.benchmark.plan import describe_changes, plan_stage
+    from lightning_accel.benchmark.stage_plan import describe_changes, plan_stage
 
     plans = [
         plan_stage(name, [*overrides, "trainer.accelerator=cpu"], str(tmp_path / name))

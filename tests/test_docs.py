@@ -151,7 +151,7 @@ def _sweep(overrides: list[str]) -> list[list[str]]:
 
 def check_accel_train(args: list[str], run_dir: Path) -> None:
     """What `accel-train ARGS` checks before anything is built or spawned, here, without training."""
-    from lightning_accel.benchmark.compose import compose_config
+    from lightning_accel.benchmark.stage_config import compose_config
     from lightning_accel.checks import check_config
     from lightning_accel.compose import split_data_config
 

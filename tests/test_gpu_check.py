@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_accel import gpu_check
-from lightning_accel.benchmark.report import to_json
+from lightning_accel.benchmark.bench_report import to_json
 from lightning_accel.benchmark.results import StageResult
 
 CUDA_PARTS = (

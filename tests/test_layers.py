@@ -2,8 +2,9 @@
 into `sys.modules` may hold nothing of a higher layer (this package's modules, Lightning, Hydra/OmegaConf).
 
     facts        system/, telemetry/, measure, errors, patching, batches, files, signals  -> Python, torch, pynvml
-    behaviour    callbacks/, strategies/, parallel/, tuning/, schedules, precision, summary, gpu_check  -> + lightning
-    composition  run_plan, checks, app_config, compose, launch, benchmark/, train, doctor, bench, tune, dash/
+    behaviour    _lightning, callbacks/, strategies/, parallel/, tuning/, schedules, precision, summary  -> + lightning
+    composition  run_plan, checks, app_config, compose, launch, benchmark/, autotune/, and the commands: train,
+                 doctor, bench, tune, gpu_check, dash/
                  -> + hydra, omegaconf
 """
 
@@ -19,7 +20,7 @@ import pytest
 import lightning_accel
 
 FACTS = ("system", "telemetry", "measure", "errors", "patching", "batches", "files", "signals")
-BEHAVIOUR = ("callbacks", "strategies", "parallel", "tuning", "schedules", "precision", "summary", "gpu_check")
+BEHAVIOUR = ("_lightning", "callbacks", "strategies", "parallel", "tuning", "schedules", "precision", "summary")
 COMPOSITION = (
     "run_plan",
     "checks",
@@ -27,10 +28,12 @@ COMPOSITION = (
     "compose",
     "launch",
     "benchmark",
+    "autotune",
     "train",
     "doctor",
     "bench",
     "tune",
+    "gpu_check",
     "dash",
     "conf",
     "examples",
@@ -102,6 +105,56 @@ def test_no_module_imports_a_higher_layer(layer: int) -> None:
     loaded = _loaded_after_import(modules)
     broken = {name: found for name in modules if (found := violations(name, loaded[name], layer))}
     assert broken == {}
+
+
+def _named_imports(path) -> list[tuple[int, str]]:
+    """`(line, module)` for every import statement in a file, wherever it stands: at the top, inside a function, or
+    under `if TYPE_CHECKING:` (which the import-time check above cannot see)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+            if node.module == "lightning_accel":  # `from lightning_accel import compose`
+                found += [(node.lineno, f"lightning_accel.{alias.name}") for alias in node.names]
+    return found
+
+
+def _names_above(layer: int, imports: list[tuple[int, str]]) -> list[str]:
+    return [
+        f"line {line}: {name}"
+        for line, name in imports
+        if name.split(".")[0] in FORBIDDEN[layer]
+        or (name.startswith("lightning_accel.") and LAYERS.get(_room(name), 0) > layer)
+    ]
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_no_module_names_a_higher_layer_even_for_types_or_lazily(layer: int) -> None:
+    """Type-only and function-level imports count too: a behaviour module that names a composition type (even under
+    `if TYPE_CHECKING:`) depends on it."""
+    from pathlib import Path
+
+    root = Path(lightning_accel.__file__).parent
+    broken = {}
+    for name in _modules_of(layer):
+        relative = name.removeprefix("lightning_accel.").replace(".", "/")
+        path = root / f"{relative}.py" if (root / f"{relative}.py").exists() else root / relative / "__init__.py"
+        if found := _names_above(layer, _named_imports(path)):
+            broken[name] = found
+    assert broken == {}
+
+
+def test_the_source_check_sees_an_import_under_type_checking(tmp_path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_accel.run_plan import RunShape\n"
+        "def f():\n    import hydra\n"
+    )
+    assert _names_above(1, _named_imports(module)) == ["line 3: lightning_accel.run_plan", "line 5: hydra"]
 
 
 def test_the_check_catches_a_lower_layer_that_imports_a_higher_one() -> None:

@@ -93,9 +93,10 @@ def test_no_patch_of_any_callback_remains_after_a_fit_that_raises_mid_epoch(tmp_
 def test_hydra_safe_launch_puts_the_launchers_command_back_even_when_the_fit_raises() -> None:
     from importlib import import_module
 
-    from lightning_accel.launch import _LAUNCHER_MODULES, child_rank_command, hydra_safe_launch
+    from lightning_accel._lightning import HYDRA_LAUNCHER_MODULES
+    from lightning_accel.launch import child_rank_command, hydra_safe_launch
 
-    modules = [import_module(name) for name in _LAUNCHER_MODULES]
+    modules = [import_module(name) for name in HYDRA_LAUNCHER_MODULES]
     before = [module._hydra_subprocess_cmd for module in modules]
     with pytest.raises(RuntimeError, match="in the fit"), hydra_safe_launch():
         assert all(module._hydra_subprocess_cmd is child_rank_command for module in modules)

@@ -368,7 +368,7 @@ def test_concurrent_writers_keep_every_entry(tmp_path: Path) -> None:
 
 def test_a_full_disk_while_the_report_is_written_truncates_nothing(tmp_path: Path, monkeypatch) -> None:
     """A traceback, bench.md truncated to 0 bytes, no CSV or JSON: each file is now whole or absent."""
-    from lightning_accel.benchmark import report
+    from lightning_accel.benchmark import bench_report as report
     from lightning_accel.benchmark.results import StageResult
 
     out = tmp_path / "bench"

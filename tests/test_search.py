@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_accel.benchmark.preset_file import pinned, preset_yaml, settled_of, write_preset
-from lightning_accel.benchmark.search import (
+from lightning_accel.autotune.preset_file import pinned, preset_yaml, settled_of, write_preset
+from lightning_accel.autotune.search import (
     MOVES,
     Candidate,
     Outcome,
@@ -187,7 +187,7 @@ def test_a_preset_name_must_be_a_plain_word(tmp_path: Path) -> None:
 
 
 def test_choices_that_do_not_run_together_are_never_proposed() -> None:
-    from lightning_accel.benchmark.search import compatible
+    from lightning_accel.autotune.search import compatible
 
     space = Space(devices=2, block_classes=True)
     sized = apply_move(baseline(), move("micro-batches sized to memory"), space)

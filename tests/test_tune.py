@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from test_bench import _measurement
 
-from lightning_accel.benchmark.autopilot import TuneSettings, tune
-from lightning_accel.benchmark.plan import BenchSettings
-from lightning_accel.benchmark.search import Space
+from lightning_accel.autotune.autopilot import TuneSettings, tune
+from lightning_accel.autotune.search import Space
+from lightning_accel.benchmark.stage_plan import BenchSettings
 
 USER = ["trainer.accelerator=cpu", "trainer.devices=1"]
 
@@ -243,7 +243,7 @@ def test_a_run_that_does_not_fit_is_tuned_to_one_that_does(tmp_path: Path) -> No
 def test_the_confirmation_is_estimated_from_the_training_part_of_a_run() -> None:
     """3x the steps triples a run's training, not its start-up: at a quarter of a run training, the confirmation
     (baseline and pick, 2 rounds) costs 6 baseline-length runs, not 12."""
-    from lightning_accel.benchmark.autopilot import _over_budget
+    from lightning_accel.autotune.autopilot import _over_budget
 
     tune_settings = TuneSettings(bench=BenchSettings(steps=40, repeats=2), time_budget_s=100)
     assert _over_budget(0.0, 3, 5.0, 1.0, tune_settings) == ""  # 30 s + 60 s
@@ -312,9 +312,9 @@ def test_ctrl_c_in_the_confirmation_keeps_the_searchs_pick_unconfirmed(tmp_path:
 
 def test_a_row_measured_under_interference_cannot_win() -> None:
     """The bench row's interference flag reaches the outcome, and the report names it as the reason it lost."""
-    from lightning_accel.benchmark.autopilot import _verdict, outcome_of
+    from lightning_accel.autotune.autopilot import _verdict, outcome_of
+    from lightning_accel.autotune.search import Candidate, incumbent
     from lightning_accel.benchmark.results import StageResult
-    from lightning_accel.benchmark.search import Candidate, incumbent
 
     amp = Candidate((("precision", "amp"),))
     row = StageResult(

@@ -3,9 +3,7 @@ outputs (bench.py is the CLI)."""
 
 from __future__ import annotations
 
-from lightning_accel.benchmark.compose import BUILTIN_STAGES, available_presets, default_ladder
-from lightning_accel.benchmark.plan import BenchSettings, StagePlan, plan_stages
-from lightning_accel.benchmark.report import JSON_SCHEMA_VERSION, markdown_table
+from lightning_accel.benchmark.bench_report import JSON_SCHEMA_VERSION, markdown_table
 from lightning_accel.benchmark.results import (
     StageResult,
     StageRun,
@@ -17,6 +15,8 @@ from lightning_accel.benchmark.results import (
     speedups,
 )
 from lightning_accel.benchmark.run import BenchRun, run_bench
+from lightning_accel.benchmark.stage_config import BUILTIN_STAGES, available_presets, default_ladder
+from lightning_accel.benchmark.stage_plan import BenchSettings, StagePlan, plan_stages
 
 __all__ = [
     "BUILTIN_STAGES",

@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_accel.benchmark.plan import BenchSettings, StagePlan, describe_changes, plan_stages
+from lightning_accel.benchmark.bench_report import markdown_table, write_outputs
 from lightning_accel.benchmark.process import Launcher, launch, run_once
-from lightning_accel.benchmark.report import markdown_table, write_outputs
 from lightning_accel.benchmark.results import StageResult, StageRun, finalize
+from lightning_accel.benchmark.stage_plan import BenchSettings, StagePlan, describe_changes, plan_stages
 from lightning_accel.files import remove_stale_temporaries
 from lightning_accel.measure import InterferenceProbe, nvml_compute_pids
 

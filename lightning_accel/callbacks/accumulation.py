@@ -14,9 +14,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from lightning_accel import _lightning
 from lightning_accel.batches import data_parallel_replicas, loader_batch_size, samples_in
 from lightning_accel.errors import ConfigError, LightningAccelWarning
-from lightning_accel.patching import patch_attribute
 from lightning_accel.schedules import AccumulationPlan
 
 __all__ = [
@@ -399,29 +399,20 @@ def _take_over_loop(trainer: pl.Trainer, scheduler: AccumulationScheduler) -> Ex
     """Make Lightning's training loop step and zero gradients at this scheduler's window boundaries.
 
     Lightning decides both with `batch_idx % accumulate_grad_batches` within an epoch, which only holds for windows
-    of one size aligned to the epoch start. Two methods of the loop objects are shadowed on the instances through
-    `patch_attribute`: `_TrainingEpochLoop._accumulated_batches_reached` and
-    `_AutomaticOptimization._make_zero_grad_fn` (Lightning 2.x). The returned stack undoes both.
+    of one size aligned to the epoch start. Where a window ends and when gradients are zeroed are replaced on the
+    loop instances through the fence around Lightning's internals (`_lightning`). The returned stack undoes both.
     """
-    epoch_loop = trainer.fit_loop.epoch_loop
-    automatic = epoch_loop.automatic_optimization
+    automatic = trainer.fit_loop.epoch_loop.automatic_optimization
 
     def make_zero_grad_fn(batch_idx: int, optimizer: torch.optim.Optimizer) -> Callable[[], None] | None:
-        if automatic._skip_backward or scheduler._window_pos != 1:
+        if _lightning.backward_skipped(automatic) or scheduler._window_pos != 1:
             return None
-
-        def zero_grad_fn() -> None:
-            automatic._on_before_zero_grad(optimizer)
-            automatic._optimizer_zero_grad(batch_idx, optimizer)
-
-        return zero_grad_fn
+        return lambda: _lightning.zero_grad_now(automatic, batch_idx, optimizer)
 
     why = "AccumulationScheduler (or use Lightning's GradientAccumulationScheduler)"
     stack = ExitStack()
-    stack.callback(
-        patch_attribute(epoch_loop, "_accumulated_batches_reached", lambda: scheduler.window_complete, why=why)
-    )
-    stack.callback(patch_attribute(automatic, "_make_zero_grad_fn", make_zero_grad_fn, why=why))
+    stack.callback(_lightning.patch_accumulation_boundary(trainer, lambda: scheduler.window_complete, why))
+    stack.callback(_lightning.patch_zero_grad_factory(automatic, make_zero_grad_fn, why))
     return stack
 
 

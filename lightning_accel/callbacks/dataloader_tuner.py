@@ -15,10 +15,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel import _lightning
 from lightning_accel.batches import loader_batch_size
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system import read_cpu_budget, read_shm
-from lightning_accel.tuning.dataloader import cache, policy, report, verification
+from lightning_accel.tuning.dataloader import cache, policy, tuner_report, verification
 from lightning_accel.tuning.dataloader import loop as loop_internals
 from lightning_accel.tuning.dataloader.decision import TunerDecision
 from lightning_accel.tuning.dataloader.timing import (
@@ -31,6 +32,8 @@ from lightning_accel.tuning.dataloader.timing import (
 from lightning_accel.tuning.dataloader.verification import LiveWait
 
 __all__ = ["DataLoaderTuner"]
+
+_FEATURE = "the DataLoaderTuner (reading and swapping the loaders a loop iterates)"
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +186,11 @@ class DataLoaderTuner(Callback):
         self.trials, self.decision, self.result, self.tuning_time_s, self.cache_hit = [], None, None, 0.0, False
         self._live, self.live_wait_share, self.retuned = None, None, False
         loop, start = trainer.fit_loop, time.perf_counter()
-        early = loop._combined_loader is not None  # set up by another callback: its RNG draws are done
+        # set up by another callback: its RNG draws are done
+        early = _lightning.loop_combined_loader(loop, _FEATURE) is not None
         with frozen_rng():  # the fit loop's own call finds the loaders set up; their iterator is recreated below
             loop.setup_data()
-        train = list(loop._combined_loader.flattened) if loop._combined_loader is not None else []
+        train = _lightning.loop_loaders(loop, _FEATURE)
         reason, final = loop_internals.untunable(trainer, train), train
         if loop_internals.rank_sync(trainer.strategy.root_device)([float(bool(reason))])[0]:
             rank_zero_warn(
@@ -253,8 +257,7 @@ class DataLoaderTuner(Callback):
         # A resumed fit with `reload_dataloaders_every_n_epochs` requested the user's loader again after the
         # checkpoint set the epoch (the fit loop's own `setup_data`, after `on_fit_start`): tune it too.
         self._reapply(loop, reiterate=True)
-        if getattr(loop, "_combined_loader_states_to_load", None):  # restored after `on_fit_start` from a checkpoint
-            loop._load_combined_loader_states()
+        _lightning.restore_pending_loader_states(loop)  # restored after `on_fit_start` from a checkpoint
         self.on_validation_start(trainer, pl_module)  # the validation loaders exist now, after the sanity check
 
     @override
@@ -324,7 +327,7 @@ class DataLoaderTuner(Callback):
         """Tune again at an epoch start, on every rank in lockstep, and give the fit loop the new decision; the cache
         entry is replaced (or dropped, when the new decision may not be cached)."""
         fit_loop, start, old = trainer.fit_loop, time.perf_counter(), self.result
-        loaders = list(fit_loop._combined_loader.flattened)
+        loaders = _lightning.loop_loaders(fit_loop, _FEATURE)
         self.trials, self.cache_hit, self.retuned = [], False, True
         try:
             with frozen_rng(loaders):
@@ -361,7 +364,7 @@ class DataLoaderTuner(Callback):
             self._reapply(trainer.fit_loop.epoch_loop.val_loop, reiterate=trainer.validating)
 
     def _reapply(self, loop: Any, reiterate: bool) -> None:
-        loaders = [] if loop._combined_loader is None else loop._combined_loader.flattened
+        loaders = _lightning.loop_loaders(loop, _FEATURE)
         if self.decision is not None and not all(loop_internals.is_tuned(dl) for dl in loaders):
             rebuilt = [loop_internals.rebuilt(dl, self.decision) for dl in loaders]
             loop_internals.swap_loaders(loop, rebuilt, reiterate=reiterate)
@@ -464,7 +467,7 @@ class DataLoaderTuner(Callback):
     def _report(self, trainer: pl.Trainer, original: LoaderSettings) -> None:
         if trainer.is_global_zero:
             assert self.result is not None
-            report.publish(
+            tuner_report.publish(
                 self.result,
                 original,
                 self.trials,

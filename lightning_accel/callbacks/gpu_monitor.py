@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel import _lightning
 from lightning_accel.batches import data_parallel_replicas, samples_in
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system.host import external_run_id, hostname
@@ -28,7 +29,7 @@ from lightning_accel.telemetry.heartbeat import current_user, default_runs_dir
 from lightning_accel.telemetry.publisher import JobInfo, PublishSettings, RunPublisher, process_command
 from lightning_accel.telemetry.ranks import allocated_by_device, pack_row, rank_stats, unpack_rows, window_metrics
 from lightning_accel.telemetry.readings import READINGS
-from lightning_accel.telemetry.report import COLUMNS, RunReport
+from lightning_accel.telemetry.run_report import COLUMNS, RunReport
 from lightning_accel.telemetry.sampler import NVMLSampler, open_sampler
 
 __all__ = ["GPUMonitor"]
@@ -397,7 +398,7 @@ class GPUMonitor(Callback):
             self._data_s += max(0.0, self._batch_start - self._last_end)
             self._steps += 1
         self._last_end = now
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = _lightning.optimizer_steps_logged(trainer)
         every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning's connector
         if every > 0 and (step + 1) % every == 0 and step != self._logged_step:
             self._logged_step = step
@@ -419,7 +420,7 @@ class GPUMonitor(Callback):
             self._stop_sampler()
             return
         started = time.perf_counter()
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = _lightning.optimizer_steps_logged(trainer)
         self._flush(trainer, step)
         self._update_fit_time()
         self.report.last_step = step

@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_accel import _lightning
 from lightning_accel.batches import data_parallel_replicas, loader_batch_size
 from lightning_accel.errors import ConfigError
 
@@ -80,7 +81,7 @@ class LRScaling(Callback):
         if self._applied is not None and trainer.ckpt_path:  # resumed: the optimizer state holds the scaled LRs
             self.factor = None
             return
-        if trainer.fit_loop._combined_loader is None:
+        if _lightning.loop_combined_loader(trainer.fit_loop, "LRScaling (counting the global batch)") is None:
             from lightning_accel.tuning.dataloader.timing import frozen_rng
 
             with frozen_rng():  # the fit loop's own call finds the loaders set up, its RNG draws undone

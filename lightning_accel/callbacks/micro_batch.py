@@ -1,5 +1,5 @@
 """MicroBatchFinder: every batch runs as the largest micro-batches that fit, found at fit start and halved on
-out-of-memory, with the update of the whole batch (the hook over `lightning_accel.tuning.micro_batch`)."""
+out-of-memory, with the update of the whole batch (the hook over `lightning_accel.tuning.micro_batch_search`)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel import _lightning
 from lightning_accel.batches import loader_batch_size, samples_in
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.patching import patch_attribute
 from lightning_accel.signals import raise_if_signalled
-from lightning_accel.tuning.micro_batch import (
+from lightning_accel.tuning.micro_batch_search import (
     MicroBatchSearch,
     MicroBatchTooLargeError,
     average_gradients,
@@ -156,21 +156,13 @@ class MicroBatchFinder(Callback):
         self._restore.close()
         automatic = trainer.fit_loop.epoch_loop.automatic_optimization
 
-        def make_closure(kwargs: OrderedDict, optimizer: torch.optim.Optimizer, batch_idx: int) -> Closure:
-            return _PiecesClosure(
-                self,
-                trainer,
-                kwargs,
-                optimizer,
-                automatic._make_backward_fn(optimizer),
-                automatic._make_zero_grad_fn(batch_idx, optimizer),
-            )
+        why = "MicroBatchFinder (remove it to train whole batches)"
 
-        self._restore.callback(
-            patch_attribute(
-                automatic, "_make_closure", make_closure, why="MicroBatchFinder (remove it to train whole batches)"
-            )
-        )
+        def make_closure(kwargs: OrderedDict, optimizer: torch.optim.Optimizer, batch_idx: int) -> Closure:
+            backward, zero_grad = _lightning.closure_step_fns(automatic, batch_idx, optimizer, why)
+            return _PiecesClosure(self, trainer, kwargs, optimizer, backward, zero_grad)
+
+        self._restore.callback(_lightning.patch_closure_factory(automatic, make_closure, why))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -277,7 +269,7 @@ class MicroBatchFinder(Callback):
         params = [p for p in pl_module.parameters() if p.requires_grad]
         extra: dict[str, Any] = {}
 
-        results = trainer._results
+        results = _lightning.logged_results(trainer)
         whole = kwargs["batch"]
 
         def loss_fn(part: Any) -> torch.Tensor | None:
@@ -321,10 +313,10 @@ class MicroBatchFinder(Callback):
             return ClosureResult(None, extra=extra)
         if backward is not None:
             loss = step.loss
-            call._call_callback_hooks(trainer, "on_before_backward", loss)
-            call._call_lightning_module_hook(trainer, "on_before_backward", loss)
-            call._call_callback_hooks(trainer, "on_after_backward")
-            call._call_lightning_module_hook(trainer, "on_after_backward")
+            _lightning.call_callback_hooks(trainer, "on_before_backward", loss)
+            _lightning.call_module_hook(trainer, "on_before_backward", loss)
+            _lightning.call_callback_hooks(trainer, "on_after_backward")
+            _lightning.call_module_hook(trainer, "on_after_backward")
         return ClosureResult(step.loss, extra=extra)
 
     def _after_batch(self, trainer: pl.Trainer, piece: int, recoveries: int) -> None:
@@ -388,13 +380,14 @@ class _PiecesClosure(Closure):
     ) -> None:
         super().__init__(step_fn=lambda: ClosureResult(None), backward_fn=backward_fn, zero_grad_fn=zero_grad_fn)
         self._finder, self._trainer, self._kwargs, self._optimizer = finder, trainer, kwargs, optimizer
+        self.backward_step, self.zero_grad_step = backward_fn, zero_grad_fn
 
     @override
     @torch.enable_grad()
     def closure(self, *args: Any, **kwargs: Any) -> ClosureResult:
-        if self._zero_grad_fn is not None:
-            self._zero_grad_fn()
-        result = self._finder._run_batch(self._trainer, self._kwargs, self._optimizer, self._backward_fn)
+        if self.zero_grad_step is not None:
+            self.zero_grad_step()
+        result = self._finder._run_batch(self._trainer, self._kwargs, self._optimizer, self.backward_step)
         if result.closure_loss is None:
             self.warning_cache.warn("`training_step` returned `None`. If this was on purpose, ignore this warning...")
         return result
@@ -414,7 +407,7 @@ def _piece_output(trainer: pl.Trainer, kwargs: OrderedDict) -> Any:
     strategy = trainer.strategy
     args = strategy.precision_plugin.convert_input(tuple(kwargs.values()))
     with strategy.precision_plugin.train_step_context():
-        output = call._call_lightning_module_hook(trainer, "training_step", *args)
+        output = _lightning.call_module_hook(trainer, "training_step", *args)
     if output is None and trainer.world_size > 1:
         raise RuntimeError("Skipping the `training_step` by returning None in distributed training is not supported.")
     return output
@@ -560,7 +553,7 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             "`dataloader_iter` fetches its own. Remove MicroBatchFinder, or take `batch`."
         )
     strategy = trainer.strategy
-    if getattr(strategy, "_ddp_comm_hook", None) is not None:
+    if _lightning.ddp_comm_hook(strategy) is not None:
         rank_zero_warn(
             "MicroBatchFinder averages the gradients itself, once per optimizer step: the DDP "
             "communication hook (gradient compression) is not used while it runs.",

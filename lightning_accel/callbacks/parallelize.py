@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel import _lightning
 from lightning_accel.callbacks.accumulation import AccumulationScheduler
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.parallel import BlockClass, fsdp_modules, is_parallelized, mixed_precision_policy, parallelize
@@ -201,6 +202,6 @@ class Parallelize(Callback):
         if not self._fsdp_units:
             return
         # Lightning has counted this batch as ready, so this says whether it ends an accumulation window.
-        sync = trainer.accumulate_grad_batches == 1 or not trainer.fit_loop._should_accumulate()
+        sync = trainer.accumulate_grad_batches == 1 or not _lightning.accumulating(trainer)
         for unit in self._fsdp_units:
             unit.set_requires_gradient_sync(sync, recurse=False)

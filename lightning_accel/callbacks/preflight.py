@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning, PreflightError
-from lightning_accel.system.checks import CHECKS, STATUSES, CheckRequest, run_checks
+from lightning_accel.system.doctor_checks import CHECKS, STATUSES, CheckRequest, run_checks
 from lightning_accel.system.facts import collect_facts
 from lightning_accel.system.host import hostname
 

@@ -6,7 +6,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from types import FrameType
 from typing import Any
@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError
 from lightning_accel.signals import SignalExit, clear_signal, note_signal, pending_signal
 
@@ -68,9 +69,8 @@ def agree(signum: int, requeue: bool = False, group: Any = None) -> tuple[int, b
 
 def _window_closed(trainer: pl.Trainer) -> bool:
     """Whether the batch that just ended closed an accumulation window (the optimizer stepped); True where the loop
-    does not say (Lightning's `_TrainingEpochLoop._should_accumulate`, the same on every rank)."""
-    should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
-    return not (callable(should_accumulate) and should_accumulate())
+    does not say (the loop's own answer is the same on every rank)."""
+    return not _lightning.accumulating(trainer)
 
 
 class StopOnSignal(Callback):
@@ -180,7 +180,7 @@ class StopOnSignal(Callback):
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized() and self._group is None:
             # every rank runs setup, in the same order: creating the group is itself a collective
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = _lightning.cluster_environment(trainer)
         self._requeue_signal = None
         if self.requeue_on_slurm and getattr(environment, "auto_requeue", False):
             self._requeue_signal = int(environment.requeue_signal)  # type: ignore[attr-defined]
@@ -192,25 +192,21 @@ class StopOnSignal(Callback):
         """Lightning registers its SIGTERM handler after `on_fit_start` (it would broadcast inside the handler and
         exit 0): its registration is patched to leave ours in place (and to register only SLURM's requeue handler
         when this callback leaves requeueing to Lightning). Undone at teardown and on an exception."""
-        connector = getattr(trainer, "_signal_connector", None)
+        connector = _lightning.signal_connector(trainer)
         if connector is None or self._patches is not None:
             return
-        from lightning_accel.patching import patch_attribute
-
         original = connector.register_signal_handlers
 
         def register() -> None:
             connector.received_sigterm = False
             if not self.requeue_on_slurm:  # Lightning's SIGUSR1 requeue, then ours back on SIGTERM
                 original()
-                connector._original_handlers.pop(signal.SIGTERM, None)
+                _lightning.forget_lightning_sigterm_handler(connector)
             self._reassert()
 
         self._patches = ExitStack()
         self._patches.callback(
-            patch_attribute(
-                connector, "register_signal_handlers", register, why="StopOnSignal's handler for the whole run"
-            )
+            _lightning.patch_signal_registration(connector, register, "StopOnSignal's handler for the whole run")
         )
 
     def _reassert(self) -> None:
@@ -368,7 +364,7 @@ class StopOnSignal(Callback):
             assert self._requeue_signal is not None
             signum = self._requeue_signal
             rank_zero_info(f"StopOnSignal: {signal.Signals(signum).name}: saving the HPC checkpoint and requeueing")
-            trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # type: ignore[arg-type]
+            _lightning.requeue_on_slurm(trainer, signum)
         elif save:
             _save_last(trainer)
         rank_zero_info(
@@ -415,10 +411,8 @@ def _save_last(trainer: pl.Trainer) -> None:
     checkpoint = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)  # type: ignore[attr-defined]
     if checkpoint is None or checkpoint.dirpath is None:
         return
-    save: Callable[..., Any] | None = getattr(checkpoint, "_save_last_checkpoint", None)
-    if checkpoint.save_last is True and save is not None:  # "link" would only point at an older checkpoint
-        save(trainer, checkpoint._monitor_candidates(trainer))
-    else:
+    # "link" would only point at an older checkpoint
+    if not (checkpoint.save_last is True and _lightning.save_last_checkpoint(checkpoint, trainer)):
         trainer.save_checkpoint(
             os.path.join(checkpoint.dirpath, f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}")
         )
@@ -439,11 +433,7 @@ def _quiet_child_observer() -> None:
     rank 0 included, when one exits non-zero: the children's agreed exit 128 + N would turn rank 0's own exit into
     -9 whenever it ends a poll later than they do. Its `child-process-observer` thread is told it is done (a Lightning
     internal; absent elsewhere, nothing happens); the watchdog still bounds the way out."""
-    from lightning_accel.patching import patch_attribute
-
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer" and callable(getattr(thread, "_run", None)):
-            patch_attribute(thread, "_run", lambda: True)  # kept: the process is on its way out
+    _lightning.quiet_child_process_observer()
 
 
 def _end_process(signum: int, grace_s: float) -> None:

@@ -6,6 +6,7 @@ Pure functions with typed keyword arguments, for a `configure_model` of your own
 
 from __future__ import annotations
 
+from lightning_accel.parallel.apply_plan import AppliedPlan, is_parallelized, parallelize
 from lightning_accel.parallel.blocks import (
     BlockClass,
     BlockWrapPolicy,
@@ -17,7 +18,6 @@ from lightning_accel.parallel.blocks import (
     fully_shard_blocks,
     mixed_precision_policy,
 )
-from lightning_accel.parallel.plan import AppliedPlan, is_parallelized, parallelize
 from lightning_accel.parallel.tensor_parallel import TP_STYLES, apply_tensor_parallel, resolve_tp_plan
 
 __all__ = [

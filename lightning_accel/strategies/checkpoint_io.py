@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_accel.files import atomic_path
+from lightning_accel.files import PathLike, atomic_path
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -37,7 +36,7 @@ def hidden_name(name: str) -> str:
     return "." + name.replace("_", "-")
 
 
-def atomic_torch_save(obj: Any, path: _PATH) -> None:
+def atomic_torch_save(obj: Any, path: PathLike) -> None:
     """`torch.save(obj, path)` through a temporary file in `path`'s own directory, flushed to disk, then renamed over
     `path`: a reader sees the old file or the new one, never a part. On any failure (a full disk, a signal) the
     temporary file is removed and `path` is as it was."""
@@ -139,7 +138,7 @@ def remove_stale_staging(path: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
 
 
-def remove_stale_temporaries(directory: _PATH) -> list[Path]:
+def remove_stale_temporaries(directory: PathLike) -> list[Path]:
     """Remove what killed saves left in a checkpoint directory: `atomic_torch_save`'s hidden `.<name>.<id>.tmp` files
     and `.<name>.saving-<id>` staging directories. Call it before a run starts saving there (no save of its own is
     under way); returns what it removed."""
@@ -165,7 +164,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         if storage_options is not None or "://" in str(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return

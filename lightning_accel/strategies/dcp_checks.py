@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
+from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError
 
 __all__ = ["check_dcp_metadata", "check_distributed_checkpoint", "checkpoint_shapes", "load_metadata"]
 
 _DCP_MODULES = ("torch.distributed.checkpoint.",)
 _PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
-_META_FILENAME = "meta.pt"  # Lightning's `_METADATA_FILENAME`: loops, callbacks, hyper-parameters
 
 
 def load_metadata(path: str | Path, weights_only: bool | None = None, mmap: bool = False) -> dict[str, Any]:
@@ -168,8 +168,9 @@ def check_distributed_checkpoint(path: str | Path) -> None:
                     f"tensors and plain types ({_first_global(err)}), so the checkpoint is not loaded: "
                     "torch would unpickle it with weights_only=False, which could run code."
                 ) from None
-    if (path / _META_FILENAME).is_file():
-        load_metadata(path / _META_FILENAME)
+    meta = path / _lightning.distributed_checkpoint_metadata_name()  # loops, callbacks, hyper-parameters
+    if meta.is_file():
+        load_metadata(meta)
 
 
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]] | None:

@@ -9,6 +9,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from typing_extensions import override
 
+from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError
 
 __all__ = ["ModelParallelStrategy"]
@@ -76,11 +77,11 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._data_parallel_size = self._resolved_data_parallel_size()
+        _lightning.set_data_parallel_size(self, self._resolved_data_parallel_size())
         super().setup_environment()
 
     def _resolved_data_parallel_size(self) -> Any:
-        data, tensor = self._data_parallel_size, self._tensor_parallel_size
+        data, tensor = _lightning.model_parallel_sizes(self)
         if data != "auto" or tensor == "auto":
             return data
         world = self.num_nodes * self.num_processes

@@ -7,8 +7,8 @@ verdicts with a fix each (what `accel-doctor` prints and the `Preflight` callbac
 from __future__ import annotations
 
 from lightning_accel.system.cgroup import CpuBudget, MemoryLimit, read_cpu_budget, read_memory_limit
-from lightning_accel.system.checks import CHECKS, Check, CheckRequest, Status, run_checks, suggested_num_workers
 from lightning_accel.system.cpu import BF16_FLAGS, CpuInfo, native_bf16_flag, read_cpu_info
+from lightning_accel.system.doctor_checks import CHECKS, Check, CheckRequest, Status, run_checks, suggested_num_workers
 from lightning_accel.system.facts import SystemFacts, collect_facts, facts_to_dict
 from lightning_accel.system.gpu import GpuInfo, GpuLink, NvmlFacts, VisibleDevice, read_nvml
 from lightning_accel.system.host import IbPort, ShmInfo, read_infiniband, read_nccl_env, read_shm

@@ -6,7 +6,7 @@ from lightning_accel.telemetry.alerts import ALERTS, Alert, AlertThresholds, che
 from lightning_accel.telemetry.nvml import GpuDevice, resolve_devices
 from lightning_accel.telemetry.peak_flops import PeakFlops, compute_dtype, lookup_peak_flops
 from lightning_accel.telemetry.readings import METRICS, READINGS, DeviceReader, Metric
-from lightning_accel.telemetry.report import RunReport
+from lightning_accel.telemetry.run_report import RunReport
 from lightning_accel.telemetry.sampler import NVMLSampler, Stat, Window, open_sampler
 
 __all__ = [

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_accel.callbacks import AccumulationScheduler, MicroBatchFinder
 from lightning_accel.errors import ConfigError
 from lightning_accel.schedules import estimated_optimizer_steps
-from lightning_accel.tuning.micro_batch import MicroBatchTooLargeError
+from lightning_accel.tuning.micro_batch_search import MicroBatchTooLargeError
 
 FEATURES = 8
 TOL = 1e-5

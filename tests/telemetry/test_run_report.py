@@ -10,7 +10,7 @@ import pytest
 
 from lightning_accel.telemetry.alerts import Alert
 from lightning_accel.telemetry.ranks import RankTiming
-from lightning_accel.telemetry.report import RunReport
+from lightning_accel.telemetry.run_report import RunReport
 from lightning_accel.telemetry.sampler import Stat
 
 

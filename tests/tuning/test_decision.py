@@ -142,7 +142,7 @@ def test_the_table_is_reported_once(capsys: pytest.CaptureFixture[str]) -> None:
     import logging
     import sys
 
-    from lightning_accel.tuning.dataloader.report import publish
+    from lightning_accel.tuning.dataloader.tuner_report import publish
 
     trials = [_timed(0, 100.0), _timed(2, 300.0)]
     decision = TunerDecision.from_trials(KEY, {}, trials[1], trials, trials[0].settings)

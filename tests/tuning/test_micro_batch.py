@@ -9,7 +9,7 @@ import torch
 from _memory_budget import BudgetedMLP, MemoryBudget
 
 from lightning_accel.errors import ConfigError, ConfigTypeError
-from lightning_accel.tuning.micro_batch import (
+from lightning_accel.tuning.micro_batch_search import (
     candidate_sizes,
     find_micro_batch,
     is_out_of_memory,
@@ -149,7 +149,7 @@ def _mse(model: BudgetedMLP):  # noqa: ANN202
 
 
 def test_an_oom_splits_the_batch_and_keeps_the_whole_batchs_gradient() -> None:
-    from lightning_accel.tuning.micro_batch import backward_in_pieces
+    from lightning_accel.tuning.micro_batch_search import backward_in_pieces
 
     whole, split, data = _whole_and_split(32, limit_samples=5)  # 32 and 16 and 8 run out; 4 fits
     earlier = [torch.full_like(p, 0.5) for p in split.parameters()]  # an earlier micro-batch of the window
@@ -167,7 +167,7 @@ def test_an_oom_splits_the_batch_and_keeps_the_whole_batchs_gradient() -> None:
 
 
 def test_an_uneven_batch_in_pieces_of_8() -> None:
-    from lightning_accel.tuning.micro_batch import backward_in_pieces
+    from lightning_accel.tuning.micro_batch_search import backward_in_pieces
 
     whole, split, data = _whole_and_split(30, limit_samples=8)
     _mse(whole)(data).backward()
@@ -178,7 +178,7 @@ def test_an_uneven_batch_in_pieces_of_8() -> None:
 
 
 def test_another_ranks_oom_makes_this_rank_retry_at_the_same_smaller_size() -> None:
-    from lightning_accel.tuning.micro_batch import backward_in_pieces
+    from lightning_accel.tuning.micro_batch_search import backward_in_pieces
 
     whole, split, data = _whole_and_split(16, limit_samples=10**6)  # this rank would fit everything
     _mse(whole)(data).backward()
@@ -190,7 +190,7 @@ def test_another_ranks_oom_makes_this_rank_retry_at_the_same_smaller_size() -> N
 
 
 def test_one_sample_that_does_not_fit_fails_fast_naming_the_fixes() -> None:
-    from lightning_accel.tuning.micro_batch import MicroBatchTooLargeError, backward_in_pieces
+    from lightning_accel.tuning.micro_batch_search import MicroBatchTooLargeError, backward_in_pieces
 
     _, split, data = _whole_and_split(8, limit_samples=0)
     with pytest.raises(
@@ -205,7 +205,7 @@ def test_one_sample_that_does_not_fit_fails_fast_naming_the_fixes() -> None:
 def test_ranks_with_batches_of_different_lengths_halve_the_same_size() -> None:
     """The size halves from what every rank holds, not from this rank's shorter batch: a last batch of 3 with size
     4 goes 4 -> 2 with the other rank, never 3 -> 1 (which would part the ranks)."""
-    from lightning_accel.tuning.micro_batch import backward_in_pieces
+    from lightning_accel.tuning.micro_batch_search import backward_in_pieces
 
     _, split, data = _whole_and_split(3, limit_samples=10**6)
     votes = iter([True, False])  # the other rank, on a batch of 4, ran out at 4 and fitted at 2
@@ -221,7 +221,7 @@ def test_a_failed_attempt_frees_its_activations_before_the_retry_and_keeps_earli
     import gc
     import weakref
 
-    from lightning_accel.tuning.micro_batch import backward_in_pieces
+    from lightning_accel.tuning.micro_batch_search import backward_in_pieces
 
     layer = torch.nn.Linear(4, 1).double()
     layer.weight.grad = torch.ones_like(layer.weight)

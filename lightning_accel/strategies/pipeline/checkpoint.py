@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError
 from lightning_accel.strategies.checkpoint_io import (
     atomic_torch_save,
@@ -73,7 +73,7 @@ def save_pipeline_checkpoint(strategy: ParallelStrategy, checkpoint: dict[str, A
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     dcp.save(state, checkpoint_id=staging)
     if strategy.global_rank == 0:
-        torch.save(checkpoint, staging / _METADATA_FILENAME)
+        torch.save(checkpoint, staging / _lightning.distributed_checkpoint_metadata_name())
     strategy.barrier()  # every rank's shards are complete
     if strategy.global_rank == 0:
         replace_directory(staging, path)
@@ -100,7 +100,7 @@ def load_pipeline_checkpoint(
         raise ConfigError(f"`ckpt_path={str(path)!r}` is not a PipelineStrategy checkpoint directory.")
     if weights_only is not False:  # the caller's explicit trust skips the checks
         check_distributed_checkpoint(path)  # the index, every shard's non-tensor items, meta.pt: before any state
-    meta = load_metadata(path / _METADATA_FILENAME, weights_only)
+    meta = load_metadata(path / _lightning.distributed_checkpoint_metadata_name(), weights_only)
     state: dict[str, Any] = {"state_dict": model_state_dict(model)}
     optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
     for i, optimizer in enumerate(optimizers):
@@ -127,7 +127,6 @@ def consolidate_checkpoint(path: str | Path, out: str | Path | None = None) -> d
         ConfigError: for a path that is no distributed checkpoint, or metadata that holds more than tensors and plain
             types (`load_metadata`).
     """
-    from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
     path = Path(path)
     if not (path / ".metadata").is_file():
@@ -136,8 +135,12 @@ def consolidate_checkpoint(path: str | Path, out: str | Path | None = None) -> d
             "directory a PipelineStrategy run saved."
         )
     check_distributed_checkpoint(path)  # before torch unpickles the index and the shards' non-tensor items
-    meta = load_metadata(path / _METADATA_FILENAME) if (path / _METADATA_FILENAME).is_file() else {}
-    state: dict[str, Any] = _load_distributed_checkpoint(path)
+    meta = (
+        load_metadata(path / _lightning.distributed_checkpoint_metadata_name())
+        if (path / _lightning.distributed_checkpoint_metadata_name()).is_file()
+        else {}
+    )
+    state: dict[str, Any] = _lightning.load_distributed_checkpoint(path)
     model_state = {k: v for k, v in state["state_dict"].items() if isinstance(v, torch.Tensor)}
     if out is not None:
         extra = {k: meta[k] for k in ("hyper_parameters", "epoch", "global_step") if k in meta}

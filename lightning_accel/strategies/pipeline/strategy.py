@@ -11,14 +11,15 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError
+from lightning_accel.files import PathLike
 from lightning_accel.patching import patch_attribute
 from lightning_accel.strategies.pipeline.checkpoint import (
     load_pipeline_checkpoint,
@@ -156,14 +157,14 @@ class PipelineStrategy(_LightningModelParallelStrategy):
     def setup_environment(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._setup_distributed()
+        _lightning.setup_distributed(self)
         self.settings.validate(world=self.world_size, precision=str(self.precision_plugin.precision))
         world, dp = self.world_size, self.settings.data_parallel_size
         self._device_mesh = init_device_mesh(
             self.root_device.type, (world // dp, dp), mesh_dim_names=("pipeline_parallel", "data_parallel")
         )
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        _lightning.set_module_device_mesh(self.lightning_module, self._device_mesh)
 
     @property
     def pp_size(self) -> int:
@@ -341,13 +342,15 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         return optimizer_state_dict(self.model, optimizer)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
             raise TypeError("`PipelineStrategy.save_checkpoint(..., storage_options=...)` is not supported.")
         save_pipeline_checkpoint(self, checkpoint, filepath)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None
         return load_pipeline_checkpoint(self, self.model, checkpoint_path, weights_only)
 

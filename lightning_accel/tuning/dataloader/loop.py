@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torchmetrics import Metric
 
+from lightning_accel import _lightning
 from lightning_accel.batches import samples_in
 from lightning_accel.patching import patch_attribute
 from lightning_accel.system import read_cpu_info, read_memory_limit
@@ -53,6 +54,8 @@ __all__ = [
 
 StepMode = Literal["train", "forward", "data"]
 _TUNED = "_lightning_accel_tuned"  # marks the DataLoaders this package built, so a reloaded one is told apart
+
+_FEATURE = "the DataLoaderTuner (swapping the loaders a loop iterates)"
 
 
 def make_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Callable[[Any, int], None], StepMode]:
@@ -174,9 +177,8 @@ def rebuilt(loader: object, settings: LoaderSettings) -> object:
 def stop_workers(loop: Any) -> None:
     """Shut down the worker processes behind a loop's CombinedLoader (its iterators' and persistent ones); its
     iterator object stays, so its length can still be read, but must be recreated before it is iterated again."""
-    combined = loop._combined_loader
-    iterator = combined._iterator
-    for it in getattr(iterator, "iterators", None) or []:
+    combined = _lightning.loop_combined_loader(loop, _FEATURE)
+    for it in _lightning.combined_loader_iterators(combined):
         _shutdown(it)
     for loader in combined.flattened:
         if isinstance(loader, DataLoader) and loader._iterator is not None:
@@ -189,8 +191,8 @@ def swap_loaders(loop: Any, loaders: list[Any], reiterate: bool, frozen: bool = 
     CombinedLoader. With `reiterate`, recreate the iterator of the loop's data fetcher, its RNG draws undone if
     `frozen`; without, the loop must recreate it before iterating (the evaluation loop does at every run)."""
     stop_workers(loop)
-    loop._combined_loader.flattened = loaders
-    fetcher = loop._data_fetcher
+    _lightning.set_loop_loaders(loop, loaders, _FEATURE)
+    fetcher = _lightning.loop_data_fetcher(loop, _FEATURE)
     if reiterate and fetcher is not None:
         with frozen_rng(loaders) if frozen else contextlib.nullcontext():
             iter(fetcher)

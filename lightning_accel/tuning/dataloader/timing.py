@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_accel import _lightning
 from lightning_accel.signals import pending_signal
 
 __all__ = [
@@ -195,12 +195,12 @@ def _generators(loaders: Iterable[DataLoader]) -> list[torch.Generator]:
 def frozen_rng(loaders: Iterable[DataLoader] = ()) -> Iterator[None]:
     """Restore the global RNGs (torch, CUDA, numpy, random) and the loaders' own generators on exit, even on error."""
     generators = _generators(loaders)
-    states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    states = _lightning.collect_rng_states(include_cuda=torch.cuda.is_available())
     saved = [g.get_state() for g in generators]
     try:
         yield
     finally:
-        _set_rng_states(states)
+        _lightning.set_rng_states(states)
         for gen, state in zip(generators, saved, strict=True):
             gen.set_state(state)
 

@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_accel.benchmark.plan import BenchSettings
-from lightning_accel.benchmark.preset_file import pinned, preset_yaml, settled_of, write_preset
+from lightning_accel.autotune.preset_file import pinned, preset_yaml, settled_of, write_preset
+from lightning_accel.autotune.search import Candidate, Outcome, Space, baseline, clears, incumbent, next_candidates
 from lightning_accel.benchmark.process import Launcher, launch
 from lightning_accel.benchmark.results import StageResult
 from lightning_accel.benchmark.run import run_bench
-from lightning_accel.benchmark.search import Candidate, Outcome, Space, baseline, clears, incumbent, next_candidates
+from lightning_accel.benchmark.stage_plan import BenchSettings
 from lightning_accel.files import atomic_path, atomic_write
 
 __all__ = ["TuneResult", "TuneSettings", "outcome_of", "tune"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lightning_accel.benchmark.search import GROUPS, Candidate, Outcome
+from lightning_accel.autotune.search import GROUPS, Candidate, Outcome
 from lightning_accel.errors import ConfigError
 from lightning_accel.files import atomic_write
 

@@ -10,11 +10,11 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_accel.benchmark.compose import (
+from lightning_accel.benchmark.stage_config import (
     available_presets,
     compose_config,
     compose_user_config,
@@ -22,9 +22,7 @@ from lightning_accel.benchmark.compose import (
     stage_overrides,
 )
 from lightning_accel.errors import ConfigError
-
-if TYPE_CHECKING:
-    from lightning_accel.run_plan import RunShape
+from lightning_accel.run_plan import RunShape, build_run_plan, run_shape
 
 __all__ = [
     "DEFAULT_SEED",
@@ -204,14 +202,13 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
     means 2 CPU processes when the machine has 2+ CPUs (Lightning's own `auto` gives 1); one device is skipped.
     """
     from lightning_accel.precision import FP16_PRECISIONS
-    from lightning_accel.run_plan import build_run_plan, run_shape
 
     overrides = tuple(overrides)
     try:
         cfg = compose_config(overrides, run_dir)
     except Exception as err:
         return StagePlan(name=name, overrides=overrides, status="skipped", reason=f"the config does not compose: {err}")
-    shape = run_shape(cfg, visible_cuda=visible_cuda)  # asked once; every fact below comes from it
+    shape = run_shape(cfg, visible_cuda=visible_cuda)  # the process count first; the plan decides the rest
     visible, on_cuda, family = shape.visible_cuda, shape.on_cuda, shape.family
     extra: tuple[str, ...] = ()
     if shape.devices_per_node is not None:
@@ -246,7 +243,7 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
         plan = build_run_plan(cfg, visible_cuda=visible)
     except (ConfigError, ValueError) as err:
         return StagePlan(**stage, status="skipped", reason=str(err))
-    resolved = plan.precision
+    shape, resolved = plan.shape, plan.precision
     workers = OmegaConf.select(cfg, "data.num_workers", default=None)
     num_workers = workers if isinstance(workers, int) else None
     batch = OmegaConf.select(cfg, "data.batch_size", default=None)
