@@ -221,10 +221,24 @@ def test_communication_is_the_backward_time_beyond_the_single_process_stage_and_
 def test_advice_never_names_what_the_stage_already_has() -> None:
     row = _row("model_parallel", 6.0, 2.0, world=2)
     ddp = next_step(row, "communication-bound", 2, "bf16-mixed", accumulate=1, family="ddp")
-    assert "accumulation=fixed" in ddp and "ddp_grad_compression" in ddp and "strategy=model_parallel" in ddp
+    assert "accumulation=fixed" in ddp and "ddp_grad_compression" in ddp and "strategy=pipeline" in ddp
     sharded = next_step(row, "communication-bound", 2, "bf16-mixed", accumulate=4, family="model_parallel")
     assert "accumulation" not in sharded and "model_parallel" not in sharded and "ddp_grad_compression" not in sharded
     assert "nccl=ib" in sharded
+    fed = next_step(row, "input-bound", 4, "32-true")
+    assert "now 4" in fed and "preset=amp" not in fed  # it has workers: raise them, do not add a tuner
+
+
+def test_advice_and_the_search_read_one_table_of_moves() -> None:
+    from lightning_accel.autotune import search
+    from lightning_accel.benchmark import moves
+
+    assert search.MOVES is moves.MOVES
+    row = _row("ddp", 6.0, 2.0, world=2)
+    advice = next_step(row, "memory-bound", 0, "32-true", family="ddp")
+    for move in moves.MOVES:
+        if "memory-bound" in move.addresses and move.needs != ("model_parallel",):
+            assert move.words() in advice, move.name  # every memory move the stage lacks, in the table's words
 
 
 # --- planning and bad input ----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import json
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -220,3 +221,12 @@ def test_every_all_is_complete_and_true() -> None:
             if not name.startswith("_") and name != "*" and name not in public and not submodule:
                 problems.append(f"{where} imports {info.name}.{name}, which its __all__ leaves out")
     assert problems == []
+
+
+def test_every_test_module_has_its_own_name() -> None:
+    # pytest imports test modules by basename (rootdir-relative, no packages): two tests/**/test_x.py stop collection.
+    tests = Path(__file__).resolve().parent
+    names: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lightning_accel.benchmark.moves import MOVES, Bottleneck, Move
+
 __all__ = [
     "MOVES",
     "GROUPS",
@@ -33,7 +35,6 @@ __all__ = [
     "next_candidates",
 ]
 
-Bottleneck = Literal["input-bound", "compute-bound", "communication-bound", "memory-bound", ""]
 GROUPS = frozenset(
     {"precision", "compile", "micro_batch", "strategy", "accumulation", "scheduler", "nccl", "lr_scaling"}
 )
@@ -110,65 +111,6 @@ class Space:
     """The DataLoader settings the user's data config takes (`data.<key>`): the ones a preset may pin."""
 
 
-@dataclass(frozen=True)
-class Move:
-    """One change the search may make: the choices it sets, when it applies, and which bottleneck it addresses."""
-
-    name: str
-    sets: tuple[tuple[str, str], ...]
-    addresses: tuple[str, ...]
-    """Bottlenecks it is tried for, in the order of `MOVES` within each."""
-    needs: tuple[str, ...] = ()
-    """Conditions on the space: `multi` (2+ devices), `cuda`, `bf16`, `compile`, `blocks`, `model_parallel`
-    (the candidate runs strategy=model_parallel)."""
-    excludes: tuple[str, ...] = ()
-    """Keys that must not be set already (a strategy move on top of another strategy)."""
-
-
-MOVES: tuple[Move, ...] = (
-    Move(
-        "DataLoader workers by experiment",
-        (("callbacks.dataloader_tuner._target_", "lightning_accel.callbacks.DataLoaderTuner"),),
-        ("input-bound",),
-    ),
-    Move("micro-batches sized to memory", (("micro_batch", "auto"),), ("memory-bound",)),
-    Move("mixed precision", (("precision", "amp"),), ("compute-bound", "memory-bound", "")),
-    Move("torch.compile", (("compile", "default"),), ("compute-bound", ""), needs=("compile",)),
-    Move("torch.compile max-autotune", (("compile", "max-autotune"),), ("compute-bound",), needs=("compile",)),
-    Move(
-        "DDP over the devices",
-        (("strategy", "ddp"), ("trainer.devices", "{devices}")),
-        ("compute-bound", "input-bound", ""),
-        needs=("multi",),
-        excludes=("strategy",),
-    ),
-    Move(
-        "model parallel (FSDP2 per block)",
-        (("strategy", "model_parallel"), ("trainer.devices", "{devices}")),
-        ("memory-bound", "compute-bound"),
-        needs=("multi", "blocks"),
-        excludes=("strategy",),
-    ),
-    Move(
-        "activation checkpointing",
-        (("callbacks.parallelize.activation_checkpointing", "true"),),
-        ("memory-bound",),
-        needs=("model_parallel",),
-    ),
-    Move("bf16 weights (bf16-true)", (("precision", "bf16_true"),), ("memory-bound",), needs=("bf16",)),
-    Move("fewer gradient reductions (accumulation)", (("accumulation", "fixed"),), ("communication-bound",)),
-    Move("gradient compression (bf16)", (("ddp_grad_compression", "bf16"),), ("communication-bound",), needs=("cuda",)),
-    Move(
-        "pipeline parallel",
-        (("strategy", "pipeline"), ("trainer.devices", "{devices}")),
-        ("communication-bound", "memory-bound"),
-        needs=("multi", "blocks"),
-        excludes=("strategy",),
-    ),
-)
-"""Every move, in the order tried within a bottleneck (cheapest and safest first)."""
-
-
 def _short(key: str, value: str) -> str:
     if key in GROUPS:
         return f"{key}={value}"
@@ -196,7 +138,7 @@ def _applies(move: Move, candidate: Candidate, space: Space) -> bool:
         "blocks": space.block_classes,
         "model_parallel": candidate.get("strategy") == "model_parallel",
     }
-    if not all(checks[need] for need in move.needs):
+    if not all(checks.get(need, True) for need in move.needs):  # `ddp`, `workers`: conditions of advice only
         return False
     if move.sets[0] == ("precision", "amp") and candidate.get("precision") == "bf16_true":
         return False
@@ -205,7 +147,7 @@ def _applies(move: Move, candidate: Candidate, space: Space) -> bool:
 
 def moves_here(space: Space) -> list[tuple[Move, bool]]:
     """Every move, and whether it applies on top of the baseline here (what `accel-tune --dry-run` prints)."""
-    return [(move, _applies(move, baseline(), space)) for move in MOVES]
+    return [(move, _applies(move, baseline(), space)) for move in MOVES if move.searched]
 
 
 def _out_of_memory(reason: str) -> bool:
@@ -283,9 +225,9 @@ def next_candidates(history: Sequence[Outcome], space: Space, limit: int = 3) ->
     tried = {outcome.candidate.choices for outcome in history}
     failed_settings = {pair for o in history if o.status == "failed" for pair in o.candidate.choices}
     base = best.candidate
-    ordered = [m for m in MOVES if best.bottleneck in m.addresses]
+    ordered = [m for m in MOVES if m.searched and best.bottleneck in m.addresses]
     if not memory_only:  # a run that does not fit gains nothing from moves that do not save memory
-        ordered += [m for m in MOVES if m not in ordered]
+        ordered += [m for m in MOVES if m.searched and m not in ordered]
     picked: list[Candidate] = []
     for move in ordered:
         if len(picked) >= limit:

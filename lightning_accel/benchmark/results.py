@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lightning_accel.benchmark.moves import advised
 from lightning_accel.measure import Interval, ratio, summarize, verdict
 from lightning_accel.telemetry.peak_flops import compute_dtype, lookup_peak_flops
 
@@ -323,24 +324,18 @@ _NEXT_RUNG = {"baseline": "amp", "amp": "ddp", "ddp": "model_parallel", "fsdp": 
 def next_step(
     result: StageResult, verdict: str, num_workers: int | None, precision: str, accumulate: int = 1, family: str = ""
 ) -> str:
-    """What to try after a stage with this verdict, as a preset or a setting; none the stage already has."""
-    if verdict == "input-bound":
-        if not num_workers:
-            return "preset=amp (DataLoader workers), or raise `data.num_workers`"
-        return f"raise `data.num_workers` (now {num_workers}), `data.pin_memory=true`"
-    if verdict == "communication-bound":
-        options = [] if accumulate > 1 else ["accumulation=fixed (4x fewer gradient reductions)"]
-        if family == "ddp":
-            options.append("`ddp_grad_compression=bf16` on CUDA")
-        if family not in ("model_parallel", "fsdp"):
-            options.append("strategy=model_parallel")
-        options.append("a faster interconnect (`nccl=ib`) or fewer, larger processes")
-        return ", or ".join(options)
-    if verdict == "memory-bound":
-        return (
-            "micro_batch=auto (the largest micro-batch that fits, same global batch), strategy=model_parallel "
-            "(shards the model), or `callbacks.parallelize.activation_checkpointing=true`"
-        )
+    """What to try after a stage with this verdict, as a preset or a setting; none the stage already has. For an
+    input-, communication- or memory-bound stage: the moves of `moves.MOVES` that address it (the table accel-tune's
+    search reads); otherwise the next rung of the ladder."""
+    if verdict in ("input-bound", "communication-bound", "memory-bound"):
+        have = {"precision": "32-true" if precision.startswith(("32", "64")) else "amp"}
+        if family not in ("", "auto", "single_device"):
+            have["strategy"] = "model_parallel" if family == "fsdp" else family  # both shard the model
+        if accumulate > 1:
+            have["accumulation"] = "fixed"
+        if num_workers:
+            have["data.num_workers"] = str(num_workers)
+        return ", or ".join(advised(verdict, have))
     if precision.startswith("32") or precision.startswith("64"):
         return "preset=amp (mixed precision)"
     rung = _NEXT_RUNG.get(result.name)
