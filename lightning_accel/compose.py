@@ -30,13 +30,13 @@ from lightning_accel.app_config import check_app_config
 from lightning_accel.errors import ConfigError, ConfigTypeError
 from lightning_accel.launch import hydra_safe_launch
 from lightning_accel.run_plan import runs_on_cuda
+from lightning_accel.tuning.dataloader.settings import LOADER_KEYS
 
 if TYPE_CHECKING:
     from lightning_accel.precision import ResolvedPrecision
     from lightning_accel.strategies.nccl import NcclPlan
 
 __all__ = [
-    "LOADER_KEYS",
     "apply_loader_settings",
     "apply_nccl",
     "apply_precision",
@@ -50,9 +50,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-LOADER_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
-"""DataLoader arguments the presets set under `data.` (and that can be applied to a built DataLoader)."""
 
 _LOADER_METHODS = ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader")
 
@@ -115,7 +112,8 @@ def apply_loader_settings(datamodule: Any, settings: Mapping[str, Any]) -> None:
     from torch.utils.data import DataLoader
 
     from lightning_accel.errors import LightningAccelWarning
-    from lightning_accel.tuning.dataloader.timing import LoaderSettings, loader_settings, rebuild_loader
+    from lightning_accel.tuning.dataloader.settings import LoaderSettings
+    from lightning_accel.tuning.dataloader.timing import loader_settings, rebuild_loader
 
     def rebuilt(loader: Any) -> Any:
         if isinstance(loader, (list, tuple)):

@@ -106,6 +106,7 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
     from lightning_accel.precision import resolve_precision
     from lightning_accel.run_plan import build_run_plan
     from lightning_accel.system.software import compile_problem
+    from lightning_accel.tuning.dataloader.settings import LOADER_KEYS
 
     cfg = compose_user_config(list(overrides), str(run_dir / "check"))
     shape = build_run_plan(cfg).shape
@@ -115,11 +116,7 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
     blocks = bool(OmegaConf.select(cfg, "parallel_plan.block_classes"))
     global_batch = OmegaConf.select(cfg, "callbacks.accumulation.global_batch_size")
     data = cfg.get("data")
-    loader_keys = frozenset(
-        k
-        for k in ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
-        if data is not None and k in data
-    )
+    loader_keys = frozenset(k for k in LOADER_KEYS if data is not None and k in data)
     space = Space(
         devices=max(1, int(devices or 1)),
         on_cuda=shape.on_cuda,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lightning_accel.benchmark.moves import MOVES, Bottleneck, Move
+from lightning_accel.tuning.dataloader.settings import LOADER_KEYS
 
 __all__ = [
     "MOVES",
@@ -107,7 +108,7 @@ class Space:
     """The model config names its blocks (`parallel_plan.block_classes`): model parallel, pipeline, checkpointing."""
     global_batch: int | None = None
     """The global batch to keep (samples per optimizer step), when the user set one."""
-    loader_keys: frozenset[str] = frozenset({"num_workers", "pin_memory", "persistent_workers"})
+    loader_keys: frozenset[str] = frozenset(LOADER_KEYS)
     """The DataLoader settings the user's data config takes (`data.<key>`): the ones a preset may pin."""
 
 

@@ -22,13 +22,8 @@ from lightning_accel.system import read_cpu_budget, read_shm
 from lightning_accel.tuning.dataloader import cache, policy, tuner_report, verification
 from lightning_accel.tuning.dataloader import loop as loop_internals
 from lightning_accel.tuning.dataloader.decision import TunerDecision
-from lightning_accel.tuning.dataloader.timing import (
-    LoaderSettings,
-    Trial,
-    TrialError,
-    frozen_rng,
-    loader_settings,
-)
+from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.timing import Trial, TrialError, frozen_rng, loader_settings
 from lightning_accel.tuning.dataloader.verification import LiveWait
 
 __all__ = ["DataLoaderTuner"]

@@ -25,7 +25,8 @@ from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.errors import LightningAccelWarning
 from lightning_accel.measure import Interference, InterferenceProbe, Interval, interleaved, ratio, summarize
 from lightning_accel.tuning.dataloader.loop import make_step, untouched
-from lightning_accel.tuning.dataloader.timing import LoaderSettings, frozen_rng, rebuild_loader, run_trial, trial_window
+from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.timing import frozen_rng, rebuild_loader, run_trial, trial_window
 
 FEATURES = 8
 

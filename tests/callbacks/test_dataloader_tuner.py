@@ -27,7 +27,8 @@ from lightning_accel.measure import Interference
 from lightning_accel.system import ShmInfo
 from lightning_accel.tuning.dataloader.cache import DecisionCache
 from lightning_accel.tuning.dataloader.policy import memory_note
-from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial, TrialError, rebuild_loader, run_trial
+from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.timing import Trial, TrialError, rebuild_loader, run_trial
 
 CPUS = 2  # every test sees a 2-CPU budget (PYTHON_CPU_COUNT), whatever the machine
 SPACE = [LoaderSettings(num_workers=w, prefetch_factor=2 if w else None) for w in range(4 * CPUS + 1)]

@@ -11,7 +11,8 @@ import pytest
 
 from lightning_accel.tuning.dataloader.cache import DecisionCache
 from lightning_accel.tuning.dataloader.decision import TunerDecision
-from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
+from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.timing import Trial
 
 KEY = "0123456789abcdef0123"
 

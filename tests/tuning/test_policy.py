@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from lightning_accel.tuning.dataloader.policy import choose, search, worker_counts
-from lightning_accel.tuning.dataloader.timing import LoaderSettings, Status, Trial
+from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.timing import Status, Trial
 
 FLAG = "other processes used 1.00 of 2 CPU(s) (50%)"
 COMMON = {"max_workers": 8, "prefetch_factors": [2], "pin_memory": False, "tolerance": 0.05, "guard": lambda s: ""}

@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
+from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.timing import Trial
 
 MAX_PREFETCH_FACTOR = 64
 """The most batches per worker a cached decision may keep in flight (the tuner tries at most a few)."""

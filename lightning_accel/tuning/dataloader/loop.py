@@ -24,8 +24,8 @@ from lightning_accel.batches import samples_in
 from lightning_accel.patching import patch_attribute
 from lightning_accel.system import read_cpu_info, read_memory_limit
 from lightning_accel.tuning.dataloader import policy
+from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import (
-    LoaderSettings,
     Trial,
     TrialError,
     _shutdown,

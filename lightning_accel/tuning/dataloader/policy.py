@@ -8,7 +8,8 @@ from typing import Any
 
 from lightning_accel.measure import Interval, interleaved, ratio
 from lightning_accel.tuning.dataloader.decision import TunerDecision
-from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
+from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.timing import Trial
 
 __all__ = [
     "LOADER_BOUND_SHARE",

@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_accel import _lightning
 from lightning_accel.signals import pending_signal
+from lightning_accel.tuning.dataloader.settings import LoaderSettings
 
 __all__ = [
-    "LoaderSettings",
     "Status",
     "Sync",
     "Trial",
@@ -33,25 +33,6 @@ __all__ = [
 Status = Literal["done", "cut", "skipped", "time"]
 Sync = Callable[[Sequence[float]], list[float]]
 """Element-wise max of a short vector over all ranks (identity on one process): keeps ranks in lockstep."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LoaderSettings:
-    """The DataLoader arguments the tuner chooses."""
-
-    num_workers: int = 0
-    prefetch_factor: int | None = None
-    """Batches loaded ahead per worker; None without workers (DataLoader's rule)."""
-    pin_memory: bool = False
-    persistent_workers: bool = False
-
-    @property
-    def cost(self) -> tuple[int, int, bool]:
-        """Ordering among settings within the tolerance: fewer workers, then less prefetch, then no pinning."""
-        return self.num_workers, self.prefetch_factor or 0, self.pin_memory
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -11,7 +11,8 @@ from typing import Any
 
 from lightning_accel.tuning.dataloader.decision import TunerDecision
 from lightning_accel.tuning.dataloader.policy import medians
-from lightning_accel.tuning.dataloader.timing import LoaderSettings, Trial
+from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.timing import Trial
 
 __all__ = [
     "COLUMNS",
