@@ -18,7 +18,9 @@ TEMP_SUFFIX = ".tmp"
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike[str], *, prefix: str | None = None, fsync: bool = False) -> Iterator[Path]:
+def atomic_path(
+    path: str | os.PathLike[str], *, prefix: str | None = None, fsync: bool = False, mode: int | None = None
+) -> Iterator[Path]:
     """A temporary path beside `path` to write to; renamed over `path` when the block ends without an error, removed
     when it does not (a full disk, a signal), so a reader sees the old file or the new one, never a part.
 
@@ -26,6 +28,8 @@ def atomic_path(path: str | os.PathLike[str], *, prefix: str | None = None, fsyn
         path: the file to write.
         prefix: the temporary name's stem (default: the target's name); hidden either way (`.<prefix>.<id>.tmp`).
         fsync: flush the file and its directory entry to disk (checkpoints: a power loss keeps one of the two).
+        mode: the file's permissions (default: what a plain `open` gives under the process's umask, not the private
+            0o600 of a temporary file).
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -34,6 +38,7 @@ def atomic_path(path: str | os.PathLike[str], *, prefix: str | None = None, fsyn
     tmp = Path(name)
     try:
         yield tmp
+        os.chmod(tmp, _default_mode() if mode is None else mode)
         if fsync:
             with tmp.open("rb+") as handle:
                 os.fsync(handle.fileno())
@@ -43,6 +48,27 @@ def atomic_path(path: str | os.PathLike[str], *, prefix: str | None = None, fsyn
         raise
     if fsync:
         _fsync_directory(target.parent)
+
+
+def _read_umask() -> int:
+    """The process's umask: from /proc (Linux), else by setting and restoring it (racy with threads: import time)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+_UMASK_AT_IMPORT = _read_umask()
+
+
+def _default_mode() -> int:
+    umask = _read_umask() if Path("/proc/self/status").exists() else _UMASK_AT_IMPORT
+    return 0o666 & ~umask
 
 
 def _fsync_directory(folder: Path) -> None:
@@ -58,10 +84,10 @@ def _fsync_directory(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
+def atomic_write(path: str | os.PathLike[str], data: str | bytes, *, mode: int | None = None) -> Path:
     """Write `data` (text as UTF-8) to `path` through `atomic_path`; returns `path`."""
     target = Path(path)
-    with atomic_path(target) as tmp:
+    with atomic_path(target, mode=mode) as tmp:
         if isinstance(data, bytes):
             tmp.write_bytes(data)
         else:

@@ -17,6 +17,7 @@ from _env import clean_env
 from lightning_accel.strategies import consolidate_checkpoint
 
 _KILLER = '''
+import contextlib
 import os
 import signal
 
@@ -47,11 +48,12 @@ class KillDuringSave(pl.Callback):
 
         def file_target(obj, f, *a, **k):
             name = getattr(f, "name", f)  # os.fdopen's handle is named by its descriptor
-            return os.readlink(f"/proc/self/fd/{name}") if isinstance(name, int) else name
+            return os.readlink(f"/proc/self/fd/{name}") if isinstance(name, int) else os.fspath(name)
 
-        def file_half(obj, f, *a, **k):
-            f.write(b"PK\\x03\\x04 half a checkpoint")
-            f.flush()
+        def file_half(obj, f, *a, **k):  # torch.save takes a path or an open file
+            with open(f, "wb") if isinstance(f, (str, os.PathLike)) else contextlib.nullcontext(f) as out:
+                out.write(b"PK\\x03\\x04 half a checkpoint")
+                out.flush()
 
         def dir_target(state, checkpoint_id=None, **k):
             return checkpoint_id

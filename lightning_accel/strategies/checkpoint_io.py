@@ -41,7 +41,7 @@ def atomic_torch_save(obj: Any, path: PathLike) -> None:
     `path`: a reader sees the old file or the new one, never a part. On any failure (a full disk, a signal) the
     temporary file is removed and `path` is as it was."""
     target = Path(path)
-    with atomic_path(target, prefix=hidden_name(target.name), fsync=True) as tmp:
+    with atomic_path(target, prefix=hidden_name(target.name)[1:], fsync=True) as tmp:  # atomic_path hides it
         torch.save(obj, tmp)
 
 

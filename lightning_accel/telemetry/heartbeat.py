@@ -16,12 +16,13 @@ import math
 import os
 import re
 import stat
-import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lightning_accel.files import atomic_write
 
 __all__ = [
     "DEFAULT_KEEP_S",
@@ -121,18 +122,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
         OSError: the directory cannot be written.
     """
     text = json.dumps(data, allow_nan=False, separators=(",", ":"))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as file:
-            file.write(text)
-        os.chmod(tmp, 0o644)  # teammates' accel-dash reads it from a shared runs directory
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, text, mode=0o644)  # teammates' accel-dash reads it from a shared runs directory
 
 
 def _no_constants(name: str) -> float:

@@ -13,8 +13,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_accel.strategies import AtomicCheckpointIO, atomic_torch_save
 
 
-def _full_disk(obj: Any, handle: Any) -> None:
-    handle.write(b"PK\x03\x04 half a checkpoint")  # what a full disk leaves: the start of a zip archive
+def _full_disk(obj: Any, file: Any) -> None:
+    Path(file).write_bytes(b"PK\x03\x04 half a checkpoint")  # what a full disk leaves: the start of a zip archive
     raise OSError(28, "No space left on device")
 
 

@@ -1,0 +1,56 @@
+"""The one atomic-write helper (`lightning_accel.files`): whole files or none, with the permissions open gives."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+import lightning_accel
+from lightning_accel.files import atomic_path, atomic_write
+from lightning_accel.telemetry.heartbeat import write_json_atomic
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_written_file_has_the_umasks_permissions_not_a_temporary_files(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        assert _mode(atomic_write(tmp_path / "report.md", "x")) == 0o640
+    finally:
+        os.umask(old)
+    assert _mode(atomic_write(tmp_path / "shared.json", b"{}", mode=0o644)) == 0o644
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:
+    target = atomic_write(tmp_path / "bench.json", "old")
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
+def test_heartbeats_go_through_it_readable_by_teammates(tmp_path: Path) -> None:
+    old = os.umask(0o077)
+    try:
+        write_json_atomic(tmp_path / "run.host.0.json", {"step": 1})
+    finally:
+        os.umask(old)
+    assert _mode(tmp_path / "run.host.0.json") == 0o644
+    with pytest.raises(ValueError):
+        write_json_atomic(tmp_path / "run.host.0.json", {"loss": float("nan")})
+    assert (tmp_path / "run.host.0.json").read_text() == '{"step":1}'
+
+
+def test_no_other_module_makes_its_own_temporary_files_to_rename() -> None:
+    package = Path(lightning_accel.__file__).parent
+    own = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name != "files.py" and "mkstemp(" in path.read_text(encoding="utf-8")
+    ]
+    assert own == []
