@@ -1,7 +1,7 @@
 """Repeated, interleaved measurement: medians with intervals, "no clear difference", and interference checks.
 
 Every figure that steers a decision (accel-bench's speedups, the DataLoaderTuner's choice) goes through here, so
-they share one method (STYLE habit 15, after hyperfine and criterion.rs):
+they share one method (after hyperfine and criterion.rs):
 
 - Compare things **interleaved**, round by round (A B C, A B C, ...), never all repeats of one in a row, so a burst
   of load or a warming machine touches every candidate alike (`interleaved`).

@@ -29,7 +29,7 @@ def test_valid_devices_pass(compose_train, devices: str) -> None:
         ("trainer.accumulate_grad_batches=0", "`trainer.accumulate_grad_batches=0`", ">= 1"),
         ("trainer.max_steps=ten", "`trainer.max_steps='ten'`", "integer"),
         ("seed=abc", "`seed='abc'`", "must be an integer within"),
-        # found by the fault probe of issue 16: tracebacks or silent acceptance before
+        # found by a fault probe: tracebacks or silent acceptance before
         ("trainer.devices=[0,0]", "`trainer.devices=[0, 0]` names a device twice", "`trainer.devices=[0,1]`"),
         ("trainer.val_check_interval=0", "`trainer.val_check_interval=0`", "an integer >= 1"),
         ("trainer.val_check_interval=1.5", "`trainer.val_check_interval=1.5`", "0 < x <= 1.0"),

@@ -16,6 +16,7 @@ runs them), `<!-- docs: template ... -->` (a lightning-hydra-template command: t
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import re
@@ -244,3 +245,34 @@ def test_every_logged_key_is_in_the_callbacks_docstring_and_the_table() -> None:
         source = inspect.getsource(inspect.getmodule(cls))  # type: ignore[arg-type]
         for key in re.findall(r'pl_module\.log\("([^"]+)"', source):
             assert f"`{key}`" in doc and f"`{key}`" in table, f"{name} logs `{key}`, undocumented"
+
+
+NEWCOMER_FEATURES = (
+    "accel-tune's search",
+    "the checks before launch",
+    "the run plan",
+    "the GPU check",
+    "the DataLoaderTuner's cache",
+)
+
+
+def test_the_contributor_table_names_one_file_per_feature_and_that_file_holds_it() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## For contributors: where each feature lives", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (.+?) \| `([^`]+)` \| `([^`]+)` \|$", section, re.M)
+    assert len(rows) >= len(NEWCOMER_FEATURES)
+    for feature in NEWCOMER_FEATURES:
+        named = [row for row in rows if row[0].startswith(feature)]
+        assert len(named) == 1, f"the contributor table should name one file for {feature}: {named}"
+    for feature, file, symbol in rows:
+        path = ROOT / file
+        assert path.is_file(), f"{feature}: {file} does not exist"
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+            t.id
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Name)
+        }
+        assert symbol in defined, f"{feature}: {file} does not define {symbol}"

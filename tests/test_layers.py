@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -230,3 +231,16 @@ def test_every_test_module_has_its_own_name() -> None:
     for path in tests.rglob("test_*.py"):
         names.setdefault(path.name, []).append(str(path.relative_to(tests)))
     assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
+def test_code_cites_only_what_the_repo_holds() -> None:
+    # the issue tracker and the team's style notes are not in the repo: cite neither by number
+    root = Path(__file__).resolve().parents[1]
+    cited = []
+    for folder in ("lightning_accel", "tests", "conf", "examples", "hydra_plugins"):
+        for path in (root / folder).rglob("*"):
+            if path.suffix in (".py", ".yaml", ".md") and path.is_file():
+                for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                    if re.search(r"STYLE habit|STYLE\.md|\b[Ii]ssue \d+\b", line) and "github.com" not in line:
+                        cited.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert cited == []

@@ -1,6 +1,6 @@
 """Micro-batch sizing by experiment: the largest micro-batch that fits, and splitting a batch that did not.
 
-The search and the splitting the micro-batch finder (issue 19) is built on, with no Trainer in them:
+The search and the splitting the micro-batch finder (`callbacks.MicroBatchFinder`) is built on, with no Trainer in them:
 
 - `candidate_sizes(batch_size)`: the micro-batches a batch divides into evenly, largest first;
 - `find_micro_batch(try_size, batch_size)`: the largest candidate whose trial fits (no out-of-memory error, and a

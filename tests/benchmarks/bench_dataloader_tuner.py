@@ -11,11 +11,11 @@ Cases: `gpt` (GPTLanguageModel on StdlibTextDataModule, 1,098 steps), `digits` (
 DigitsDataModule, 19 steps; needs scikit-learn), and `gpt-latency`: the GPT case with a simulated 2 ms storage
 latency per window (a dataset that waits on I/O), its epoch cut to `--latency-batches` batches.
 
-`io-busy` (issue 14's criterion) is run alone: `--runs` tunings of an I/O-bound dataset (3 ms sleep per item, the
-tests' SleepyDataset) while a CPU-bound process that is not ours runs beside them; after each, the tests' Referee
-times every worker count 0..8 and the choice under the same load, in `--sweep-rounds` interleaved rounds, and takes
-each setting's median. Printed per run: the choice, its share of the sweep's best median (with the paired rounds'
-range), whether the tuner flagged interference, the sweep's spread; then how many runs reached 80%.
+`io-busy` (the tuner's criterion: >= 80% of the sweep's best) is run alone: `--runs` tunings of an I/O-bound dataset (3
+ms sleep per item, the tests' SleepyDataset) while a CPU-bound process that is not ours runs beside them; after each,
+the tests' Referee times every worker count 0..8 and the choice under the same load, in `--sweep-rounds` interleaved
+rounds, and takes each setting's median. Printed per run: the choice, its share of the sweep's best median (with the
+paired rounds' range), whether the tuner flagged interference, the sweep's spread; then how many runs reached 80%.
 
 Run:
     python tests/benchmarks/bench_dataloader_tuner.py [--cases gpt digits gpt-latency] [--repeats 2] [--threads N]
@@ -130,7 +130,7 @@ def one_epoch(name: str, tuner: DataLoaderTuner | None, latency_batches: int) ->
 def io_busy(
     runs: int, max_tuning_time_s: float, table: bool = False, sweep_rounds: int = 3
 ) -> list[tuple[LoaderSettings, float, bool]]:
-    """Issue 14's criterion: (choice, share of the sweep's best, flagged) of `runs` tunings of an I/O-bound dataset
+    """The tuner's criterion: (choice, share of the sweep's best, flagged) of `runs` tunings of an I/O-bound dataset
     beside a CPU-bound process that is not ours (started through a shell that exits, so init adopts it)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "callbacks"))
     import _dataloader_tuner_cases as cases

@@ -573,9 +573,9 @@ def test_a_right_cached_decision_passes_its_check(tmp_path: Path) -> None:
 def test_io_bound_choice_beside_a_busy_process_gets_many_workers(
     tmp_path: Path, real_probe: None, busy_process: int
 ) -> None:
-    """Issue 14's criterion, once, in the default suite: an I/O-bound dataset slow enough (80 ms a batch per worker)
-    that the right answer is unambiguous (8 workers several times 2's throughput), beside a real CPU-bound process
-    that is not ours. (The figures behind it: the slow test below.)"""
+    """The tuner's criterion (>= 80% of the sweep's best), once, in the default suite: an I/O-bound dataset slow
+    enough (80 ms a batch per worker) that the right answer is unambiguous (8 workers several times 2's throughput),
+    beside a real CPU-bound process that is not ours. (The figures behind it: the slow test below.)"""
     tuner = _tuner(max_tuning_time_s=60.0, use_cache=False)
     cases.fit(cases.SleepyDataset(1000, delay_s=0.01), [tuner], str(tmp_path), max_steps=2)
     assert tuner.decision is not None and tuner.decision.num_workers >= 4, tuner.trials
@@ -601,8 +601,8 @@ def test_io_bound_choice_beside_a_busy_process_reaches_80_percent_of_2_4_or_8_wo
 def test_io_bound_choice_beside_a_busy_process_reaches_80_percent_of_the_best(
     tmp_path: Path, real_probe: None, busy_process: int
 ) -> None:
-    """Issue 14's criterion, once, against the exhaustive sweep over 0..8 workers, with the step on 2 threads as in a
-    user's run (the benchmark's `io-busy` case runs it 10 times)."""
+    """The tuner's criterion (>= 80% of the sweep's best), once, against the exhaustive sweep over 0..8 workers,
+    with the step on 2 threads as in a user's run (the benchmark's `io-busy` case runs it 10 times)."""
     torch.set_num_threads(2)  # as a user's run: the step's second thread waits for the busy core, steps swell
     tuner, referee = _tune_and_referee(cases.SleepyDataset(delay_s=0.006), tmp_path)
     assert referee.share_of_best >= 0.8, referee.summary()

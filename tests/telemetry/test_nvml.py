@@ -204,7 +204,7 @@ def test_mig_device_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
     assert values["sm_activity_pct"] == 33.0 and fake.calls["nvmlGpmMigSampleGet"] == 2
 
 
-# Faults the strict fake brings out (issue 15): each test fails on the code before its fix.
+# Faults the strict fake brings out: each test fails on the code before its fix.
 
 
 def test_a_gpu_this_process_may_not_open_is_left_out_and_the_others_resolve(monkeypatch: pytest.MonkeyPatch) -> None:

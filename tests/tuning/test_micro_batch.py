@@ -1,4 +1,4 @@
-"""Micro-batch sizing (issue 19, first part): the search over divisors, the split, and sample-weighted losses."""
+"""Micro-batch sizing: the search over divisors, the split, and sample-weighted losses."""
 
 from __future__ import annotations
 
