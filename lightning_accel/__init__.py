@@ -19,7 +19,7 @@ if TYPE_CHECKING:
         onecycle_schedule,
     )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AccumulationPlan",

@@ -276,3 +276,17 @@ def test_the_contributor_table_names_one_file_per_feature_and_that_file_holds_it
             if isinstance(t, ast.Name)
         }
         assert symbol in defined, f"{feature}: {file} does not define {symbol}"
+
+
+def test_the_changelog_keeps_a_changelog_with_the_packages_version() -> None:
+    import tomllib
+
+    text = (ROOT / "CHANGELOG.md").read_text()
+    versions = re.findall(r"^## \[(.+?)\](.*)$", text, re.M)
+    assert versions[0] == ("Unreleased", "")
+    for version, date in versions[1:]:
+        assert re.fullmatch(r"\d+\.\d+\.\d+", version) and re.fullmatch(r" - \d{4}-\d{2}-\d{2}", date), version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["version"] in [v for v, _ in versions]
+    kinds = set(re.findall(r"^### (.+)$", text, re.M))
+    assert kinds <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security", "Known issues"}, kinds
