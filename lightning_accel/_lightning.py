@@ -34,6 +34,7 @@ __all__ = [
     "collect_rng_states",
     "ddp_comm_hook",
     "distributed_checkpoint_metadata_name",
+    "epoch_loop_makes_iterator",
     "forget_lightning_sigterm_handler",
     "load_distributed_checkpoint",
     "logged_results",
@@ -126,6 +127,15 @@ def set_loop_loaders(loop: Any, loaders: list[Any], feature: str) -> None:
 def loop_data_fetcher(loop: Any, feature: str) -> Any | None:
     """A fit or evaluation loop's data fetcher (`_data_fetcher`)."""
     return _get(loop, "_data_fetcher", feature)
+
+
+def epoch_loop_makes_iterator(trainer: pl.Trainer) -> bool:
+    """Whether the training epoch loop makes its data iterator itself at this epoch's start, as
+    `_TrainingEpochLoop.on_run_start` decides: past the first epoch and not restarting, and from Lightning 2.5.3 also
+    not resuming (`_FitLoop.is_resuming`, which 2.5.0-2.5.2 lack)."""
+    fit_loop = trainer.fit_loop
+    resuming = bool(getattr(fit_loop, "is_resuming", False))
+    return trainer.current_epoch > 0 and not resuming and not fit_loop.epoch_loop.restarting
 
 
 def combined_loader_iterators(combined: Any) -> list[Any]:

@@ -111,6 +111,18 @@ def test_optional_internals_answer_none_where_absent() -> None:
     assert _lightning.restore_pending_loader_states(SimpleNamespace()) is False
 
 
+def test_the_epoch_loop_makes_its_iterator_past_the_first_epoch_unless_restarting_or_resuming() -> None:
+    def trainer(epoch: int, restarting: bool = False, **fit_loop: bool) -> SimpleNamespace:
+        epoch_loop = SimpleNamespace(restarting=restarting)
+        return SimpleNamespace(current_epoch=epoch, fit_loop=SimpleNamespace(epoch_loop=epoch_loop, **fit_loop))
+
+    assert _lightning.epoch_loop_makes_iterator(trainer(1)) is True  # Lightning 2.5.0-2.5.2: no `is_resuming`
+    assert _lightning.epoch_loop_makes_iterator(trainer(1, is_resuming=False)) is True
+    assert _lightning.epoch_loop_makes_iterator(trainer(1, is_resuming=True)) is False
+    assert _lightning.epoch_loop_makes_iterator(trainer(1, restarting=True)) is False
+    assert _lightning.epoch_loop_makes_iterator(trainer(0)) is False
+
+
 def test_every_internal_the_fence_names_exists_in_this_lightning() -> None:
     """The installed Lightning has every attribute the fence reads, on the objects it reads them from."""
     import lightning.pytorch as pl
@@ -126,6 +138,7 @@ def test_every_internal_the_fence_names_exists_in_this_lightning() -> None:
     assert _lightning.loop_data_fetcher(fit_loop, "test") is None and _lightning.accumulating(trainer) is not None
     assert isinstance(epoch_loop.automatic_optimization, _AutomaticOptimization)
     assert _lightning.backward_skipped(epoch_loop.automatic_optimization) is False
+    assert _lightning.epoch_loop_makes_iterator(trainer) is False  # the first epoch
     assert _lightning.signal_connector(trainer) is not None and _lightning.cluster_environment(trainer) is not None
     assert _lightning.distributed_checkpoint_metadata_name() == "meta.pt"
     for module, name in [
