@@ -4,6 +4,8 @@ error naming the attribute, the feature and the Lightning version when the attri
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +16,7 @@ from lightning_accel import _lightning
 
 PACKAGE = Path(lightning_accel.__file__).parent
 FENCE = PACKAGE / "_lightning.py"
+PYPROJECT = PACKAGE.parent / "pyproject.toml"
 
 
 def _private_names_defined(root: Path) -> set[str]:
@@ -153,3 +156,27 @@ def test_every_internal_the_fence_names_exists_in_this_lightning() -> None:
     _lightning.set_rng_states(states)
     undo = _lightning.patch_hydra_subprocess_cmd(lambda *a, **k: None, "test")
     undo()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="reads pyproject.toml with tomllib (Python 3.11+)")
+def test_pyproject_the_fence_and_ci_agree_on_the_lightning_range() -> None:
+    """pyproject's requirement is `SUPPORTED_LIGHTNING`, and `.ci/contract` tests its floor and its newest minor."""
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    contract = PACKAGE.parent / ".ci" / "contract"
+    if not (PYPROJECT.is_file() and contract.is_file()):
+        pytest.skip("an installed lightning_accel, not a checkout: no pyproject.toml or .ci/ beside it")
+    requirements = [Requirement(r) for r in tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]]
+    (lightning,) = [r for r in requirements if r.name == "lightning"]
+    assert lightning.specifier == SpecifierSet(_lightning.SUPPORTED_LIGHTNING)
+    floor = Version(next(s.version for s in lightning.specifier if s.operator == ">="))
+    cap = Version(next(s.version for s in lightning.specifier if s.operator == "<"))
+    tested = re.search(r'^LIGHTNING_RELEASES=\("([^"]+)" "([^"]+)\.\*"\)', contract.read_text(), re.M)
+    assert tested, '`.ci/contract` names its two releases as LIGHTNING_RELEASES=("<oldest>" "<newest minor>.*")'
+    oldest, newest_minor = Version(tested[1]), Version(tested[2])
+    assert oldest == floor  # the floor itself, not a later patch of its minor
+    assert newest_minor in lightning.specifier  # and the cap is the next, untested, minor:
+    assert cap == Version(f"{newest_minor.major}.{newest_minor.minor + 1}")
