@@ -4,6 +4,8 @@ error naming the attribute, the feature and the Lightning version when the attri
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +16,7 @@ from lightning_accel import _lightning
 
 PACKAGE = Path(lightning_accel.__file__).parent
 FENCE = PACKAGE / "_lightning.py"
+PYPROJECT = PACKAGE.parent / "pyproject.toml"
 
 
 def _private_names_defined(root: Path) -> set[str]:
@@ -111,6 +114,18 @@ def test_optional_internals_answer_none_where_absent() -> None:
     assert _lightning.restore_pending_loader_states(SimpleNamespace()) is False
 
 
+def test_the_epoch_loop_makes_its_iterator_past_the_first_epoch_unless_restarting_or_resuming() -> None:
+    def trainer(epoch: int, restarting: bool = False, **fit_loop: bool) -> SimpleNamespace:
+        epoch_loop = SimpleNamespace(restarting=restarting)
+        return SimpleNamespace(current_epoch=epoch, fit_loop=SimpleNamespace(epoch_loop=epoch_loop, **fit_loop))
+
+    assert _lightning.epoch_loop_makes_iterator(trainer(1)) is True  # Lightning 2.5.0-2.5.2: no `is_resuming`
+    assert _lightning.epoch_loop_makes_iterator(trainer(1, is_resuming=False)) is True
+    assert _lightning.epoch_loop_makes_iterator(trainer(1, is_resuming=True)) is False
+    assert _lightning.epoch_loop_makes_iterator(trainer(1, restarting=True)) is False
+    assert _lightning.epoch_loop_makes_iterator(trainer(0)) is False
+
+
 def test_every_internal_the_fence_names_exists_in_this_lightning() -> None:
     """The installed Lightning has every attribute the fence reads, on the objects it reads them from."""
     import lightning.pytorch as pl
@@ -126,6 +141,7 @@ def test_every_internal_the_fence_names_exists_in_this_lightning() -> None:
     assert _lightning.loop_data_fetcher(fit_loop, "test") is None and _lightning.accumulating(trainer) is not None
     assert isinstance(epoch_loop.automatic_optimization, _AutomaticOptimization)
     assert _lightning.backward_skipped(epoch_loop.automatic_optimization) is False
+    assert _lightning.epoch_loop_makes_iterator(trainer) is False  # the first epoch
     assert _lightning.signal_connector(trainer) is not None and _lightning.cluster_environment(trainer) is not None
     assert _lightning.distributed_checkpoint_metadata_name() == "meta.pt"
     for module, name in [
@@ -140,3 +156,27 @@ def test_every_internal_the_fence_names_exists_in_this_lightning() -> None:
     _lightning.set_rng_states(states)
     undo = _lightning.patch_hydra_subprocess_cmd(lambda *a, **k: None, "test")
     undo()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="reads pyproject.toml with tomllib (Python 3.11+)")
+def test_pyproject_the_fence_and_ci_agree_on_the_lightning_range() -> None:
+    """pyproject's requirement is `SUPPORTED_LIGHTNING`, and `.ci/contract` tests its floor and its newest minor."""
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    contract = PACKAGE.parent / ".ci" / "contract"
+    if not (PYPROJECT.is_file() and contract.is_file()):
+        pytest.skip("an installed lightning_accel, not a checkout: no pyproject.toml or .ci/ beside it")
+    requirements = [Requirement(r) for r in tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]]
+    (lightning,) = [r for r in requirements if r.name == "lightning"]
+    assert lightning.specifier == SpecifierSet(_lightning.SUPPORTED_LIGHTNING)
+    floor = Version(next(s.version for s in lightning.specifier if s.operator == ">="))
+    cap = Version(next(s.version for s in lightning.specifier if s.operator == "<"))
+    tested = re.search(r'^LIGHTNING_RELEASES=\("([^"]+)" "([^"]+)\.\*"\)', contract.read_text(), re.M)
+    assert tested, '`.ci/contract` names its two releases as LIGHTNING_RELEASES=("<oldest>" "<newest minor>.*")'
+    oldest, newest_minor = Version(tested[1]), Version(tested[2])
+    assert oldest == floor  # the floor itself, not a later patch of its minor
+    assert newest_minor in lightning.specifier  # and the cap is the next, untested, minor:
+    assert cap == Version(f"{newest_minor.major}.{newest_minor.minor + 1}")

@@ -258,8 +258,8 @@ class DataLoaderTuner(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loop = trainer.fit_loop  # `reload_dataloaders_every_n_epochs` brought new loaders; the epoch loop makes
-        # their iterator itself only past the first epoch and when not resuming (`_TrainingEpochLoop.on_run_start`)
-        makes_iterator = trainer.current_epoch > 0 and not loop.is_resuming and not loop.epoch_loop.restarting
+        # their iterator itself only past the first epoch and when not resuming
+        makes_iterator = _lightning.epoch_loop_makes_iterator(trainer)
         if self._live is not None and self._verification_failed(trainer, final=False):
             self._retune(trainer, pl_module, reiterate=not makes_iterator)
         self._reapply(loop, reiterate=not makes_iterator)
