@@ -1,0 +1,195 @@
+"""The thread plan: intra-op and inter-op threads per rank, the OpenMP wait policy and the environment every rank and
+DataLoader worker inherits, decided from the CPU budget (cgroup quota, cpuset, affinity) before torch starts its pools.
+
+Why: torch sizes its intra-op pool to every CPU it can see and libgomp spin-waits for a while at each barrier. On a
+shared machine a spinning thread waits for a core a neighbour holds: a 256-1024-256 MLP's AdamW step on 2 cores
+beside one busy process ran at 7-15 steps/s with torch's defaults, 68-90 with one thread and 100 with two passive
+threads (issue 32). `plan_threads` is a plain function of the facts; `read_thread_plan` reads them from the machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Collection, Mapping, MutableMapping
+from dataclasses import dataclass, field
+
+from lightning_accel.system.cgroup import CpuBudget, read_cpu_budget
+from lightning_accel.system.cpuset import CpuTopology, format_cpu_list, read_cpu_topology
+
+__all__ = ["THREAD_COUNT_ENV", "WAIT_POLICY_ENV", "ThreadPlan", "cpu_share", "plan_threads", "read_thread_plan"]
+
+THREAD_COUNT_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+"""The thread counts the plan sets: OpenMP (torch's intra-op pool), MKL, OpenBLAS and numexpr (numpy, pandas)."""
+WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+"""Read by libgomp when it is loaded (at `import torch`), so it must be in the environment before that."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ThreadPlan:
+    """How many threads each rank runs, how its OpenMP threads wait, and the variables every process inherits."""
+
+    cpus: float
+    """The CPU budget of this node's run: affinity within the cpuset, capped by the cgroup quota."""
+    budget_source: str
+    """What set `cpus`, for the log (`cgroup quota 1.5 CPUs (/sys/fs/cgroup/cpu.max)`)."""
+    ranks: int
+    """Training processes on this node that share the budget."""
+    num_workers: int
+    """DataLoader workers per rank (each runs torch with one thread; their CPU comes out of the same budget)."""
+    intra_op: int
+    """`torch.set_num_threads` of each rank: the user's `OMP_NUM_THREADS` when set, else the plan's."""
+    inter_op: int
+    """`torch.set_num_interop_threads` of each rank."""
+    wait_policy: str
+    """`OMP_WAIT_POLICY` in force: the user's when set, else `PASSIVE` (threads sleep at a barrier, never spin)."""
+    set: dict[str, str] = field(default_factory=dict)
+    """Variables the plan sets (each rank and worker inherits them), minus those the user set."""
+    kept: dict[str, str] = field(default_factory=dict)
+    """Variables the plan would set that the user already set: theirs win."""
+    reasons: tuple[str, ...] = ()
+    """Why each number was chosen, for the log."""
+
+    @property
+    def demand(self) -> float:
+        """CPUs the run keeps busy at once: ranks x (intra-op threads + workers)."""
+        return self.ranks * (self.intra_op + self.num_workers)
+
+    @property
+    def oversubscribed(self) -> bool:
+        """Whether the run asks for more CPUs than its budget."""
+        return self.demand > self.cpus + 1e-9
+
+    def apply(self, env: MutableMapping[str, str] | None = None) -> Callable[[], None]:
+        """Write `set` into `env` (None: `os.environ`, inherited by the ranks Lightning launches and by the
+        DataLoader workers); returns the undo, which removes what this call added (a value changed since is left)."""
+        target = os.environ if env is None else env
+        added = {key: value for key, value in self.set.items() if key not in target}
+        target.update(added)
+
+        def undo() -> None:
+            for key, value in added.items():
+                if target.get(key) == value:
+                    del target[key]
+            added.clear()
+
+        return undo
+
+    def describe(self) -> str:
+        """One line for the log: the budget, the split and the environment, with the user's values marked."""
+        head = (
+            f"threads: {self.cpus:g} CPU(s) ({self.budget_source}) for {self.ranks} rank(s) x "
+            f"({self.intra_op} intra-op thread(s) + {self.num_workers} worker(s)); inter-op {self.inter_op}; "
+            f"OMP_WAIT_POLICY={self.wait_policy}"
+        )
+        parts = [head, "set " + (", ".join(f"{k}={v}" for k, v in self.set.items()) or "nothing")]
+        if self.kept:
+            parts.append("kept yours: " + ", ".join(f"{k}={v}" for k, v in self.kept.items()))
+        if self.oversubscribed:
+            parts.append(f"oversubscribed: {self.demand:g} busy threads on {self.cpus:g} CPU(s)")
+        return "; ".join(parts + list(self.reasons))
+
+
+def cpu_share(budget: CpuBudget, topology: CpuTopology) -> tuple[float, str]:
+    """The CPUs a node's run may keep busy, and what limits them: the affinity within the cpuset, the cgroup quota
+    (fractional: 1.5 CPUs) and `PYTHON_CPU_COUNT`, whichever is smallest."""
+    cpus = len(topology.cpus) or budget.affinity
+    shown = format_cpu_list(topology.cpus)
+    if topology.cpuset is not None and set(topology.cpus) == set(topology.cpuset):
+        limits = [(float(cpus), f"cpuset {shown} ({topology.cpuset_source})")]
+    else:
+        limits = [(float(cpus), f"affinity {shown}")]
+    if budget.quota is not None:
+        limits.append((budget.quota, f"cgroup quota {budget.quota:g} CPUs ({budget.quota_source})"))
+    if budget.env_count is not None:
+        limits.append((float(budget.env_count), f"PYTHON_CPU_COUNT={budget.env_count}"))
+    value, source = min(limits, key=lambda item: item[0])
+    return max(value, 0.01), source
+
+
+def _user_count(env: Mapping[str, str], key: str) -> int | None:
+    raw = env.get(key, "").strip().split(",")[0]  # OpenMP takes a list per nesting level; the first is the pool
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def plan_threads(
+    *,
+    cpus: float,
+    ranks: int = 1,
+    num_workers: int = 0,
+    env: Mapping[str, str] | None = None,
+    budget_source: str = "",
+    worker_cpu: float = 1.0,
+) -> ThreadPlan:
+    """The thread plan for `ranks` processes on a node with `cpus` CPUs, each feeding `num_workers` workers.
+
+    The rule: the whole CPUs of the budget (a quota of 1.5 gives 1: a thread beyond the quota only runs by taking
+    time from the others, and a throttled period stalls every thread of the barrier at once) less what the workers
+    use (`worker_cpu` each), shared equally among the ranks, at least one thread each. Inter-op threads match.
+    OpenMP threads wait passively: a spinning thread beside a neighbour's busy process holds the core the thread
+    it waits for needs (8x slower steps, README "Sharing a machine"); when the CPUs are the run's own, passive
+    waiting costs a wake-up per parallel region, within noise on the runs measured. What the user set wins.
+
+    Args:
+        cpus: the CPU budget (`cpu_share`).
+        ranks: training processes on this node.
+        num_workers: DataLoader workers per rank.
+        env: the environment the run starts with; None: `os.environ`.
+        budget_source: what set `cpus`, for the log.
+        worker_cpu: CPUs one worker keeps busy while it loads (1.0: a CPU-bound loader; an I/O-bound one less).
+
+    Raises:
+        ValueError: for `ranks < 1`, `num_workers < 0`, `cpus <= 0` or `worker_cpu < 0`.
+    """
+    if ranks < 1 or num_workers < 0 or cpus <= 0 or worker_cpu < 0:
+        raise ValueError(f"{ranks=} must be >= 1, {num_workers=} and {worker_cpu=} >= 0 and {cpus=} > 0")
+    env = os.environ if env is None else env
+    whole = max(1, math.floor(cpus + 1e-9))
+    for_threads = whole - ranks * num_workers * worker_cpu
+    planned = max(1, math.floor(for_threads / ranks + 1e-9))
+    reasons = [f"{whole} whole CPU(s) - {ranks} x {num_workers} worker(s) x {worker_cpu:g} CPU, over {ranks} rank(s)"]
+    user_omp = _user_count(env, "OMP_NUM_THREADS")
+    intra = user_omp if user_omp is not None else planned
+    if user_omp is not None and user_omp != planned:
+        reasons.append(f"your OMP_NUM_THREADS={env['OMP_NUM_THREADS']} wins over the planned {planned}")
+    wanted = {key: str(intra) for key in THREAD_COUNT_ENV}
+    wanted[WAIT_POLICY_ENV] = "PASSIVE"
+    kept = {key: env[key] for key in wanted if env.get(key, "").strip()}
+    to_set = {key: value for key, value in wanted.items() if key not in kept}
+    return ThreadPlan(
+        cpus=cpus,
+        budget_source=budget_source or f"{cpus:g} CPU(s)",
+        ranks=ranks,
+        num_workers=num_workers,
+        intra_op=intra,
+        inter_op=intra,
+        wait_policy=kept.get(WAIT_POLICY_ENV, "PASSIVE").upper(),
+        set=to_set,
+        kept=kept,
+        reasons=tuple(reasons),
+    )
+
+
+def read_thread_plan(
+    *,
+    ranks: int = 1,
+    num_workers: int = 0,
+    root: str | os.PathLike[str] = "/",
+    env: Mapping[str, str] | None = None,
+    affinity: Collection[int] | None = None,
+    worker_cpu: float = 1.0,
+) -> ThreadPlan:
+    """`plan_threads` over this machine's facts (or a fake tree under `root`): `read_cpu_budget` and
+    `read_cpu_topology` give the budget.
+
+    Example::
+
+        read_thread_plan(ranks=2, num_workers=1).describe()
+        # threads: 1.5 CPU(s) (cgroup quota 1.5 CPUs (/sys/fs/cgroup/cpu.max)) for 2 rank(s) x (1 intra-op ...
+    """
+    env = os.environ if env is None else env
+    budget = read_cpu_budget(root, env, affinity)
+    cpus, source = cpu_share(budget, read_cpu_topology(root, affinity))
+    return plan_threads(
+        cpus=cpus, ranks=ranks, num_workers=num_workers, env=env, budget_source=source, worker_cpu=worker_cpu
+    )
