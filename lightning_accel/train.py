@@ -1,10 +1,17 @@
 """accel-train: compose a Lightning run from Hydra presets, check it, then fit, test and summarise."""
 
+# ruff: noqa: E402  (`python -m lightning_accel.train` sets OMP_WAIT_POLICY before the imports below load torch)
 from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":
+    from lightning_accel.threads import set_early_environment
+
+    set_early_environment(sys.argv[1:])
 
 import hashlib
 import logging
-import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -30,6 +37,7 @@ from lightning_accel.launch import check_output_root, hydra_safe_launch, registe
 from lightning_accel.precision import apply_float32_matmul_precision
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
+from lightning_accel.threads import apply_thread_plan, describe_plan
 
 if TYPE_CHECKING:
     from lightning_accel.run_plan import RunShape
@@ -69,6 +77,7 @@ def print_check(cfg: DictConfig, plan: RunPlan) -> None:
     callbacks = sorted(name for name, node in (cfg.get("callbacks") or {}).items() if node is not None)
     loggers = sorted(name for name, node in (cfg.get("logger") or {}).items() if node is not None)
     console.print(f"callbacks: {', '.join(callbacks) or 'none'}; loggers: {', '.join(loggers) or 'none'}")
+    console.print(describe_plan(plan.threads))
 
 
 def config_digest(cfg: DictConfig) -> str:
@@ -174,6 +183,8 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     log.info("float32_matmul_precision=%s", plan.float32_matmul_precision)
     if plan.nccl is not None:  # the launched ranks inherit them; removed again when the job ends
         job_env.callback(plan.nccl.apply())
+    if plan.threads is not None:  # before Lightning launches ranks or workers: they inherit the variables
+        job_env.callback(apply_thread_plan(plan.threads))
     import lightning.pytorch as pl
 
     if cfg.get("seed") is not None:

@@ -37,6 +37,8 @@ class ThreadPlan:
     """Training processes on this node that share the budget."""
     num_workers: int
     """DataLoader workers per rank (each runs torch with one thread; their CPU comes out of the same budget)."""
+    worker_cpu: float = 1.0
+    """CPUs one worker is counted for while it loads."""
     intra_op: int
     """`torch.set_num_threads` of each rank: the user's `OMP_NUM_THREADS` when set, else the plan's."""
     inter_op: int
@@ -52,8 +54,8 @@ class ThreadPlan:
 
     @property
     def demand(self) -> float:
-        """CPUs the run keeps busy at once: ranks x (intra-op threads + workers)."""
-        return self.ranks * (self.intra_op + self.num_workers)
+        """CPUs the run keeps busy at once: ranks x (intra-op threads + workers x `worker_cpu`)."""
+        return self.ranks * (self.intra_op + self.num_workers * self.worker_cpu)
 
     @property
     def oversubscribed(self) -> bool:
@@ -120,6 +122,8 @@ def plan_threads(
     env: Mapping[str, str] | None = None,
     budget_source: str = "",
     worker_cpu: float = 1.0,
+    intra_op: int | None = None,
+    wait_policy: str | None = None,
 ) -> ThreadPlan:
     """The thread plan for `ranks` processes on a node with `cpus` CPUs, each feeding `num_workers` workers.
 
@@ -137,23 +141,30 @@ def plan_threads(
         env: the environment the run starts with; None: `os.environ`.
         budget_source: what set `cpus`, for the log.
         worker_cpu: CPUs one worker keeps busy while it loads (1.0: a CPU-bound loader; an I/O-bound one less).
+        intra_op: intra-op threads per rank chosen by the caller (a config's), instead of the rule's.
+        wait_policy: `PASSIVE` or `ACTIVE` chosen by the caller, instead of PASSIVE.
 
     Raises:
-        ValueError: for `ranks < 1`, `num_workers < 0`, `cpus <= 0` or `worker_cpu < 0`.
+        ValueError: for `ranks < 1`, `num_workers < 0`, `cpus <= 0`, `worker_cpu < 0` or `intra_op < 1`.
     """
-    if ranks < 1 or num_workers < 0 or cpus <= 0 or worker_cpu < 0:
-        raise ValueError(f"{ranks=} must be >= 1, {num_workers=} and {worker_cpu=} >= 0 and {cpus=} > 0")
+    if ranks < 1 or num_workers < 0 or cpus <= 0 or worker_cpu < 0 or (intra_op is not None and intra_op < 1):
+        raise ValueError(
+            f"{ranks=} and {intra_op=} must be >= 1, {num_workers=} and {worker_cpu=} >= 0 and {cpus=} > 0"
+        )
     env = os.environ if env is None else env
     whole = max(1, math.floor(cpus + 1e-9))
     for_threads = whole - ranks * num_workers * worker_cpu
     planned = max(1, math.floor(for_threads / ranks + 1e-9))
     reasons = [f"{whole} whole CPU(s) - {ranks} x {num_workers} worker(s) x {worker_cpu:g} CPU, over {ranks} rank(s)"]
+    if intra_op is not None:
+        planned = intra_op
+        reasons = [f"intra_op={intra_op} chosen by the config"]
     user_omp = _user_count(env, "OMP_NUM_THREADS")
     intra = user_omp if user_omp is not None else planned
     if user_omp is not None and user_omp != planned:
         reasons.append(f"your OMP_NUM_THREADS={env['OMP_NUM_THREADS']} wins over the planned {planned}")
     wanted = {key: str(intra) for key in THREAD_COUNT_ENV}
-    wanted[WAIT_POLICY_ENV] = "PASSIVE"
+    wanted[WAIT_POLICY_ENV] = (wait_policy or "PASSIVE").upper()
     kept = {key: env[key] for key in wanted if env.get(key, "").strip()}
     to_set = {key: value for key, value in wanted.items() if key not in kept}
     return ThreadPlan(
@@ -161,9 +172,10 @@ def plan_threads(
         budget_source=budget_source or f"{cpus:g} CPU(s)",
         ranks=ranks,
         num_workers=num_workers,
+        worker_cpu=worker_cpu,
         intra_op=intra,
         inter_op=intra,
-        wait_policy=kept.get(WAIT_POLICY_ENV, "PASSIVE").upper(),
+        wait_policy=kept.get(WAIT_POLICY_ENV, wanted[WAIT_POLICY_ENV]).upper(),
         set=to_set,
         kept=kept,
         reasons=tuple(reasons),
@@ -178,6 +190,8 @@ def read_thread_plan(
     env: Mapping[str, str] | None = None,
     affinity: Collection[int] | None = None,
     worker_cpu: float = 1.0,
+    intra_op: int | None = None,
+    wait_policy: str | None = None,
 ) -> ThreadPlan:
     """`plan_threads` over this machine's facts (or a fake tree under `root`): `read_cpu_budget` and
     `read_cpu_topology` give the budget.
@@ -191,5 +205,12 @@ def read_thread_plan(
     budget = read_cpu_budget(root, env, affinity)
     cpus, source = cpu_share(budget, read_cpu_topology(root, affinity))
     return plan_threads(
-        cpus=cpus, ranks=ranks, num_workers=num_workers, env=env, budget_source=source, worker_cpu=worker_cpu
+        cpus=cpus,
+        ranks=ranks,
+        num_workers=num_workers,
+        env=env,
+        budget_source=source,
+        worker_cpu=worker_cpu,
+        intra_op=intra_op,
+        wait_policy=wait_policy,
     )
