@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -23,9 +23,13 @@ __all__ = [
     "check_ckpt_path",
     "check_combinations",
     "check_config",
+    "check_loader_memory",
     "check_master_port",
     "trainer_setting_error",
 ]
+
+if TYPE_CHECKING:
+    from lightning_accel.system.loader_memory import LoaderMemory
 
 log = logging.getLogger(__name__)
 
@@ -600,3 +604,63 @@ def trainer_setting_error(err: Exception, cfg: DictConfig, trainer: Any) -> Conf
         if name in cfg.trainer:
             return ConfigError(f"`trainer.{name}={cfg.trainer.get(name)}`: {text.splitlines()[0]}")
     return None
+
+
+def _batch_bytes(data: Any) -> int | None:
+    """Bytes of one training batch, where the config alone says: a language-model batch (`batch_size` x `block_size`
+    int64 tokens, inputs and targets); None for data whose batches the config does not describe."""
+    if not isinstance(data, (DictConfig, Mapping)):
+        return None
+    batch, block = data.get("batch_size"), data.get("block_size")
+    if isinstance(batch, int) and isinstance(block, int) and batch > 0 and block > 0:
+        return 2 * batch * block * 8
+    return None
+
+
+def check_loader_memory(
+    cfg: DictConfig, ranks: int, *, root: str = "/", rank_bytes: int | None = None
+) -> LoaderMemory | None:
+    """Refuse, before launch, DataLoader workers that the cgroup's memory limit cannot hold: ranks x workers x
+    (prefetched batches + each worker's footprint), plus pinned copies, beside what the ranks hold.
+
+    Returns the estimate (`system.loader_memory.LoaderMemory`), or None when the config does not say a batch's size.
+
+    Raises:
+        ConfigError: naming `data.num_workers`, the figures and the most workers that fit.
+    """
+    from lightning_accel.system.cgroup import read_memory_limit
+    from lightning_accel.system.loader_memory import estimate_loader_memory
+
+    data = cfg.get("data")
+    batch_bytes = _batch_bytes(data)
+    workers = data.get("num_workers", 0) if isinstance(data, (DictConfig, Mapping)) else 0
+    if batch_bytes is None or not isinstance(workers, int) or workers <= 0:
+        return None
+    if rank_bytes is None:
+        import psutil
+
+        rank_bytes = psutil.Process().memory_info().rss
+    limit = read_memory_limit(root)
+    prefetch = data.get("prefetch_factor") or 2
+    estimate = estimate_loader_memory(
+        limit_bytes=limit.limit_bytes,
+        source=limit.source,
+        ranks=ranks,
+        num_workers=workers,
+        prefetch_factor=prefetch if isinstance(prefetch, int) else 2,
+        batch_bytes=batch_bytes,
+        pin_memory=bool(data.get("pin_memory", False)),
+        rank_bytes=rank_bytes,
+    )
+    if not estimate.fits:
+        most = estimate.most_workers
+        fix = (
+            f"use `data.num_workers={most}` (the most that fit)"
+            if most
+            else "use `data.num_workers=0` (no worker fits)"
+        )
+        raise ConfigError(
+            f"`data.num_workers={workers}` would be OOM-killed: {estimate.describe()}; {fix}, a smaller "
+            "`data.batch_size` or `data.prefetch_factor`, or raise the memory limit (`docker run --memory`)."
+        )
+    return estimate

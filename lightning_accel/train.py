@@ -28,6 +28,7 @@ from lightning_accel.checks import (
     check_checkpoint_dir,
     check_checkpoint_fits,
     check_ckpt_path,
+    check_loader_memory,
     check_master_port,
     trainer_setting_error,
 )
@@ -139,6 +140,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     if (shape.distributed or (shape.world_size or 1) > 1) and shape.num_nodes == 1:
         check_master_port()
     split_data_config(OmegaConf.to_container(cfg.data, resolve=True))  # a data setting its target does not take
+    check_loader_memory(cfg, plan.threads.ranks if plan.threads is not None else (shape.devices_per_node or 1))
     return plan
 
 
