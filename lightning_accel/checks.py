@@ -25,10 +25,13 @@ __all__ = [
     "check_config",
     "check_loader_memory",
     "check_master_port",
+    "oom_kills",
     "trainer_setting_error",
+    "worker_killed_error",
 ]
 
 if TYPE_CHECKING:
+    from lightning_accel.errors import WorkerKilledError
     from lightning_accel.system.loader_memory import LoaderMemory
 
 log = logging.getLogger(__name__)
@@ -664,3 +667,72 @@ def check_loader_memory(
             "`data.batch_size` or `data.prefetch_factor`, or raise the memory limit (`docker run --memory`)."
         )
     return estimate
+
+
+CGROUP_ROOT = "/"
+"""The root the cgroup's memory files are read under when a worker dies (tests point it at a fake tree)."""
+_WORKER_KILLED = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: Killed|exited unexpectedly)"
+)
+
+
+def oom_kills() -> int | None:
+    """The memory cgroup's OOM-kill count now (`system.cgroup.read_oom_kills`), read when a run starts so a kill
+    during the run can be told from older ones; None when unreadable."""
+    from lightning_accel.system.cgroup import read_oom_kills
+
+    found = read_oom_kills(CGROUP_ROOT)
+    return None if found is None else found[0]
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB"
+
+
+def worker_killed_error(
+    err: BaseException, trainer: Any, *, oom_kills_before: int | None = None
+) -> WorkerKilledError | None:
+    """A `WorkerKilledError` for a DataLoader worker killed by SIGKILL (torch's "DataLoader worker (pid X) is killed
+    by signal: Killed" or "... exited unexpectedly"), naming the cause the cgroup shows: its memory limit, with the
+    figures, when its OOM-kill count grew during the run. Says which checkpoint stands. None for any other error.
+    """
+    from lightning_accel.errors import WorkerKilledError
+    from lightning_accel.system.cgroup import read_memory_limit, read_oom_kills
+
+    seen: BaseException | None = err
+    match = None
+    while seen is not None and match is None:
+        match = _WORKER_KILLED.search(str(seen))
+        seen = seen.__cause__ or seen.__context__
+    if match is None:
+        return None
+    pids = match.group(1).strip()
+    limit = read_memory_limit(CGROUP_ROOT)
+    found = read_oom_kills(CGROUP_ROOT)
+    kills = None if found is None else found[0] - (oom_kills_before or 0)
+    fix = (
+        "use fewer `data.num_workers`, a smaller `data.batch_size` or `data.prefetch_factor`, or raise the memory "
+        "limit (`docker run --memory`)"
+    )
+    if limit.limit_bytes is not None and kills is not None and kills > 0:
+        cause = (
+            f"killed by the cgroup's memory limit: {_gib(limit.limit_bytes)} ({limit.source}), {kills} OOM kill(s) "
+            f"during the run in {found[1]}"  # type: ignore[index]
+        )
+    elif limit.limit_bytes is not None and found is None:
+        cause = (
+            f"killed (SIGKILL); the cgroup's memory limit is {_gib(limit.limit_bytes)} ({limit.source}) and its OOM "
+            "kills cannot be read: most likely that limit"
+        )
+    else:
+        why = "no cgroup memory limit" if limit.limit_bytes is None else f"no OOM kill counted in {found[1]}"  # type: ignore[index]
+        cause = f"killed (SIGKILL), not by the cgroup's memory limit ({why}): by the kernel's OOM killer or a process"
+        fix = "check `dmesg` for the OOM killer, and what else sends signals on this machine; " + fix
+    last = str(getattr(getattr(trainer, "checkpoint_callback", None), "last_model_path", "") or "")
+    kept = (
+        f"the last checkpoint stands: {last} (resume with `ckpt_path=last`)"
+        if last and Path(last).is_file()
+        else "no checkpoint had been saved yet"
+    )
+    step = getattr(trainer, "global_step", "?")
+    return WorkerKilledError(f"DataLoader worker (pid {pids}) was {cause}, at global step {step}; {kept}. Fix: {fix}.")

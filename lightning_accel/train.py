@@ -30,10 +30,12 @@ from lightning_accel.checks import (
     check_ckpt_path,
     check_loader_memory,
     check_master_port,
+    oom_kills,
     trainer_setting_error,
+    worker_killed_error,
 )
 from lightning_accel.compose import config_paths, instantiate_datamodule, split_data_config
-from lightning_accel.errors import ConfigError, LightningAccelWarning, NothingLearnedError
+from lightning_accel.errors import ConfigError, LightningAccelWarning, NothingLearnedError, WorkerKilledError
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.precision import apply_float32_matmul_precision
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
@@ -194,6 +196,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     datamodule, model, trainer, stats = build(cfg, plan)
     run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else str(trainer.default_root_dir)
     log.info("resolved config sha256=%s run_dir=%s", config_digest(cfg), run_dir)
+    oom_before = oom_kills()  # a worker killed during the run is told from the cgroup's older OOM kills
 
     try:
         with config_paths(cfg):
@@ -201,6 +204,10 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     except (ConfigError, NothingLearnedError):
         raise
     except Exception as err:  # name the rank: under DDP the other ranks only see a closed connection
+        killed = worker_killed_error(err, trainer, oom_kills_before=oom_before)
+        if killed is not None:
+            log.error(str(killed))
+            raise killed from None
         named = trainer_setting_error(err, cfg, trainer)
         if named is not None:
             raise named from None
@@ -299,7 +306,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    except NothingLearnedError as err:
+    except (NothingLearnedError, WorkerKilledError) as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
 
