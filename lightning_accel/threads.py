@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING
 
-from lightning_accel.system.threads import WAIT_POLICY_ENV, ThreadPlan, read_thread_plan
+from lightning_accel.system.threads import PLANNED_ENV, WAIT_POLICY_ENV, ThreadPlan, read_thread_plan
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -32,8 +32,6 @@ __all__ = [
     "thread_plan_for",
 ]
 
-PLANNED_ENV = "ACCEL_THREADS_SET"
-"""The variables the plan set, comma-separated: a launched rank reads them as the plan's, not the user's."""
 THREAD_MODES = ("auto", "torch")
 _WAIT_POLICIES = ("PASSIVE", "ACTIVE")
 

@@ -17,12 +17,24 @@ from dataclasses import dataclass, field
 from lightning_accel.system.cgroup import CpuBudget, read_cpu_budget
 from lightning_accel.system.cpuset import CpuTopology, format_cpu_list, read_cpu_topology
 
-__all__ = ["THREAD_COUNT_ENV", "WAIT_POLICY_ENV", "ThreadPlan", "cpu_share", "plan_threads", "read_thread_plan"]
+__all__ = [
+    "PLANNED_ENV",
+    "THREAD_COUNT_ENV",
+    "WAIT_POLICY_ENV",
+    "ThreadPlan",
+    "cpu_share",
+    "plan_threads",
+    "planned_intra_op",
+    "read_thread_plan",
+]
 
 THREAD_COUNT_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 """The thread counts the plan sets: OpenMP (torch's intra-op pool), MKL, OpenBLAS and numexpr (numpy, pandas)."""
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 """Read by libgomp when it is loaded (at `import torch`), so it must be in the environment before that."""
+PLANNED_ENV = "ACCEL_THREADS_SET"
+"""The variables the plan set, comma-separated: a launched rank (and the DataLoaderTuner) reads them as the plan's,
+not the user's."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,3 +226,18 @@ def read_thread_plan(
         intra_op=intra_op,
         wait_policy=wait_policy,
     )
+
+
+def planned_intra_op(
+    num_workers: int, ranks: int = 1, env: Mapping[str, str] | None = None, root: str | os.PathLike[str] = "/"
+) -> int | None:
+    """The intra-op threads the plan gives each rank when it feeds `num_workers` workers, or None when the plan does
+    not set this process's threads (no plan applied, or the user's `OMP_NUM_THREADS`): the DataLoaderTuner's trials
+    and its decision then leave torch's count alone. Workers and intra-op threads share one budget.
+    """
+    env = os.environ if env is None else env
+    planned = {key for key in env.get(PLANNED_ENV, "").split(",") if key}
+    if "OMP_NUM_THREADS" not in planned:
+        return None
+    users = {key: value for key, value in env.items() if key not in planned}
+    return read_thread_plan(ranks=ranks, num_workers=num_workers, root=root, env=users).intra_op

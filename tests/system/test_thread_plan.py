@@ -120,3 +120,13 @@ def test_impossible_facts_are_refused(bad: dict[str, float]) -> None:
 def test_this_machine_plans_without_error() -> None:
     plan = read_thread_plan(env={})
     assert plan.intra_op >= 1 and plan.cpus > 0 and plan.budget_source
+
+
+def test_the_planned_threads_for_a_worker_count_only_when_the_plan_set_them() -> None:
+    from lightning_accel.system.threads import PLANNED_ENV, planned_intra_op
+
+    assert planned_intra_op(1, env={}) is None  # no plan applied
+    assert planned_intra_op(1, env={"OMP_NUM_THREADS": "4"}) is None  # the user's count: left alone
+    env = {PLANNED_ENV: "OMP_NUM_THREADS,OMP_WAIT_POLICY", "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert planned_intra_op(0, env=env) == read_thread_plan(env={}).intra_op
+    assert planned_intra_op(1, env=env) == read_thread_plan(num_workers=1, env={}).intra_op
