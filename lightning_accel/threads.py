@@ -124,7 +124,19 @@ def thread_plan_for(cfg: DictConfig, shape: RunShape, env: Mapping[str, str] | N
         worker_cpu=float(section.get("worker_cpu", 1.0)),
         intra_op=intra,
         wait_policy=None if policy is None else str(policy).upper(),
+        pin=bool(section.get("pin", False)),
     )
+
+
+def _pin(plan: ThreadPlan) -> set[int] | None:
+    """Pin this rank (and the workers it will fork) to its CPU set (`LOCAL_RANK`, 0 for the launching process);
+    returns the affinity before, or None when nothing was pinned."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if not plan.cpu_sets or local_rank >= len(plan.cpu_sets) or not hasattr(os, "sched_setaffinity"):
+        return None
+    before = set(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, plan.cpu_sets[local_rank])
+    return before
 
 
 def apply_thread_plan(plan: ThreadPlan, env: MutableMapping[str, str] | None = None) -> Callable[[], None]:
@@ -139,6 +151,7 @@ def apply_thread_plan(plan: ThreadPlan, env: MutableMapping[str, str] | None = N
     before_marked = target.get(PLANNED_ENV)
     undo_env = plan.apply(target)
     _mark(target, _planned(target) | set(plan.set))
+    before_cpus = _pin(plan)
     before_intra = torch.get_num_threads()
     torch.set_num_threads(plan.intra_op)
     interop = "inter-op " + str(plan.inter_op)
@@ -159,6 +172,8 @@ def apply_thread_plan(plan: ThreadPlan, env: MutableMapping[str, str] | None = N
         else:
             target[PLANNED_ENV] = before_marked
         torch.set_num_threads(before_intra)
+        if before_cpus is not None:
+            os.sched_setaffinity(0, before_cpus)
 
     return undo
 

@@ -115,3 +115,16 @@ def test_ddp_ranks_run_with_the_planned_threads_and_wait_policy(run_cli, tmp_pat
         planned = int(re.search(r"\((\d+) intra-op thread", line).group(1))
         assert f"this rank: {planned} intra-op thread(s)" in line and "OMP_WAIT_POLICY=PASSIVE" in line, line
         assert "for 2 rank(s)" in line
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_a_pinned_plan_sets_this_ranks_affinity_and_the_undo_restores_it(monkeypatch) -> None:
+    before = os.sched_getaffinity(0)
+    mine = (min(before),)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    undo = apply_thread_plan(plan_threads(cpus=1, env={}, cpu_sets=(mine,)), {})
+    try:
+        assert os.sched_getaffinity(0) == set(mine)
+    finally:
+        undo()
+    assert os.sched_getaffinity(0) == before

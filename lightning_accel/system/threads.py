@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Collection, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_accel.system.cgroup import CpuBudget, read_cpu_budget
@@ -23,6 +23,7 @@ __all__ = [
     "WAIT_POLICY_ENV",
     "ThreadPlan",
     "cpu_share",
+    "pinned_cpu_sets",
     "plan_threads",
     "planned_intra_op",
     "read_thread_plan",
@@ -63,6 +64,8 @@ class ThreadPlan:
     """Variables the plan would set that the user already set: theirs win."""
     reasons: tuple[str, ...] = ()
     """Why each number was chosen, for the log."""
+    cpu_sets: tuple[tuple[int, ...], ...] = ()
+    """With pinning: the CPUs of each local rank (its DataLoader workers inherit them), disjoint; empty: no pinning."""
 
     @property
     def demand(self) -> float:
@@ -101,6 +104,9 @@ class ThreadPlan:
             parts.append("kept yours: " + ", ".join(f"{k}={v}" for k, v in self.kept.items()))
         if self.oversubscribed:
             parts.append(f"oversubscribed: {self.demand:g} busy threads on {self.cpus:g} CPU(s)")
+        if self.cpu_sets:
+            pinned = ", ".join(f"rank {i} on {format_cpu_list(c)}" for i, c in enumerate(self.cpu_sets))
+            parts.append(f"pinned: {pinned}")
         return "; ".join(parts + list(self.reasons))
 
 
@@ -121,6 +127,22 @@ def cpu_share(budget: CpuBudget, topology: CpuTopology) -> tuple[float, str]:
     return max(value, 0.01), source
 
 
+def pinned_cpu_sets(
+    cpus: Sequence[int], ranks: int, numa_nodes: Sequence[Sequence[int]] = ()
+) -> tuple[tuple[int, ...], ...]:
+    """Disjoint CPU sets, one per local rank, within `cpus`: equal slices of the CPUs taken node by node, so a rank's
+    slice stays on one NUMA node whenever the node holds a slice. Empty when there are fewer CPUs than ranks (no
+    disjoint pinning exists); CPUs beyond `ranks` x slice stay unpinned.
+    """
+    allowed = set(cpus)
+    ordered = [c for node in numa_nodes for c in sorted(node) if c in allowed]
+    ordered += [c for c in sorted(allowed) if c not in set(ordered)]
+    per = len(ordered) // ranks if ranks > 0 else 0
+    if per < 1:
+        return ()
+    return tuple(tuple(ordered[i * per : (i + 1) * per]) for i in range(ranks))
+
+
 def _user_count(env: Mapping[str, str], key: str) -> int | None:
     raw = env.get(key, "").strip().split(",")[0]  # OpenMP takes a list per nesting level; the first is the pool
     return int(raw) if raw.isdigit() and int(raw) > 0 else None
@@ -136,6 +158,7 @@ def plan_threads(
     worker_cpu: float = 1.0,
     intra_op: int | None = None,
     wait_policy: str | None = None,
+    cpu_sets: tuple[tuple[int, ...], ...] = (),
 ) -> ThreadPlan:
     """The thread plan for `ranks` processes on a node with `cpus` CPUs, each feeding `num_workers` workers.
 
@@ -155,6 +178,7 @@ def plan_threads(
         worker_cpu: CPUs one worker keeps busy while it loads (1.0: a CPU-bound loader; an I/O-bound one less).
         intra_op: intra-op threads per rank chosen by the caller (a config's), instead of the rule's.
         wait_policy: `PASSIVE` or `ACTIVE` chosen by the caller, instead of PASSIVE.
+        cpu_sets: each local rank's CPUs when ranks are pinned (`pinned_cpu_sets`); empty: no pinning.
 
     Raises:
         ValueError: for `ranks < 1`, `num_workers < 0`, `cpus <= 0`, `worker_cpu < 0` or `intra_op < 1`.
@@ -191,6 +215,7 @@ def plan_threads(
         set=to_set,
         kept=kept,
         reasons=tuple(reasons),
+        cpu_sets=cpu_sets,
     )
 
 
@@ -204,6 +229,7 @@ def read_thread_plan(
     worker_cpu: float = 1.0,
     intra_op: int | None = None,
     wait_policy: str | None = None,
+    pin: bool = False,
 ) -> ThreadPlan:
     """`plan_threads` over this machine's facts (or a fake tree under `root`): `read_cpu_budget` and
     `read_cpu_topology` give the budget.
@@ -215,7 +241,8 @@ def read_thread_plan(
     """
     env = os.environ if env is None else env
     budget = read_cpu_budget(root, env, affinity)
-    cpus, source = cpu_share(budget, read_cpu_topology(root, affinity))
+    topology = read_cpu_topology(root, affinity)
+    cpus, source = cpu_share(budget, topology)
     return plan_threads(
         cpus=cpus,
         ranks=ranks,
@@ -225,6 +252,7 @@ def read_thread_plan(
         worker_cpu=worker_cpu,
         intra_op=intra_op,
         wait_policy=wait_policy,
+        cpu_sets=pinned_cpu_sets(topology.cpus, ranks, topology.numa_nodes) if pin else (),
     )
 
 

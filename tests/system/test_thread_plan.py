@@ -130,3 +130,24 @@ def test_the_planned_threads_for_a_worker_count_only_when_the_plan_set_them() ->
     env = {PLANNED_ENV: "OMP_NUM_THREADS,OMP_WAIT_POLICY", "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
     assert planned_intra_op(0, env=env) == read_thread_plan(env={}).intra_op
     assert planned_intra_op(1, env=env) == read_thread_plan(num_workers=1, env={}).intra_op
+
+
+def test_pinning_gives_each_rank_disjoint_cpus_node_by_node(tmp_path: Path) -> None:
+    from lightning_accel.system.threads import pinned_cpu_sets
+
+    assert pinned_cpu_sets(range(8), 2, numa_nodes=((0, 2, 4, 6), (1, 3, 5, 7))) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert pinned_cpu_sets(range(6), 4) == ((0,), (1,), (2,), (3,))  # 4 and 5 stay unpinned
+    assert pinned_cpu_sets((3,), 2) == ()  # one CPU for two ranks: no disjoint pinning
+    root = tree(
+        tmp_path,
+        {
+            "proc/self/cgroup": "0::/\n",
+            "proc/self/mountinfo": V2_MOUNT,
+            "sys/fs/cgroup/cpuset.cpus.effective": "0-3\n",
+            "sys/devices/system/node/node0/cpulist": "0-1\n",
+            "sys/devices/system/node/node1/cpulist": "2-3\n",
+        },
+    )
+    plan = read_thread_plan(root=root, env={}, affinity=EIGHT, ranks=2, pin=True)
+    assert plan.cpu_sets == ((0, 1), (2, 3)) and "pinned: rank 0 on 0-1, rank 1 on 2-3" in plan.describe()
+    assert read_thread_plan(root=root, env={}, affinity=EIGHT, ranks=2).cpu_sets == ()
