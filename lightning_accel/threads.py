@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING
 
+from lightning_accel.system.cpuset import format_cpu_list, parse_cpu_list
 from lightning_accel.system.threads import PLANNED_ENV, WAIT_POLICY_ENV, ThreadPlan, read_thread_plan
 
 if TYPE_CHECKING:
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 THREAD_MODES = ("auto", "torch")
+CPU_SETS_ENV, CPUS_ENV = "ACCEL_CPU_SETS", "ACCEL_CPUS"
+"""With `threads.pin=true`: each local rank's CPUs (`0-1;2-3`), and the CPUs the launching rank could use."""
 _WAIT_POLICIES = ("PASSIVE", "ACTIVE")
 
 log = logging.getLogger("lightning_accel.train")
@@ -117,7 +120,9 @@ def thread_plan_for(cfg: DictConfig, shape: RunShape, env: Mapping[str, str] | N
     users = {key: value for key, value in env.items() if key not in ours}
     data = cfg.get("data") or {}
     workers = data.get("num_workers", 0)
+    inherited = env.get(CPUS_ENV) if CPUS_ENV in ours else None  # a launched rank's mask is its parent's slice
     return read_thread_plan(
+        affinity=parse_cpu_list(inherited) if inherited else None,
         ranks=_ranks(shape),
         num_workers=workers if isinstance(workers, int) and workers > 0 else 0,
         env=users,
@@ -128,14 +133,24 @@ def thread_plan_for(cfg: DictConfig, shape: RunShape, env: Mapping[str, str] | N
     )
 
 
-def _pin(plan: ThreadPlan) -> set[int] | None:
+def _pin(plan: ThreadPlan, env: MutableMapping[str, str]) -> set[int] | None:
     """Pin this rank (and the workers it will fork) to its CPU set (`LOCAL_RANK`, 0 for the launching process);
-    returns the affinity before, or None when nothing was pinned."""
+    returns the affinity before, or None when nothing was pinned.
+
+    A launched rank inherits the launching rank's (pinned) affinity: the sets and the CPUs they were cut from travel
+    in `ACCEL_CPU_SETS` and `ACCEL_CPUS`, so every rank pins to its own slice and plans from the whole budget."""
+    sets = plan.cpu_sets
+    if CPU_SETS_ENV in _planned(env) and env.get(CPU_SETS_ENV):
+        sets = tuple(parse_cpu_list(part) for part in env[CPU_SETS_ENV].split(";"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    if not plan.cpu_sets or local_rank >= len(plan.cpu_sets) or not hasattr(os, "sched_setaffinity"):
+    if not sets or local_rank >= len(sets) or not hasattr(os, "sched_setaffinity"):
         return None
     before = set(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, plan.cpu_sets[local_rank])
+    if CPU_SETS_ENV not in env:  # the launching rank: its ranks read these
+        env[CPU_SETS_ENV] = ";".join(format_cpu_list(cpus) for cpus in sets)
+        env[CPUS_ENV] = format_cpu_list(before)
+        _mark(env, _planned(env) | {CPU_SETS_ENV, CPUS_ENV})
+    os.sched_setaffinity(0, sets[local_rank])
     return before
 
 
@@ -151,7 +166,8 @@ def apply_thread_plan(plan: ThreadPlan, env: MutableMapping[str, str] | None = N
     before_marked = target.get(PLANNED_ENV)
     undo_env = plan.apply(target)
     _mark(target, _planned(target) | set(plan.set))
-    before_cpus = _pin(plan)
+    pinned_env = {key: target.get(key) for key in (CPU_SETS_ENV, CPUS_ENV)}
+    before_cpus = _pin(plan, target)
     before_intra = torch.get_num_threads()
     torch.set_num_threads(plan.intra_op)
     interop = "inter-op " + str(plan.inter_op)
@@ -174,6 +190,11 @@ def apply_thread_plan(plan: ThreadPlan, env: MutableMapping[str, str] | None = N
         torch.set_num_threads(before_intra)
         if before_cpus is not None:
             os.sched_setaffinity(0, before_cpus)
+        for key, value in pinned_env.items():
+            if value is None:
+                target.pop(key, None)
+            else:
+                target[key] = value
 
     return undo
 

@@ -118,13 +118,27 @@ def test_ddp_ranks_run_with_the_planned_threads_and_wait_policy(run_cli, tmp_pat
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
-def test_a_pinned_plan_sets_this_ranks_affinity_and_the_undo_restores_it(monkeypatch) -> None:
+def test_pinned_ranks_each_take_their_own_slice_and_the_undo_restores_it(monkeypatch) -> None:
+    """The launching rank pins itself and exports the sets; a launched rank, which inherits the pinned mask, widens
+    to its own slice. The undo restores the affinity and the environment."""
     before = os.sched_getaffinity(0)
-    mine = (min(before),)
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    undo = apply_thread_plan(plan_threads(cpus=1, env={}, cpu_sets=(mine,)), {})
+    if len(before) < 2:
+        pytest.skip("needs 2 CPUs")
+    first, second = sorted(before)[:2]
+    plan = plan_threads(cpus=2, ranks=2, env={}, cpu_sets=((first,), (second,)))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    env: dict[str, str] = {}
+    undo = apply_thread_plan(plan, env)
     try:
-        assert os.sched_getaffinity(0) == set(mine)
+        assert os.sched_getaffinity(0) == {first}
+        assert env["ACCEL_CPU_SETS"] == f"{first};{second}" and "ACCEL_CPU_SETS" in env[PLANNED_ENV]
+        child_env = dict(env)
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        child_undo = apply_thread_plan(plan_threads(cpus=1, env={}), child_env)  # its own plan saw one CPU
+        assert os.sched_getaffinity(0) == {second}  # the parent's slice for rank 1, not what it inherited
+        child_undo()
+        assert os.sched_getaffinity(0) == {first}
     finally:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
         undo()
-    assert os.sched_getaffinity(0) == before
+    assert os.sched_getaffinity(0) == before and env == {}
