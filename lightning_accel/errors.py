@@ -18,6 +18,7 @@ __all__ = [
     "NonFiniteLossError",
     "NothingLearnedError",
     "PreflightError",
+    "WorkerKilledError",
 ]
 
 
@@ -69,6 +70,11 @@ class PreflightError(LightningAccelError):
 
 class LightningAccelWarning(UserWarning):
     """Warnings of lightning_accel (filter them with `warnings.filterwarnings("ignore", category=...)`)."""
+
+
+class WorkerKilledError(LightningAccelError):
+    """A DataLoader worker was killed (SIGKILL), named with its cause where the cgroup shows it (its memory limit's
+    OOM kills) and the checkpoint that stands. accel-train exits 1 with the message (no traceback)."""
 
 
 class NothingLearnedError(LightningAccelError):

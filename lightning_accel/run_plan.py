@@ -21,6 +21,7 @@ from lightning_accel.errors import ConfigError
 if TYPE_CHECKING:
     from lightning_accel.precision import ResolvedPrecision
     from lightning_accel.strategies.nccl import NcclPlan
+    from lightning_accel.system.threads import ThreadPlan
 
 __all__ = [
     "DISTRIBUTED_FAMILIES",
@@ -339,6 +340,8 @@ class RunPlan:
     """Lines for the log: the precision's reason, the compression applied or not."""
     nccl: NcclPlan | None = None
     """The NCCL variables for a CUDA run (set by the caller, who can remove them again), or None."""
+    threads: ThreadPlan | None = None
+    """Threads per rank, the OpenMP wait policy and their variables (`threads=auto`); None for `threads=torch`."""
 
     def trainer_kwargs(self, cfg: DictConfig) -> dict[str, Any]:
         """Keyword arguments for `instantiate(cfg.trainer, **kwargs)` that carry the plan's decisions instead of
@@ -411,6 +414,11 @@ def build_run_plan(cfg: DictConfig, *, visible_cuda: int | None = None) -> RunPl
             except ConfigError as err:  # `preset=...` is `nccl.preset` in the config
                 raise err.at("nccl") from None
             notes.append(nccl.describe())
+    from lightning_accel.threads import describe_plan, thread_plan_for
+
+    threads = thread_plan_for(cfg, shape)
+    if threads is None:
+        notes.append(describe_plan(None))
     return RunPlan(
         shape=shape,
         precision=resolved,
@@ -418,4 +426,5 @@ def build_run_plan(cfg: DictConfig, *, visible_cuda: int | None = None) -> RunPl
         comm_hook=hook,
         notes=tuple(notes),
         nccl=nccl,
+        threads=threads,
     )

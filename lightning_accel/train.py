@@ -1,10 +1,17 @@
 """accel-train: compose a Lightning run from Hydra presets, check it, then fit, test and summarise."""
 
+# ruff: noqa: E402  (`python -m lightning_accel.train` sets OMP_WAIT_POLICY before the imports below load torch)
 from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":
+    from lightning_accel.threads import set_early_environment
+
+    set_early_environment(sys.argv[1:])
 
 import hashlib
 import logging
-import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -21,15 +28,19 @@ from lightning_accel.checks import (
     check_checkpoint_dir,
     check_checkpoint_fits,
     check_ckpt_path,
+    check_loader_memory,
     check_master_port,
+    oom_kills,
     trainer_setting_error,
+    worker_killed_error,
 )
 from lightning_accel.compose import config_paths, instantiate_datamodule, split_data_config
-from lightning_accel.errors import ConfigError, LightningAccelWarning, NothingLearnedError
+from lightning_accel.errors import ConfigError, LightningAccelWarning, NothingLearnedError, WorkerKilledError
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.precision import apply_float32_matmul_precision
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
+from lightning_accel.threads import apply_thread_plan, describe_plan
 
 if TYPE_CHECKING:
     from lightning_accel.run_plan import RunShape
@@ -69,6 +80,7 @@ def print_check(cfg: DictConfig, plan: RunPlan) -> None:
     callbacks = sorted(name for name, node in (cfg.get("callbacks") or {}).items() if node is not None)
     loggers = sorted(name for name, node in (cfg.get("logger") or {}).items() if node is not None)
     console.print(f"callbacks: {', '.join(callbacks) or 'none'}; loggers: {', '.join(loggers) or 'none'}")
+    console.print(describe_plan(plan.threads))
 
 
 def config_digest(cfg: DictConfig) -> str:
@@ -130,6 +142,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     if (shape.distributed or (shape.world_size or 1) > 1) and shape.num_nodes == 1:
         check_master_port()
     split_data_config(OmegaConf.to_container(cfg.data, resolve=True))  # a data setting its target does not take
+    check_loader_memory(cfg, plan.threads.ranks if plan.threads is not None else (shape.devices_per_node or 1))
     return plan
 
 
@@ -174,6 +187,8 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     log.info("float32_matmul_precision=%s", plan.float32_matmul_precision)
     if plan.nccl is not None:  # the launched ranks inherit them; removed again when the job ends
         job_env.callback(plan.nccl.apply())
+    if plan.threads is not None:  # before Lightning launches ranks or workers: they inherit the variables
+        job_env.callback(apply_thread_plan(plan.threads))
     import lightning.pytorch as pl
 
     if cfg.get("seed") is not None:
@@ -181,6 +196,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     datamodule, model, trainer, stats = build(cfg, plan)
     run_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else str(trainer.default_root_dir)
     log.info("resolved config sha256=%s run_dir=%s", config_digest(cfg), run_dir)
+    oom_before = oom_kills()  # a worker killed during the run is told from the cgroup's older OOM kills
 
     try:
         with config_paths(cfg):
@@ -188,6 +204,10 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     except (ConfigError, NothingLearnedError):
         raise
     except Exception as err:  # name the rank: under DDP the other ranks only see a closed connection
+        killed = worker_killed_error(err, trainer, oom_kills_before=oom_before)
+        if killed is not None:
+            log.error(str(killed))
+            raise killed from None
         named = trainer_setting_error(err, cfg, trainer)
         if named is not None:
             raise named from None
@@ -286,7 +306,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    except NothingLearnedError as err:
+    except (NothingLearnedError, WorkerKilledError) as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
 

@@ -125,6 +125,7 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
         block_classes=blocks,
         global_batch=global_batch if isinstance(global_batch, int) else None,
         loader_keys=loader_keys,
+        thread_plan=OmegaConf.select(cfg, "threads.mode", default="auto") != "torch",
     )
     name = str(cfg.model.get("_target_", "model")).rsplit(".", 1)[-1]
     return space, "".join(ch if ch.isalnum() else "_" for ch in name).lower()

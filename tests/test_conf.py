@@ -199,6 +199,7 @@ def test_callbacks_are_a_dict_keyed_by_name(compose_train) -> None:
         "gpu_monitor",
         "early_stopping",
         "matmul_precision",  # the precision group's: float32_matmul_precision on every rank
+        "nonfinite",  # NonFiniteGuard: a non-finite loss skips its step
     }
 
 

@@ -3,7 +3,7 @@ into `sys.modules` may hold nothing of a higher layer (this package's modules, L
 
     facts        system/, telemetry/, measure, errors, patching, batches, files, signals  -> Python, torch, pynvml
     behaviour    _lightning, callbacks/, strategies/, parallel/, tuning/, schedules, precision, summary  -> + lightning
-    composition  run_plan, checks, app_config, compose, launch, benchmark/, autotune/, and the commands: train,
+    composition  run_plan, checks, app_config, compose, launch, threads, benchmark/, autotune/, and the commands: train,
                  doctor, bench, tune, gpu_check, dash/
                  -> + hydra, omegaconf
 """
@@ -29,6 +29,7 @@ COMPOSITION = (
     "app_config",
     "compose",
     "launch",
+    "threads",
     "benchmark",
     "autotune",
     "train",

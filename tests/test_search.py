@@ -212,3 +212,13 @@ def test_a_baseline_out_of_memory_tries_the_memory_moves_only() -> None:
     assert (
         next_candidates([Outcome(baseline(), status="failed", reason="exit 1: KeyError: 'x'")], space).candidates == []
     )
+
+
+def test_the_thread_plan_is_a_move_on_cpu_runs_whose_config_sets_threads_torch() -> None:
+    base = [ok(baseline(), 100.0, bottleneck="compute-bound")]
+    torch_threads = Space(devices=1, on_cuda=False, compile=False, thread_plan=False)
+    names = [c.name for c in next_candidates(base, torch_threads, limit=20).candidates]
+    assert "threads=auto" in names
+    assert apply_move(baseline(), move("the thread plan"), torch_threads).overrides() == ["threads=auto"]
+    for space in (Space(devices=1, on_cuda=False), Space(devices=1, on_cuda=True, thread_plan=False)):
+        assert "threads=auto" not in [c.name for c in next_candidates(base, space, limit=20).candidates]

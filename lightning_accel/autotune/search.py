@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 GROUPS = frozenset(
-    {"precision", "compile", "micro_batch", "strategy", "accumulation", "scheduler", "nccl", "lr_scaling"}
+    {"precision", "compile", "micro_batch", "strategy", "accumulation", "scheduler", "nccl", "lr_scaling", "threads"}
 )
 """Choice keys that are config groups (`precision=amp`); any other key is a setting (`++trainer.devices=2`)."""
 
@@ -110,6 +110,9 @@ class Space:
     """The global batch to keep (samples per optimizer step), when the user set one."""
     loader_keys: frozenset[str] = frozenset(LOADER_KEYS)
     """The DataLoader settings the user's data config takes (`data.<key>`): the ones a preset may pin."""
+    thread_plan: bool = True
+    """The user's config applies the thread plan (`threads=auto`, accel-train's default, or no `threads` group);
+    False for `threads=torch`, where the plan is a move on CPU runs."""
 
 
 def _short(key: str, value: str) -> str:
@@ -134,6 +137,8 @@ def _applies(move: Move, candidate: Candidate, space: Space) -> bool:
     checks = {
         "multi": space.devices > 1,
         "cuda": space.on_cuda,
+        "cpu": not space.on_cuda,
+        "no_thread_plan": not space.thread_plan,
         "bf16": space.bf16,
         "compile": space.compile,
         "blocks": space.block_classes,

@@ -25,7 +25,8 @@ class Move:
     addresses: tuple[str, ...]
     """Bottlenecks it is tried for, in the order of `MOVES` within each."""
     needs: tuple[str, ...] = ()
-    """Conditions on the space: `multi` (2+ devices), `cuda`, `bf16`, `compile`, `blocks`, `model_parallel`
+    """Conditions on the space: `multi` (2+ devices), `cuda`, `cpu` (a CPU run), `no_thread_plan` (the config sets
+    `threads=torch`), `bf16`, `compile`, `blocks`, `model_parallel`
     (the candidate runs strategy=model_parallel); for advice also `ddp` (the run is DDP) and `workers` /
     `no_workers` (the stage has DataLoader workers or not). A condition a reader cannot tell holds for it."""
     excludes: tuple[str, ...] = ()
@@ -56,6 +57,13 @@ MOVES: tuple[Move, ...] = (
         needs=("workers",),
         advice="raise `data.num_workers` (now {workers}), `data.pin_memory=true`",
         searched=False,
+    ),
+    Move(
+        "the thread plan",
+        (("threads", "auto"),),
+        ("compute-bound", "input-bound", ""),
+        needs=("cpu", "no_thread_plan"),
+        advice='threads=auto (the thread plan: README "Sharing a machine")',
     ),
     Move("micro-batches sized to memory", (("micro_batch", "auto"),), ("memory-bound",)),
     Move(
@@ -140,6 +148,7 @@ def advised(bottleneck: str, have: Mapping[str, str]) -> list[str]:
         "model_parallel": have.get("strategy") == "model_parallel",
         "workers": bool(workers),
         "no_workers": not workers,
+        "no_thread_plan": have.get("threads", "auto") != "auto",  # accel-train's default applies the plan
     }
     words = []
     for move in MOVES:

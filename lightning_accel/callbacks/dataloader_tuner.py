@@ -11,14 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel import _lightning
 from lightning_accel.batches import loader_batch_size
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system import read_cpu_budget, read_shm
+from lightning_accel.system.threads import planned_intra_op
 from lightning_accel.tuning.dataloader import cache, policy, tuner_report, verification
 from lightning_accel.tuning.dataloader import loop as loop_internals
 from lightning_accel.tuning.dataloader.decision import TunerDecision
@@ -242,6 +244,13 @@ class DataLoaderTuner(Callback):
             )
             loop_internals.swap_loaders(loop, train, reiterate=True, frozen=early)
         if self.decision is not None:
+            threads = planned_intra_op(self.decision.num_workers, trainer.num_devices)
+            if threads is not None and threads != torch.get_num_threads():  # the thread plan's share with the workers
+                rank_zero_info(
+                    f"DataLoaderTuner: {self.decision.num_workers} worker(s) share the CPU budget with "
+                    f"{threads} intra-op thread(s) per rank (was {torch.get_num_threads()})"
+                )
+                torch.set_num_threads(threads)
             self._report(trainer, loader_settings(train[0]))
             if self.cache_hit and self.verify_steps:  # reused: checked on the live loop's first steps
                 self._live = LiveWait(skip=max(self.warmup_steps, self.decision.num_workers), steps=self.verify_steps)

@@ -42,6 +42,8 @@ class Preflight(Callback):
         num_workers: DataLoader workers per process, to judge `/dev/shm`, CPUs and memory; None judges against the
             workers the CPU budget suggests and never fails on `/dev/shm` alone.
         root: the file-system root facts are read under; tests pass a fake tree.
+        interference_s: how long each rank watches other processes' CPU use on its CPUs (the `threads` check);
+            0 skips it. Not measured under a fake `root`.
 
     Raises:
         ValueError: for an unknown check name, a bad `fail_on` or a negative `num_workers`.
@@ -58,6 +60,7 @@ class Preflight(Callback):
         checks: Sequence[str] | None = None,
         num_workers: int | None = None,
         root: str | os.PathLike[str] = "/",
+        interference_s: float = 0.5,
     ) -> None:
         if fail_on not in ("FAIL", "WARN"):
             raise ConfigError(f"`fail_on={fail_on!r}` is not supported; use 'FAIL' or 'WARN'.")
@@ -70,10 +73,13 @@ class Preflight(Callback):
             isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
         ):
             raise ConfigError(f"`num_workers={num_workers!r}` must be an integer >= 0 or None.")
+        if not isinstance(interference_s, (int, float)) or interference_s < 0:
+            raise ConfigError(f"`interference_s={interference_s!r}` must be a number of seconds >= 0.")
         self.fail_on = fail_on
         self.checks = None if checks is None else list(checks)
         self.num_workers = num_workers
         self.root = str(root)
+        self.interference_s = float(interference_s)
         self.results: list[Row] = []
         """Every rank's results of the last setup, in rank order."""
 
@@ -87,9 +93,14 @@ class Preflight(Callback):
             processes=trainer.num_devices,
             num_workers=self.num_workers,
             num_nodes=trainer.num_nodes,
+            intra_op_threads=torch.get_num_threads(),
         )
+        watch = self.interference_s if os.path.realpath(self.root) == "/" else 0.0
         try:
-            checks = [dataclasses.asdict(check) for check in run_checks(collect_facts(self.root), request, self.checks)]
+            checks = [
+                dataclasses.asdict(check)
+                for check in run_checks(collect_facts(self.root, interference_s=watch), request, self.checks)
+            ]
         except Exception as err:  # a bug here must not leave the other ranks waiting in the gather below
             checks = [
                 {

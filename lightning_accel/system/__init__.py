@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from lightning_accel.system.cgroup import CpuBudget, MemoryLimit, read_cpu_budget, read_memory_limit
 from lightning_accel.system.cpu import BF16_FLAGS, CpuInfo, native_bf16_flag, read_cpu_info
+from lightning_accel.system.cpuset import CpuTopology, format_cpu_list, parse_cpu_list, read_cpu_topology
 from lightning_accel.system.doctor_checks import CHECKS, Check, CheckRequest, Status, run_checks, suggested_num_workers
 from lightning_accel.system.facts import SystemFacts, collect_facts, facts_to_dict
 from lightning_accel.system.gpu import GpuInfo, GpuLink, NvmlFacts, VisibleDevice, read_nvml
@@ -19,6 +20,7 @@ from lightning_accel.system.software import (
     read_packages,
     read_torch_build,
 )
+from lightning_accel.system.threads import ThreadPlan, cpu_share, plan_threads, read_thread_plan
 
 __all__ = [
     "BF16_FLAGS",
@@ -27,6 +29,7 @@ __all__ = [
     "CheckRequest",
     "CpuBudget",
     "CpuInfo",
+    "CpuTopology",
     "GpuInfo",
     "GpuLink",
     "IbPort",
@@ -36,20 +39,27 @@ __all__ = [
     "ShmInfo",
     "Status",
     "SystemFacts",
+    "ThreadPlan",
     "TorchBuild",
     "VisibleDevice",
     "collect_facts",
     "compile_problem",
+    "cpu_share",
     "facts_to_dict",
+    "format_cpu_list",
     "native_bf16_flag",
+    "parse_cpu_list",
+    "plan_threads",
     "read_cpu_budget",
     "read_cpu_info",
+    "read_cpu_topology",
     "read_infiniband",
     "read_memory_limit",
     "read_nccl_env",
     "read_nvml",
     "read_packages",
     "read_shm",
+    "read_thread_plan",
     "read_torch_build",
     "run_checks",
     "suggested_num_workers",

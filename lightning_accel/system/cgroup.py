@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuBudget", "MemoryLimit", "cgroup_dirs", "read_cpu_budget", "read_memory_limit"]
+__all__ = ["CpuBudget", "MemoryLimit", "cgroup_dirs", "read_cpu_budget", "read_memory_limit", "read_oom_kills"]
 
 _UNLIMITED_BYTES = 2**62  # v1 writes "no limit" as a page-rounded 2**63 - 1; anything this large is no limit
 _ESCAPE = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space in a path as \040
@@ -230,3 +230,29 @@ def read_memory_limit(root: str | os.PathLike[str] = "/") -> MemoryLimit:
             if value is not None and (limit is None or value < limit):
                 limit, source = value, str(directory / name)
     return MemoryLimit(limit_bytes=limit, source=source, host_total_bytes=host)
+
+
+def read_oom_kills(root: str | os.PathLike[str] = "/") -> tuple[int, str] | None:
+    """How many processes the memory cgroup's limit has killed (`oom_kill` of v2 `memory.events` or v1
+    `memory.oom_control`), summed from this process's cgroup up to the mount, and the innermost file that counted;
+    None when no such file can be read.
+
+    Args:
+        root: the file-system root to read `/proc` and the cgroup tree under.
+    """
+    found = cgroup_dirs("memory", root)
+    if found is None:
+        return None
+    version, dirs = found
+    name = "memory.events" if version == 2 else "memory.oom_control"
+    total, source = None, ""
+    for directory in dirs:
+        for line in (_read(directory / name) or "").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                total = (total or 0) + int(value)
+                source = source or str(directory / name)
+                break
+        if version == 2 and total is not None:
+            break  # v2's memory.events counts the subtree already: the innermost level holds every kill below it
+    return None if total is None else (total, source)

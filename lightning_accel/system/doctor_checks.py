@@ -26,6 +26,7 @@ __all__ = [
     "check_nccl",
     "check_packages",
     "check_shm",
+    "check_threads",
     "run_checks",
     "suggested_num_workers",
 ]
@@ -63,6 +64,8 @@ class CheckRequest:
     num_workers: int | None = None
     """DataLoader workers per process; None: unknown (judged as `suggested_num_workers`, and never FAIL)."""
     num_nodes: int = 1
+    intra_op_threads: int | None = None
+    """torch's intra-op threads per process; None: `OMP_NUM_THREADS`, else every CPU of the affinity (torch's own)."""
 
 
 def suggested_num_workers(effective_cpus: int, processes: int) -> int:
@@ -367,6 +370,45 @@ def check_shm(facts: SystemFacts, request: CheckRequest) -> Check:
     return Check("shm", "PASS", shown)
 
 
+def check_threads(facts: SystemFacts, request: CheckRequest) -> Check:
+    """Threads x processes against the CPU budget, other processes' use of our CPUs, and the OpenMP wait policy: an
+    OpenMP thread that spins for a core a neighbour holds made steps 8x slower (README "Sharing a machine")."""
+    from lightning_accel.system.cpuset import CpuTopology
+    from lightning_accel.system.threads import WAIT_POLICY_ENV, cpu_share, plan_threads
+
+    topology = facts.topology or CpuTopology(cpus=tuple(range(facts.cpus.affinity)))
+    share, source = cpu_share(facts.cpus, topology)
+    procs, env = _processes(facts, request), facts.thread_env
+    workers = request.num_workers or 0
+    omp = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    threads = request.intra_op_threads or (int(omp) if omp.isdigit() and int(omp) > 0 else len(topology.cpus) or 1)
+    policy = env.get(WAIT_POLICY_ENV, "").strip().upper()
+    shown_policy = policy or "unset (libgomp spins at each barrier before it sleeps)"
+    demand = procs * (threads + workers)
+    others = (
+        f"others used {facts.others_cpus:.2f} CPU(s) of ours over {facts.others_window_s:g} s"
+        if facts.others_cpus is not None
+        else "others' CPU use not measured"
+    )
+    detail = (
+        f"{procs} process(es) x ({threads} intra-op thread(s) + {workers} worker(s)) = {demand:g} busy on "
+        f"{share:g} CPU(s) ({source}); OMP_WAIT_POLICY={shown_policy}; {others}"
+    )
+    plan = plan_threads(cpus=share, ranks=procs, num_workers=workers, env={})
+    fix = (
+        "accel-train applies the thread plan by default (`threads=auto`); elsewhere start Python with "
+        f"OMP_NUM_THREADS={plan.intra_op} OMP_WAIT_POLICY=PASSIVE"
+    )
+    shared = facts.others_cpus is not None and facts.others_cpus >= 0.5
+    spinning = policy != "PASSIVE" and threads > 1
+    if demand > share + 1e-9:
+        kind = "oversubscribed, with spinning OpenMP threads" if spinning else "oversubscribed"
+        return Check("threads", "WARN", f"{kind}: {detail}", fix)
+    if shared and spinning:
+        return Check("threads", "WARN", f"CPUs shared with other processes, OpenMP threads spinning: {detail}", fix)
+    return Check("threads", "PASS", detail)
+
+
 CHECKS: dict[str, Callable[[SystemFacts, CheckRequest], Check]] = {
     "packages": check_packages,
     "driver_cuda": check_driver_cuda,
@@ -375,6 +417,7 @@ CHECKS: dict[str, Callable[[SystemFacts, CheckRequest], Check]] = {
     "nccl": check_nccl,
     "infiniband": check_infiniband,
     "cpus": check_cpus,
+    "threads": check_threads,
     "memory": check_memory,
     "shm": check_shm,
 }

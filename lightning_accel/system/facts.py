@@ -10,9 +10,11 @@ from typing import Any
 
 from lightning_accel.system.cgroup import CpuBudget, MemoryLimit, read_cpu_budget, read_memory_limit
 from lightning_accel.system.cpu import CpuInfo, read_cpu_info
+from lightning_accel.system.cpuset import CpuTopology, read_cpu_topology
 from lightning_accel.system.gpu import NvmlFacts, read_nvml
 from lightning_accel.system.host import IbPort, ShmInfo, hostname, read_infiniband, read_nccl_env, read_shm
 from lightning_accel.system.software import PackageVersion, TorchBuild, read_packages, read_torch_build
+from lightning_accel.system.threads import THREAD_COUNT_ENV, WAIT_POLICY_ENV
 
 __all__ = ["SystemFacts", "collect_facts", "facts_to_dict"]
 
@@ -35,6 +37,13 @@ class SystemFacts:
     nvml: NvmlFacts = field(default_factory=lambda: NvmlFacts(available=False, why="not read"))
     packages: tuple[PackageVersion, ...] = ()
     """Our requirements and their installed versions; empty when lightning_accel has no metadata."""
+    topology: CpuTopology | None = None
+    """The CPUs this process may use (affinity within the cpuset) and their NUMA nodes; None: not read."""
+    thread_env: Mapping[str, str] = field(default_factory=dict)
+    """`OMP_NUM_THREADS`, `MKL_NUM_THREADS`, ... and `OMP_WAIT_POLICY` as set in this process."""
+    others_cpus: float | None = None
+    """Other processes' CPU use on this process's CPUs over `others_window_s`, in CPUs; None: not measured."""
+    others_window_s: float = 0.0
 
 
 def collect_facts(
@@ -44,6 +53,7 @@ def collect_facts(
     affinity: Collection[int] | int | None = None,
     statvfs: Callable[[str], Any] | None = None,
     nvml: bool = True,
+    interference_s: float = 0.0,
 ) -> SystemFacts:
     """Read every fact of this machine; missing files and libraries give unknown values, never an error.
 
@@ -53,6 +63,7 @@ def collect_facts(
         affinity: the CPU affinity set or its size; None: `os.sched_getaffinity(0)`.
         statvfs: stand-in for `os.statvfs` on `/dev/shm`.
         nvml: read GPUs through NVML; False leaves `nvml` unavailable.
+        interference_s: watch the other processes' CPU use on our CPUs for this long (`InterferenceProbe`); 0 skips.
 
     Example::
 
@@ -60,6 +71,15 @@ def collect_facts(
         facts.cpus.effective, facts.shm.size_bytes
     """
     env = os.environ if env is None else env
+    others = None
+    if interference_s > 0:
+        import time
+
+        from lightning_accel.measure import InterferenceProbe
+
+        with InterferenceProbe() as probe:
+            time.sleep(interference_s)
+        others = probe.result.other_cpus if probe.result is not None else None
     return SystemFacts(
         host=hostname(),
         cpu=read_cpu_info(root),
@@ -71,6 +91,10 @@ def collect_facts(
         torch=read_torch_build(),
         nvml=read_nvml(env) if nvml else NvmlFacts(available=False, why="NVML not read (`nvml=False`)"),
         packages=read_packages(),
+        topology=read_cpu_topology(root, range(affinity) if isinstance(affinity, int) else affinity),
+        thread_env={key: env[key] for key in (*THREAD_COUNT_ENV, WAIT_POLICY_ENV) if env.get(key, "").strip()},
+        others_cpus=others,
+        others_window_s=interference_s if others is not None else 0.0,
     )
 
 

@@ -320,8 +320,36 @@ def test_memory_guard_skips_what_does_not_fit(tmp_path: Path, monkeypatch: pytes
     assert LoaderSettings(num_workers=CPUS, prefetch_factor=2, persistent_workers=True) in skipped, tuner.trials
     assert all(s.num_workers * (s.prefetch_factor or 0) > 3 and "/dev/shm" in note for s, note in skipped.items())
     assert tuner.decision is not None and tuner.decision.num_workers * (tuner.decision.prefetch_factor or 0) <= 3
-    assert memory_note(LoaderSettings(num_workers=4, prefetch_factor=4), 2**20, None, 15 * 2**20).endswith("free")
-    assert memory_note(LoaderSettings(num_workers=4, prefetch_factor=4), 2**20, 16 * 2**20, 16 * 2**20) == ""
+    four = LoaderSettings(num_workers=4, prefetch_factor=4)
+    assert memory_note(four, 2**20, 15 * 2**20, None).endswith("/dev/shm free")
+    assert memory_note(four, 2**20, 16 * 2**20, 16 * 2**20, worker_bytes=0) == ""
+    # the memory under the cgroup's limit also holds each worker's own footprint, not only the batches in flight
+    over = memory_note(four, 2**20, 16 * 2**20, 100 * 2**20, worker_bytes=32 * 2**20)
+    assert over == "144 MiB for 4 worker(s) (batches in flight and each worker's own 32 MiB) > 100 MiB memory free"
+    assert memory_note(four, 2**20, 16 * 2**20, 144 * 2**20, worker_bytes=32 * 2**20) == ""
+
+
+def test_trials_share_the_cpu_budget_with_the_thread_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under accel-train's thread plan each trial runs with the intra-op threads the plan gives that many workers;
+    without it (no `ACCEL_THREADS_SET`), the trials leave torch's count alone."""
+    from lightning_accel.system.threads import PLANNED_ENV, read_thread_plan
+    from lightning_accel.tuning.dataloader.loop import share_threads
+
+    seen: list[tuple[int, int]] = []
+
+    def measure(settings: LoaderSettings, cut: float | None) -> Any:
+        seen.append((settings.num_workers, torch.get_num_threads()))
+
+    monkeypatch.delenv(PLANNED_ENV, raising=False)
+    assert share_threads(measure, ranks=1) is measure
+    monkeypatch.setenv(PLANNED_ENV, "OMP_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    timed = share_threads(measure, ranks=1)
+    for workers in (0, 1, 3):
+        timed(LoaderSettings(num_workers=workers), None)
+    assert seen == [(w, read_thread_plan(num_workers=w, env={}).intra_op) for w in (0, 1, 3)]
+    assert torch.get_num_threads() == before
 
 
 class _Metrics(Logger):

@@ -115,6 +115,19 @@ def test_a_crash_in_the_checks_warns_and_the_fit_goes_on(tmp_path: Path, monkeyp
         assert fit(Preflight(root=fake_root(tmp_path / "root")), str(tmp_path)).training_steps == 3
 
 
+def test_the_threads_check_reports_this_ranks_threads_the_neighbours_and_the_wait_policy(tmp_path: Path) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        callback = Preflight(checks=["threads"], interference_s=0.2)
+        fit(callback, str(tmp_path))
+    finally:
+        torch.set_num_threads(before)
+    (check,) = callback.results[0]["checks"]
+    assert "1 process(es) x (1 intra-op thread(s) + 0 worker(s))" in check["detail"]
+    assert "OMP_WAIT_POLICY=" in check["detail"] and "CPU(s) of ours over 0.2 s" in check["detail"]
+
+
 def test_suite_basics(tmp_path: Path) -> None:
     callback = Preflight(checks=["cpus"], root=fake_root(tmp_path / "root"))
     assert type(pickle.loads(pickle.dumps(callback))) is Preflight
@@ -130,6 +143,7 @@ def test_suite_basics(tmp_path: Path) -> None:
         ({"checks": ["gpu"]}, r"unknown check\(s\) \['gpu'\]"),
         ({"num_workers": -1}, "num_workers=-1"),
         ({"num_workers": True}, "num_workers=True"),
+        ({"interference_s": -1}, "interference_s=-1"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], message: str) -> None:

@@ -172,6 +172,26 @@ def test_cpus_against_the_cgroup_quota() -> None:
     assert env.status == "PASS" and "effective 2" in env.detail and "PYTHON_CPU_COUNT=2" in env.detail
 
 
+def test_threads_against_the_budget_the_neighbours_and_the_wait_policy() -> None:
+    from lightning_accel.system import CpuTopology
+
+    two = {"cpus": CpuBudget(affinity=2), "topology": CpuTopology(cpus=(0, 1))}
+    default = check("threads", CheckRequest(gpus=0, processes=2), **two)  # torch's default: every CPU per process
+    assert default.status == "WARN" and default.detail.startswith("oversubscribed, with spinning OpenMP threads")
+    assert "2 process(es) x (2 intra-op thread(s) + 0 worker(s)) = 4 busy on 2 CPU(s)" in default.detail
+    assert "OMP_WAIT_POLICY=unset" in default.detail and "OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE" in default.fix
+    shared = check("threads", CheckRequest(gpus=0), others_cpus=1.1, others_window_s=0.5, **two)
+    assert shared.status == "WARN" and "shared with other processes" in shared.detail
+    assert "others used 1.10 CPU(s) of ours over 0.5 s" in shared.detail
+    passive = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "passive"}
+    planned = check("threads", CheckRequest(gpus=0), others_cpus=1.1, others_window_s=0.5, thread_env=passive, **two)
+    assert planned.status == "PASS" and "OMP_WAIT_POLICY=PASSIVE" in planned.detail
+    quota = check("threads", CheckRequest(gpus=0, intra_op_threads=2), cpus=CpuBudget(affinity=8, quota=1.5))
+    assert quota.status == "WARN" and "on 1.5 CPU(s) (cgroup quota 1.5 CPUs" in quota.detail
+    one = check("threads", CheckRequest(gpus=0, intra_op_threads=1), cpus=CpuBudget(affinity=1))
+    assert one.status == "PASS" and "others' CPU use not measured" in one.detail
+
+
 def test_memory_limit() -> None:
     assert check("memory", memory=MemoryLimit(host_total_bytes=64 * GIB)).status == "PASS"
     tight = check("memory", CheckRequest(gpus=0, num_workers=3), memory=MemoryLimit(limit_bytes=4 * GIB, source="m"))
@@ -254,6 +274,7 @@ def test_end_to_end_from_fake_trees_and_fake_nvml(tmp_path: Path, monkeypatch: p
         "nccl": "PASS",
         "infiniband": "WARN",
         "cpus": "WARN",
+        "threads": "WARN",  # 2 processes x (32 threads, torch's default + 4 workers) on a quota of 2 CPUs
         "memory": "WARN",
         "shm": "FAIL",
     }

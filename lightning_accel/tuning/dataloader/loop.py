@@ -23,6 +23,7 @@ from lightning_accel import _lightning
 from lightning_accel.batches import samples_in
 from lightning_accel.patching import patch_attribute
 from lightning_accel.system import read_cpu_info, read_memory_limit
+from lightning_accel.system.threads import planned_intra_op
 from lightning_accel.tuning.dataloader import policy
 from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import (
@@ -43,6 +44,7 @@ __all__ = [
     "make_step",
     "memory_free",
     "rank_sync",
+    "share_threads",
     "rebuilt",
     "same_host_pids",
     "search_in_lockstep",
@@ -252,6 +254,26 @@ def memory_free(processes: int) -> int:
     return max(0, free) // max(1, processes)
 
 
+def share_threads(
+    measure: Callable[[LoaderSettings, float | None], Trial], ranks: int
+) -> Callable[[LoaderSettings, float | None], Trial]:
+    """`measure`, each trial run with the intra-op threads the thread plan gives a rank feeding that many workers
+    (`system.threads.planned_intra_op`): workers and threads share one budget, so a setting with more workers is
+    timed with fewer threads, as it will run. Without the plan in force, `measure` itself."""
+    if planned_intra_op(0, ranks) is None:
+        return measure
+
+    def timed(settings: LoaderSettings, cut_s_per_step: float | None) -> Trial:
+        before = torch.get_num_threads()
+        torch.set_num_threads(planned_intra_op(settings.num_workers, ranks) or before)
+        try:
+            return measure(settings, cut_s_per_step)
+        finally:
+            torch.set_num_threads(before)
+
+    return timed
+
+
 def search_in_lockstep(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
@@ -309,7 +331,7 @@ def search_in_lockstep(
     )
     with untouched(pl_module):
         trials = policy.search(
-            measure,
+            share_threads(measure, ranks=trainer.num_devices),
             budget=budget,
             max_workers=max_workers or 4 * budget,
             prefetch_factors=prefetch_factors,

@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from lightning_accel.measure import Interval, interleaved, ratio
+from lightning_accel.system.loader_memory import WORKER_BYTES, estimate_loader_memory
 from lightning_accel.tuning.dataloader.decision import TunerDecision
 from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial
@@ -108,14 +109,32 @@ def decide(
     return TunerDecision.from_trials(fingerprint, facts, chosen, trials, original, confident=not flags, note=note)
 
 
-def memory_note(settings: LoaderSettings, batch_bytes: int, shm_free: int | None, memory_free: int | None) -> str:
-    """Why `settings` cannot run here, or "": `num_workers x prefetch_factor` batches in flight must fit both
-    /dev/shm (workers hand batches over through it) and the memory this rank may still use."""
-    need = settings.num_workers * (settings.prefetch_factor or 0) * batch_bytes
-    if shm_free is not None and need > shm_free:
-        return f"{need / _MIB:.0f} MiB in flight > {shm_free / _MIB:.0f} MiB /dev/shm free"
+def memory_note(
+    settings: LoaderSettings,
+    batch_bytes: int,
+    shm_free: int | None,
+    memory_free: int | None,
+    worker_bytes: int = WORKER_BYTES,
+) -> str:
+    """Why `settings` cannot run here, or "": `num_workers x prefetch_factor` batches in flight must fit /dev/shm
+    (workers hand batches over through it), and those batches, their pinned copies and each worker's own footprint
+    (`system.loader_memory`) the memory this rank may still use under the cgroup's limit."""
+    in_flight = settings.num_workers * (settings.prefetch_factor or 0) * batch_bytes
+    if shm_free is not None and in_flight > shm_free:
+        return f"{in_flight / _MIB:.0f} MiB in flight > {shm_free / _MIB:.0f} MiB /dev/shm free"
+    need = estimate_loader_memory(
+        limit_bytes=None,
+        num_workers=settings.num_workers,
+        prefetch_factor=settings.prefetch_factor or 0,
+        batch_bytes=batch_bytes,
+        worker_bytes=worker_bytes,
+        pin_memory=bool(settings.pin_memory),
+    ).workers_bytes()
     if memory_free is not None and need > memory_free:
-        return f"{need / _MIB:.0f} MiB in flight > {memory_free / _MIB:.0f} MiB memory free"
+        return (
+            f"{need / _MIB:.0f} MiB for {settings.num_workers} worker(s) (batches in flight and each worker's own "
+            f"{worker_bytes / _MIB:.0f} MiB) > {memory_free / _MIB:.0f} MiB memory free"
+        )
     return ""
 
 
