@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -360,8 +360,8 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shap
         from lightning_accel.strategies.pipeline import check_pipeline_settings
 
         values = OmegaConf.to_container(strategy, resolve=True) if isinstance(strategy, DictConfig) else strategy
-        try:
-            check_pipeline_settings(values, precision=precision, world=shape.world_size)  # type: ignore[arg-type]
+        try:  # a strategy node is a mapping: its class was read from its `_target_`
+            check_pipeline_settings(cast("Mapping[str, Any]", values), precision=precision, world=shape.world_size)
         except ConfigError as err:  # the library names its arguments; the user wrote them under these paths
             raise err.at("trainer" if err.setting == "precision" else "trainer.strategy") from None
     _check_callbacks(cfg, shape)
