@@ -247,8 +247,8 @@ class GPTLanguageModel(pl.LightningModule):
         attention score and value products. Causal masking is not discounted, as in those references.
         """
         hp = self.hparams
-        tokens = batch_size * hp.block_size
-        per_token = 6 * self.num_params_nonembedding + 12 * hp.n_layer * hp.n_embd * hp.block_size
+        tokens = batch_size * hp["block_size"]
+        per_token = 6 * self.num_params_nonembedding + 12 * hp["n_layer"] * hp["n_embd"] * hp["block_size"]
         return int(per_token * tokens)
 
     def param_groups(self) -> list[dict[str, Any]]:

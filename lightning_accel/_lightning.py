@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from lightning_accel.patching import patch_attribute
 
@@ -58,6 +58,9 @@ __all__ = [
     "set_loop_loaders",
     "setup_distributed",
     "signal_connector",
+    "trainer_callbacks",
+    "trainer_fast_dev_run",
+    "trainer_log_every_n_steps",
     "zero_grad_now",
 ]
 
@@ -102,6 +105,33 @@ def _patch(obj: Any, name: str, value: Any, feature: str) -> Callable[[], None]:
     if not hasattr(obj, name):
         raise _missing(obj, name, feature)
     return patch_attribute(obj, name, value, why=feature)
+
+
+# -- the Trainer's attributes its connectors set ----------------------------------------------------------------
+
+
+class _ConnectedTrainer(Protocol):
+    """Public Trainer attributes that Lightning's connectors set in `Trainer.__init__` without declaring them on
+    `Trainer`, so a type checker does not see them."""
+
+    callbacks: list[pl.Callback]
+    log_every_n_steps: int
+    fast_dev_run: int | bool
+
+
+def trainer_callbacks(trainer: pl.Trainer) -> list[pl.Callback]:
+    """`trainer.callbacks` (set by Lightning's callback connector)."""
+    return cast("_ConnectedTrainer", trainer).callbacks
+
+
+def trainer_log_every_n_steps(trainer: pl.Trainer) -> int:
+    """`trainer.log_every_n_steps` (set by Lightning's logger connector)."""
+    return cast("_ConnectedTrainer", trainer).log_every_n_steps
+
+
+def trainer_fast_dev_run(trainer: pl.Trainer) -> int | bool:
+    """`trainer.fast_dev_run` (set by Lightning's `_init_debugging_flags`)."""
+    return cast("_ConnectedTrainer", trainer).fast_dev_run
 
 
 # -- the fit loop ------------------------------------------------------------------------------------------------

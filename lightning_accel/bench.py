@@ -8,15 +8,19 @@ import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lightning_accel.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lightning_accel.benchmark.stage_plan import BenchSettings
 
 __all__ = ["build_parser", "check_profile", "main", "print_plan"]
 
 
-def _positive(kind: type) -> object:
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
     def parse(text: str) -> float | int:
         try:
             value = kind(text)
@@ -249,7 +253,7 @@ def _check_writable(out: Path) -> None:
         raise ConfigError(f"`--out={out}` cannot be written: {probe} {what}; pass a writable directory.")
 
 
-def print_plan(ladder: Sequence[str], overrides: Sequence[str], settings: object, out: Path) -> None:
+def print_plan(ladder: Sequence[str], overrides: Sequence[str], settings: BenchSettings, out: Path) -> None:
     """`--dry-run`: every stage composed and checked, as a table: what it changes, its processes and steps, or why
     it would be skipped.
 
@@ -261,7 +265,7 @@ def print_plan(ladder: Sequence[str], overrides: Sequence[str], settings: object
 
     from lightning_accel.benchmark.stage_plan import describe_changes, plan_stages
 
-    plans, seed = plan_stages(ladder, overrides, settings, out)  # type: ignore[arg-type]
+    plans, seed = plan_stages(ladder, overrides, settings, out)
     changes = describe_changes(plans)
     table = Table(title=f"accel-bench --dry-run: {len(plans)} stage(s), first seed {seed}; nothing ran")
     for column in ("stage", "status", "what it changes", "processes", "optimizer steps", "reason"):

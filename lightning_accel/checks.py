@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -367,8 +367,8 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shap
         from lightning_accel.strategies.pipeline import check_pipeline_settings
 
         values = OmegaConf.to_container(strategy, resolve=True) if isinstance(strategy, DictConfig) else strategy
-        try:
-            check_pipeline_settings(values, precision=precision, world=shape.world_size)  # type: ignore[arg-type]
+        try:  # a strategy node is a mapping: its class was read from its `_target_`
+            check_pipeline_settings(cast("Mapping[str, Any]", values), precision=precision, world=shape.world_size)
         except ConfigError as err:  # the library names its arguments; the user wrote them under these paths
             raise err.at("trainer" if err.setting == "precision" else "trainer.strategy") from None
     _check_callbacks(cfg, shape)
@@ -709,7 +709,7 @@ def worker_killed_error(
     pids = match.group(1).strip()
     limit = read_memory_limit(CGROUP_ROOT)
     found = read_oom_kills(CGROUP_ROOT)
-    kills = None if found is None else found[0] - (oom_kills_before or 0)
+    kills, events = (None, "") if found is None else (found[0] - (oom_kills_before or 0), found[1])
     fix = (
         "use fewer `data.num_workers`, a smaller `data.batch_size` or `data.prefetch_factor`, or raise the memory "
         "limit (`docker run --memory`)"
@@ -717,7 +717,7 @@ def worker_killed_error(
     if limit.limit_bytes is not None and kills is not None and kills > 0:
         cause = (
             f"killed by the cgroup's memory limit: {_gib(limit.limit_bytes)} ({limit.source}), {kills} OOM kill(s) "
-            f"during the run in {found[1]}"  # type: ignore[index]
+            f"during the run in {events}"
         )
     elif limit.limit_bytes is not None and found is None:
         cause = (
@@ -725,7 +725,7 @@ def worker_killed_error(
             "kills cannot be read: most likely that limit"
         )
     else:
-        why = "no cgroup memory limit" if limit.limit_bytes is None else f"no OOM kill counted in {found[1]}"  # type: ignore[index]
+        why = "no cgroup memory limit" if limit.limit_bytes is None else f"no OOM kill counted in {events}"
         cause = f"killed (SIGKILL), not by the cgroup's memory limit ({why}): by the kernel's OOM killer or a process"
         fix = "check `dmesg` for the OOM killer, and what else sends signals on this machine; " + fix
     last = str(getattr(getattr(trainer, "checkpoint_callback", None), "last_model_path", "") or "")

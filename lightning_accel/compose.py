@@ -19,7 +19,7 @@ import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
@@ -96,7 +96,7 @@ def instantiate_datamodule(data: Any) -> Any:
     """
     plain = OmegaConf.to_container(data, resolve=True) if isinstance(data, DictConfig) else dict(data)
     assert isinstance(plain, dict)
-    taken, loader = split_data_config(plain)
+    taken, loader = split_data_config(cast("dict[str, Any]", plain))  # a config group's keys are strings
     datamodule = instantiate(taken)
     if loader:
         log.info("%s takes no %s: applied to the DataLoaders it returns", taken.get("_target_"), ", ".join(loader))

@@ -52,8 +52,15 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import Strategy
+
+    from examples.gpt import GPTLanguageModel
 
 __all__ = [
     "FULL_PARTS",
@@ -149,22 +156,31 @@ def _nvml_vs_torch(ctx: CheckContext) -> Part:
         nvml.shutdown_nvml()
 
 
-def _gpt_class() -> type:
+_Precision = Literal["32-true", "bf16-mixed"]
+"""The precisions the check trains in."""
+
+
+def _gpt_class() -> type[GPTLanguageModel]:
     """The GPT example: `lightning_accel.examples` in a wheel, `examples/` beside the package in a checkout."""
     try:
-        from lightning_accel.examples.gpt import GPTLanguageModel  # type: ignore[import-not-found]
+        from lightning_accel.examples.gpt import GPTLanguageModel
     except ImportError:
         from examples.gpt import GPTLanguageModel
     return GPTLanguageModel
 
 
+def _next_byte_pairs(data: torch.Tensor) -> torch.utils.data.TensorDataset:
+    """(input, target) samples of the GPT example, one per row of `data`: the target is the input shifted by one."""
+    return torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:])
+
+
 def _tiny_fit(
-    callbacks: list,
+    callbacks: list[pl.Callback],
     steps: int,
-    precision: str = "32-true",
-    model: object = None,
+    precision: _Precision = "32-true",
+    model: pl.LightningModule | None = None,
     batch_size: int = 16,
-    strategy: object = "auto",
+    strategy: str | Strategy = "auto",
 ) -> float:
     """Seconds per training step of a small CUDA fit (the first 5 steps left out), logging to a throwaway CSV logger
     (DeviceStatsMonitor refuses a Trainer without one)."""
@@ -181,16 +197,16 @@ def _tiny_fit(
 
     timer = _Timer()
     module = model or _gpt_class()(block_size=256, n_layer=4, n_head=8, n_embd=512)
-    block = module.hparams.get("block_size", 256)  # type: ignore[attr-defined]
+    block = module.hparams.get("block_size", 256)
     data = torch.randint(0, 256, (steps * batch_size, block + 1))
-    loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=batch_size)
+    loader = torch.utils.data.DataLoader(_next_byte_pairs(data), batch_size=batch_size)
     with tempfile.TemporaryDirectory() as logs:
         trainer = pl.Trainer(
             accelerator="cuda",
             devices=1,
             max_steps=steps,
             precision=precision,
-            strategy=strategy,  # type: ignore[arg-type]
+            strategy=strategy,
             callbacks=[*callbacks, timer],
             logger=CSVLogger(logs),
             enable_checkpointing=False,
@@ -233,7 +249,8 @@ def _gpt_precision(ctx: CheckContext) -> Part:
     import lightning.pytorch as pl
 
     results = {}
-    for precision in ("32-true", "bf16-mixed"):
+    precisions: tuple[_Precision, ...] = ("32-true", "bf16-mixed")
+    for precision in precisions:
         pl.seed_everything(0)
         # big enough that the matmuls, not kernel launches, set the step time (a 4x512 model ran 1.03x in bf16)
         model = _gpt_class()(block_size=512, n_layer=8, n_head=16, n_embd=1024)
@@ -245,7 +262,7 @@ def _gpt_precision(ctx: CheckContext) -> Part:
         results[precision] = (seconds, loss)
     speedup = results["32-true"][0] / results["bf16-mixed"][0]
     drift = abs(results["bf16-mixed"][1] - results["32-true"][1]) / results["32-true"][1]
-    figures = {p: f"{s:.4f} s/step, loss {v:.4f}" for p, (s, v) in results.items()}
+    figures: dict[str, str] = {p: f"{s:.4f} s/step, loss {v:.4f}" for p, (s, v) in results.items()}
     figures["bf16 speedup"] = f"{speedup:.2f}x"
     figures["loss difference"] = f"{drift:.2%}"
     return Part(name="gpt_precision", status="PASS" if drift <= 0.02 else "FAIL", figures=figures)
@@ -289,7 +306,7 @@ def _doctor(ctx: CheckContext) -> Part:
     done = subprocess.run(
         [sys.executable, "-m", "lightning_accel.doctor", "--json"], capture_output=True, text=True, timeout=120
     )
-    figures: dict[str, object] = {}
+    figures: dict[str, str] = {}
     try:
         checks = json.loads(done.stdout)["checks"]
         figures = {c["name"]: f"{c['status']}: {c.get('detail') or c.get('message') or ''}".strip() for c in checks}
@@ -303,18 +320,18 @@ def _doctor(ctx: CheckContext) -> Part:
     )
 
 
-def _one_step(strategy: object) -> Part:
+def _one_step(strategy: str | Strategy) -> Part:
     _need_cuda()
     import lightning.pytorch as pl
 
     model = _gpt_class()(block_size=64, n_layer=2, n_head=4, n_embd=128)
     data = torch.randint(0, 256, (8, 65))
-    loader = torch.utils.data.DataLoader(list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=8)
+    loader = torch.utils.data.DataLoader(_next_byte_pairs(data), batch_size=8)
     trainer = pl.Trainer(
         accelerator="cuda",
         devices=1,
         strategy=strategy,
-        max_steps=1,  # type: ignore[arg-type]
+        max_steps=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -375,7 +392,7 @@ def _micro_batch(ctx: CheckContext) -> Part:
     total = torch.cuda.get_device_properties(0).total_memory
     gpt = _gpt_class()
 
-    class _SGD(gpt):  # type: ignore[misc, valid-type]
+    class _SGD(gpt):  # type: ignore[misc, valid-type]  # a base class found at run time
         """Plain SGD: the weights then differ by what the gradients differ (Adam's first steps amplify rounding)."""
 
         def configure_optimizers(self) -> object:
@@ -393,7 +410,7 @@ def _micro_batch(ctx: CheckContext) -> Part:
             return super().training_step(batch, batch_idx)
 
     data = torch.randint(0, 256, (6 * 128, 257), generator=torch.Generator().manual_seed(0))
-    pairs = list(zip(data[:, :-1], data[:, 1:], strict=True))
+    pairs = _next_byte_pairs(data)
     runs = {}
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(cap / total, 0)
@@ -426,7 +443,7 @@ def _micro_batch(ctx: CheckContext) -> Part:
     )
     # >= 1: a real OOM of its own during training (the cap limits reserved memory, fragmentation included) is fine
     ok = finder.found is not None and finder.found < 128 and finder.oom_recoveries >= 1 and drift <= 1e-3
-    ok = ok and finder.size is not None and finder.size <= finder.found // 2
+    ok = ok and finder.found is not None and finder.size is not None and finder.size <= finder.found // 2
     return Part(
         name="micro_batch",
         status="PASS" if ok else "FAIL",
@@ -441,7 +458,14 @@ def _micro_batch(ctx: CheckContext) -> Part:
     )
 
 
-def _timed_fit(model: object, callbacks: list, steps: int, warmup: int, precision: str, batch_size: int) -> float:
+def _timed_fit(
+    model: pl.LightningModule,
+    callbacks: list[pl.Callback],
+    steps: int,
+    warmup: int,
+    precision: _Precision,
+    batch_size: int,
+) -> float:
     """Seconds per training step of a CUDA fit, from the end of batch `warmup` to the end of training (the device
     synchronised only there, so the host queues work as it does in training); no logger, no checkpoint."""
     import lightning.pytorch as pl
@@ -460,23 +484,21 @@ def _timed_fit(model: object, callbacks: list, steps: int, warmup: int, precisio
             self.end = time.perf_counter()
 
     clock = _Clock()
-    block = model.hparams["block_size"]  # type: ignore[attr-defined]
+    block = model.hparams["block_size"]
     data = torch.randint(0, 256, (steps * batch_size, block + 1), generator=torch.Generator().manual_seed(0))
-    loader = torch.utils.data.DataLoader(
-        list(zip(data[:, :-1], data[:, 1:], strict=True)), batch_size=batch_size, pin_memory=True
-    )
+    loader = torch.utils.data.DataLoader(_next_byte_pairs(data), batch_size=batch_size, pin_memory=True)
     trainer = pl.Trainer(
         accelerator="cuda",
         devices=1,
         max_steps=steps,
-        precision=precision,  # type: ignore[arg-type]
+        precision=precision,
         callbacks=[*callbacks, clock],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, loader)  # type: ignore[arg-type]
+    trainer.fit(model, loader)
     return (clock.end - clock.start) / (steps - warmup)
 
 
@@ -849,7 +871,8 @@ def write_report(parts: Sequence[Part], ctx: CheckContext, machine: dict[str, st
 
     machine = machine or _machine()
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
-    png, stages = ctx.out_dir / "gpu_check.png", list(ctx.facts.get("ladder") or [])  # type: ignore[call-overload]
+    ladder = cast("list[dict[str, Any]]", ctx.facts.get("ladder") or [])  # the ladder part's stage rows
+    png, stages = ctx.out_dir / "gpu_check.png", list(ladder)
     note = _no_plot(stages)
     if note is None:
         with atomic_path(png) as tmp:

@@ -29,7 +29,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeGuard, TypeVar
 
 from lightning_accel.errors import ConfigError
 
@@ -115,7 +115,7 @@ def summarize(values: Iterable[float], *, confidence: float = 0.95, resamples: i
     return Interval(median, min(low, median), max(high, median), len(finite), f"bootstrap {confidence:.0%}")
 
 
-def ratio(numerators: Sequence[float | None], denominators: Sequence[float | None], **kwargs: float) -> Interval:
+def ratio(numerators: Sequence[float | None], denominators: Sequence[float | None], **kwargs: Any) -> Interval:
     """The interval of `numerator / denominator` (a speedup: reference time over stage time).
 
     Values at the same index were measured in the same round and are paired; a round where either is missing (None,
@@ -127,13 +127,13 @@ def ratio(numerators: Sequence[float | None], denominators: Sequence[float | Non
     """
     pairs = [(a, b) for a, b in zip(numerators, denominators, strict=False) if _usable(a) and _usable(b) and b]
     if pairs:
-        return summarize([a / b for a, b in pairs], **kwargs)  # type: ignore[operator]
+        return summarize([a / b for a, b in pairs], **kwargs)
     tops = [a for a in numerators if _usable(a)]
     bottoms = [b for b in denominators if _usable(b) and b]
-    return summarize([a / b for a in tops for b in bottoms], **kwargs)  # type: ignore[operator]
+    return summarize([a / b for a in tops for b in bottoms], **kwargs)
 
 
-def _usable(value: float | None) -> bool:
+def _usable(value: float | None) -> TypeGuard[float]:
     return value is not None and math.isfinite(value)
 
 
@@ -360,7 +360,7 @@ class InterferenceProbe:
         # well below full use. Others on a large host's idle cores (under a CPU quota) took nothing from us.
         idle = cpus - (other + own) / wall if other is not None and wall > 0 else math.inf
         contended = idle < min(float(cpus), self._budget()) * (1.0 - self.threshold)
-        if contended and other / wall > max(MIN_OTHER_CPUS, self.threshold * cpus):  # type: ignore[operator]
+        if contended and other is not None and other / wall > max(MIN_OTHER_CPUS, self.threshold * cpus):
             reasons.append(f"other processes used {other / wall:.2f} of {cpus} CPU(s) ({other / wall / cpus:.0%})")
         if steal is not None and wall > 0 and steal / (wall * cpus) > self.steal_threshold:
             reasons.append(f"the hypervisor stole {steal / (wall * cpus):.0%} of the CPU time")

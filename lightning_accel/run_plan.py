@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -366,7 +366,8 @@ def resolve_config_precision(cfg: DictConfig) -> ResolvedPrecision:
     from lightning_accel.precision import resolve_precision
 
     accelerator = cfg.trainer.get("accelerator", "auto")
-    raw = OmegaConf.to_container(cfg.trainer, resolve=False).get("precision", "32-true")  # type: ignore[union-attr]
+    written = cast("dict[str, Any]", OmegaConf.to_container(cfg.trainer, resolve=False))  # the trainer group: a mapping
+    raw = written.get("precision", "32-true")
     requested = re.match(r"\$\{accel_precision:([^,}]+)", str(raw))  # conf/precision/amp.yaml: resolved already
     try:
         return resolve_precision(

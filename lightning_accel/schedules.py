@@ -7,12 +7,13 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
+from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ def count_optimizer_steps(plan: AccumulationPlan, num_batches: float, max_epochs
     """
     unlimited_epochs = max_epochs is None or max_epochs < 0
     step_cap = math.inf if max_steps is None or max_steps < 0 else max_steps
+    epoch_cap = math.inf if max_epochs is None or max_epochs < 0 else max_epochs
     if (unlimited_epochs or not math.isfinite(num_batches)) and not math.isfinite(step_cap):
         raise ConfigError(
             f"The fit has no end (`max_epochs={max_epochs}`, `max_steps={max_steps}`, {num_batches} batches per "
@@ -90,15 +92,15 @@ def count_optimizer_steps(plan: AccumulationPlan, num_batches: float, max_epochs
     if not math.isfinite(num_batches):
         return int(step_cap)
     num_batches = int(num_batches)
-    if num_batches <= 0 or (not unlimited_epochs and max_epochs == 0):
+    if num_batches <= 0 or epoch_cap == 0:
         return 0
     last_key = plan.points[-1][0]
     steps, epoch = 0, 0
-    while (unlimited_epochs or epoch < max_epochs) and steps < step_cap:
+    while epoch < epoch_cap and steps < step_cap:
         if epoch >= last_key if plan.unit == "epoch" else steps >= last_key:
             # the plan is constant from here on: whole epochs at once
             per_epoch = math.ceil(num_batches / plan.at(epoch, steps))
-            epochs_left = math.inf if unlimited_epochs else max_epochs - epoch
+            epochs_left = epoch_cap - epoch
             return int(min(steps + per_epoch * epochs_left, step_cap))
         done = 0
         while done < num_batches and steps < step_cap:
@@ -114,13 +116,13 @@ def count_optimizer_steps(plan: AccumulationPlan, num_batches: float, max_epochs
 def accumulation_plan(trainer: pl.Trainer) -> AccumulationPlan:
     """The accumulation plan of `trainer`: its AccumulationScheduler's, Lightning's GradientAccumulationScheduler's
     (epoch keys), or the constant `trainer.accumulate_grad_batches`."""
-    for callback in trainer.callbacks:
+    for callback in _lightning.trainer_callbacks(trainer):
         plan = getattr(callback, "accumulation_plan", None)
         if callable(plan):
             return plan(trainer)
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
-    for callback in trainer.callbacks:
+    for callback in _lightning.trainer_callbacks(trainer):
         if isinstance(callback, GradientAccumulationScheduler):
             points = dict(callback.scheduling)
             points.setdefault(0, 1)
@@ -251,7 +253,7 @@ def onecycle_schedule(
     pct_start: float = 0.3,
     div_factor: float = 25.0,
     final_div_factor: float = 1e4,
-    anneal_strategy: str = "cos",
+    anneal_strategy: Literal["cos", "linear"] = "cos",
 ) -> OneCycleLR:
     """torch's OneCycleLR sized to the fit; `max_lr` defaults to each param group's configured LR.
 

@@ -15,7 +15,7 @@ import logging
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -141,7 +141,8 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     check_checkpoint_dir(cfg)
     if (shape.distributed or (shape.world_size or 1) > 1) and shape.num_nodes == 1:
         check_master_port()
-    split_data_config(OmegaConf.to_container(cfg.data, resolve=True))  # a data setting its target does not take
+    data = cast("dict[str, Any]", OmegaConf.to_container(cfg.data, resolve=True))  # the data group: a mapping
+    split_data_config(data)  # a data setting its target does not take
     check_loader_memory(cfg, plan.threads.ranks if plan.threads is not None else (shape.devices_per_node or 1))
     return plan
 

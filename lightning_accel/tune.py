@@ -9,8 +9,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lightning_accel.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lightning_accel.autotune.search import Space
 
 __all__ = ["build_parser", "detect_space", "main", "print_space"]
 
@@ -97,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
+def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[Space, str]:
     """What this machine and the user's model allow (`search.Space`), and the model's name for the preset."""
     from omegaconf import OmegaConf
 
@@ -131,14 +135,14 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[object, str]:
     return space, "".join(ch if ch.isalnum() else "_" for ch in name).lower()
 
 
-def print_space(space: object, name: str, config_dir: Path) -> None:
+def print_space(space: Space, name: str, config_dir: Path) -> None:
     """`--dry-run`: what this machine and model allow, every move and whether the search may try it, and where the
     preset would go."""
     from lightning_accel.autotune.search import moves_here
 
     print(f"accel-tune --dry-run: nothing ran. The space here: {space}")
-    for move, applies in moves_here(space):  # type: ignore[arg-type]
-        sets = ", ".join(f"{k}={v.format(devices=space.devices)}" for k, v in move.sets)  # type: ignore[attr-defined]
+    for move, applies in moves_here(space):
+        sets = ", ".join(f"{k}={v.format(devices=space.devices)}" for k, v in move.sets)
         bound = ", ".join(a for a in move.addresses if a) + (
             " (or an unknown bottleneck)" if "" in move.addresses else ""
         )
@@ -213,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name=args.name or model_name,
         )
         with terminate_as_interrupt() as received:  # SIGTERM as Ctrl-C: the best so far is written
-            result = tune(args.overrides, space, settings, out, started=started)  # type: ignore[arg-type]
+            result = tune(args.overrides, space, settings, out, started=started)
     except ConfigError as err:
         print(f"accel-tune: error: {err}", file=sys.stderr)
         return 2

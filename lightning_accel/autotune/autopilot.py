@@ -80,7 +80,7 @@ def outcome_of(candidate: Candidate, result: StageResult) -> Outcome:
         reason=result.bottleneck_why,
         interference=result.interference,
         settled=settled,
-    )  # type: ignore[arg-type]
+    )
 
 
 def _stage_name(candidate: Candidate, index: int) -> str:

@@ -9,11 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lightning_accel.benchmark.moves import advised
+from lightning_accel.benchmark.moves import Bottleneck, advised
 from lightning_accel.measure import Interval, ratio, summarize, verdict
 from lightning_accel.telemetry.peak_flops import compute_dtype, lookup_peak_flops
 
 __all__ = [
+    "Quality",
     "RunStatus",
     "StageResult",
     "StageRun",
@@ -30,6 +31,7 @@ __all__ = [
 
 StageStatus = Literal["ok", "skipped", "failed"]
 RunStatus = Literal["ok", "failed"]
+Quality = Literal["pass", "FAIL", "n/a"]
 INPUT_SHARE = 0.20
 """A stage is input-bound when at least this share of its step time waits for data ..."""
 INPUT_SHARE_LOW_UTIL = 0.10
@@ -169,13 +171,13 @@ class StageResult:
     """How the energy was read, or why it is n/a."""
     reference_steps: int | None = None
     """Optimizer steps of the reference stage, when this stage ran another number."""
-    quality: str = "n/a"
+    quality: Quality = "n/a"
     """"pass", "FAIL" (worse than the reference by more than both the tolerance and the reference's seed-to-seed
     noise) or "n/a"."""
     quality_delta_pct: float | None = None
     quality_noise: float | None = None
     """The reference's seed-to-seed spread of the metric (max - min over its runs); 0 with one run."""
-    bottleneck: str = ""
+    bottleneck: Bottleneck = ""
     bottleneck_why: str = ""
     next_step: str = ""
     measurement: dict[str, Any] = field(default_factory=dict)
@@ -250,7 +252,7 @@ def speedups(results: Sequence[StageResult], by: Literal["time", "throughput"] =
 
 def quality_verdict(
     value: float | None, reference: float | None, mode: str, tolerance: float, noise: float = 0.0
-) -> tuple[str, float | None]:
+) -> tuple[Quality, float | None]:
     """("pass" | "FAIL" | "n/a", signed % change) of a stage's metric against the reference stage's.
 
     The stage fails when it is worse than the reference by more than both `tolerance` (a fraction of the
@@ -291,7 +293,7 @@ def _model_parallel_size(measurement: dict[str, Any]) -> int:
 
 def bottleneck(
     split: dict[str, float], gpu_utilization_pct: float | None, memory_fraction: float | None, world_size: int
-) -> tuple[str, str]:
+) -> tuple[Bottleneck, str]:
     """(verdict, why): input-bound, communication-bound, memory-bound or compute-bound, checked in that order.
 
     Args:
@@ -413,9 +415,9 @@ def _aggregate(result: StageResult, peak_tflops: float | None) -> None:
         result.runs = [StageRun(round=0, measurement=result.measurement, process_s=result.process_s)]
     runs, flagged = counted_runs(result)
     if not runs:
-        failed = [r for r in result.runs if r.status == "failed"]
+        failed_runs = [r for r in result.runs if r.status == "failed"]
         result.status = "failed"
-        result.reason = failed[-1].reason if failed else "no run finished with a measurement"
+        result.reason = failed_runs[-1].reason if failed_runs else "no run finished with a measurement"
         return
     ordered = sorted(runs, key=lambda r: r.time_s or 0.0)
     middle = ordered[(len(ordered) - 1) // 2]
@@ -489,8 +491,8 @@ def _derive(result: StageResult, peak_tflops: float | None) -> None:
     result.mfu = model_flops_utilization(
         m.get("flops_per_batch"), int(m.get("steady_batches", 0)), steady_s, peak.flops, model_parallel
     )
-    if result.mfu is not None:
-        result.mfu_note = f"{result.dtype} peak {peak.flops / 1e12:g} TFLOP/s ({peak.source})"  # type: ignore[operator]
+    if result.mfu is not None and peak.flops:  # an MFU implies a known peak
+        result.mfu_note = f"{result.dtype} peak {peak.flops / 1e12:g} TFLOP/s ({peak.source})"
         if model_parallel > 1:
             result.mfu_note += f", per device of model-parallel degree {model_parallel}"
     elif peak.flops is None:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning_accel.benchmark.bench_report import markdown_table, write_outputs
 from lightning_accel.benchmark.process import Launcher, launch, run_once
@@ -207,7 +207,9 @@ def run_bench(
         p.name: {"num_workers": p.num_workers, "precision": p.precision, "accumulate": p.accumulate, "family": p.family}
         for p in plans
     }
-    by = "time" if settings.match == "samples" and settings.time_budget_s is None else "throughput"
+    by: Literal["time", "throughput"] = (
+        "time" if settings.match == "samples" and settings.time_budget_s is None else "throughput"
+    )
     reference = finalize(
         results,
         mode=settings.mode,

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypedDict
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -189,9 +189,21 @@ def _accumulation(cfg: DictConfig, shape: RunShape, micro_global: int) -> int:
         if OmegaConf.is_list(schedule) and schedule:  # [[key, micro_batches], ...]
             return int(min(schedule, key=lambda pair: int(pair[0]))[1])
         if isinstance(schedule, DictConfig) and schedule:
-            return int(schedule[sorted(schedule.keys(), key=int)[0]])
+            keys: list[Any] = list(schedule.keys())  # integers, or strings of them
+            return int(schedule[sorted(keys, key=int)[0]])
     accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
     return accumulate if isinstance(accumulate, int) and accumulate > 0 else 1
+
+
+class _StageBasics(TypedDict):
+    """What every plan of a stage holds, skipped or not."""
+
+    name: str
+    overrides: tuple[str, ...]
+    world_size: int
+    extra: tuple[str, ...]
+    on_cuda: bool
+    family: str
 
 
 def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: int | None = None) -> StagePlan:
@@ -221,7 +233,7 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
     else:
         per_node = 1
     world_size = per_node * shape.num_nodes
-    stage = {
+    stage: _StageBasics = {
         "name": name,
         "overrides": overrides,
         "world_size": world_size,

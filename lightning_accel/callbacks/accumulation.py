@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import lightning.pytorch as pl
 import torch
@@ -194,7 +194,7 @@ class AccumulationScheduler(Callback):
                 f"(AccumulationScheduler, which sets it per window): the Trainer's `accumulate_grad_batches="
                 f"{trainer.accumulate_grad_batches}`; leave it at 1 or remove the callback."
             )
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):  # type: ignore[attr-defined]
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in _lightning.trainer_callbacks(trainer)):
             raise ConfigError("Use one accumulation callback: drop Lightning's GradientAccumulationScheduler.")
 
     @override
@@ -273,7 +273,8 @@ class AccumulationScheduler(Callback):
         self._verified = True
         real = samples_in(batch, default=1)
         ranks = data_parallel_replicas(trainer)
-        micro = self.global_batch_size // (micro_batches * ranks)  # type: ignore[operator]
+        assert self.global_batch_size is not None, "verified only with a global batch size"
+        micro = self.global_batch_size // (micro_batches * ranks)
         if real not in (1, micro) and real < micro * 2:  # 1: no tensor to count; a first batch is a full one
             actual = real * ranks * micro_batches
             raise ConfigError(
@@ -320,10 +321,10 @@ def _check_scheduling(scheduling: Mapping[int, int] | Sequence[Sequence[int]], u
         ScheduleError: for a key that is no integer >= 0, or a value that is no integer >= 1.
     """
     if _is_pair_list(scheduling):  # [[key, micro_batches], ...]: a Hydra list the command line replaces whole
-        keys = [pair[0] for pair in scheduling]  # type: ignore[index]
+        keys = [pair[0] for pair in scheduling]
         if len(set(map(str, keys))) != len(keys):
-            raise ScheduleError(f"`scheduling={list(map(list, scheduling))!r}` names a key twice; list each once.")  # type: ignore[arg-type]
-        scheduling = {pair[0]: pair[1] for pair in scheduling}  # type: ignore[index]
+            raise ScheduleError(f"`scheduling={list(map(list, scheduling))!r}` names a key twice; list each once.")
+        scheduling = {pair[0]: pair[1] for pair in scheduling}
     if not isinstance(scheduling, Mapping) or not scheduling:
         raise ScheduleTypeError(
             f"`scheduling={scheduling!r}` must be a non-empty dict of {{{unit}: micro_batches}} "
@@ -348,7 +349,7 @@ def _check_scheduling(scheduling: Mapping[int, int] | Sequence[Sequence[int]], u
     return dict(sorted(checked.items()))
 
 
-def _is_pair_list(value: Any) -> bool:
+def _is_pair_list(value: Any) -> TypeGuard[Sequence[Sequence[Any]]]:
     return (
         isinstance(value, Sequence)
         and not isinstance(value, (str, bytes))

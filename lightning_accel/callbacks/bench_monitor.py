@@ -380,10 +380,10 @@ class BenchMonitor(Callback):
         self._validation_started = None
         self._energy_step("resume")
         self._last_end = None  # the next batch's wait is not a data wait
-        value = trainer.callback_metrics.get(self.metric)
-        if value is None:
+        logged = trainer.callback_metrics.get(self.metric)
+        if logged is None:
             return
-        value, train_s = float(value), self._train_clock()
+        value, train_s = float(logged), self._train_clock()
         m.validations.append({"step": trainer.global_step, "train_s": train_s, "value": value})
         m.final_metric = value
         if m.time_to_target_s is None and self.target is not None and _reached(value, self.target, self.mode):

@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError
 from lightning_accel.system.software import compile_problem
 
@@ -127,7 +128,7 @@ class Compile(Callback):
             raise ConfigError(f"Compile: {problem}; or use `compile=none`.", setting="backend")
         from lightning_accel.callbacks.parallelize import Parallelize
 
-        parallelize = next((cb for cb in trainer.callbacks if isinstance(cb, Parallelize)), None)  # type: ignore[attr-defined]
+        parallelize = next((cb for cb in _lightning.trainer_callbacks(trainer) if isinstance(cb, Parallelize)), None)
         if isinstance(trainer.strategy, ModelParallelStrategy):
             if parallelize is None or not parallelize.block_classes:
                 raise ConfigError(
@@ -137,9 +138,8 @@ class Compile(Callback):
                     setting="strategy",
                 )
             parallelize.compile, parallelize.compile_mode = True, self.mode if self.backend == "inductor" else None
-            rank_zero_info(
-                f"Compile: each {', '.join(parallelize.block_classes)} block through Parallelize (mode={self.mode})."
-            )
+            blocks = ", ".join(c if isinstance(c, str) else c.__qualname__ for c in parallelize.block_classes)
+            rank_zero_info(f"Compile: each {blocks} block through Parallelize (mode={self.mode}).")
             return
         pl_module.compile(**self.compile_kwargs())
         self._compiled = pl_module

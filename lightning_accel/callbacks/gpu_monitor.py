@@ -399,7 +399,7 @@ class GPUMonitor(Callback):
             self._steps += 1
         self._last_end = now
         step = _lightning.optimizer_steps_logged(trainer)
-        every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning's connector
+        every = _lightning.trainer_log_every_n_steps(trainer)
         if every > 0 and (step + 1) % every == 0 and step != self._logged_step:
             self._logged_step = step
             self._flush(trainer, step)
@@ -536,13 +536,13 @@ class GPUMonitor(Callback):
             return
         timings, devices = unpack_rows(rows, len(self._indices))
         gpus = {self._key(node, index): stats for (node, index), stats in sorted(devices.items())}
-        allocated = {self._key(node, index): pct for (node, index), pct in allocated_by_device(timings).items()}
+        allocated_pcts = {self._key(node, index): pct for (node, index), pct in allocated_by_device(timings).items()}
         ranks = rank_stats(timings)
         self._update_fit_time()
         self.report.add_window(self.report.fit_s, step, gpus, timings)
         metrics = window_metrics(gpus, ranks, self.report.energy_wh, self.log_min_max)
         if step >= self.warmup_steps:
-            for alert in check_alerts(step, gpus, ranks, self.thresholds, self.report.fired, allocated):
+            for alert in check_alerts(step, gpus, ranks, self.thresholds, self.report.fired, allocated_pcts):
                 rank_zero_warn(f"GPUMonitor at step {step}: {alert.message}", category=LightningAccelWarning)
                 self.report.add_alert(alert)
                 metrics[f"gpu_monitor/alert/{alert.name}"] = 1.0

@@ -498,6 +498,7 @@ def _first_batch(trainer: pl.Trainer) -> Any:
     if trainer.train_dataloader is None:
         trainer.fit_loop.setup_data()
     loader = trainer.train_dataloader
+    assert loader is not None, "`fit_loop.setup_data()` sets the train DataLoader"
     sampler = getattr(loader, "sampler", None)
     generators = [
         g
@@ -568,7 +569,7 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         )
     from lightning.pytorch.callbacks import BatchSizeFinder
 
-    if any(isinstance(cb, BatchSizeFinder) for cb in trainer.callbacks):  # type: ignore[attr-defined]
+    if any(isinstance(cb, BatchSizeFinder) for cb in _lightning.trainer_callbacks(trainer)):
         raise ConfigError(
             "MicroBatchFinder keeps the batch size and splits it; Lightning's BatchSizeFinder changes "
             "it. Use one of them."

@@ -149,7 +149,7 @@ class Parallelize(Callback):
         if not getattr(pl_module, _APPLIED, False):  # else a later stage (test after fit) of a module done already
             self._apply_plan(trainer, pl_module)
             setattr(pl_module, _APPLIED, True)
-        accumulation_owner = any(isinstance(cb, AccumulationScheduler) for cb in trainer.callbacks)
+        accumulation_owner = any(isinstance(cb, AccumulationScheduler) for cb in _lightning.trainer_callbacks(trainer))
         if accumulation_owner and self.sync_grads_every_micro_batch:
             rank_zero_warn(
                 "Parallelize(sync_grads_every_micro_batch=True) has no effect next to AccumulationScheduler, which "
@@ -172,8 +172,8 @@ class Parallelize(Callback):
         else:
             mesh = pl_module.device_mesh
             names = mesh.mesh_dim_names if mesh is not None else None
-            dp_mesh = mesh["data_parallel"] if names and "data_parallel" in names else None
-            tp_mesh = mesh["tensor_parallel"] if names and "tensor_parallel" in names else None
+            dp_mesh = mesh["data_parallel"] if mesh is not None and names and "data_parallel" in names else None
+            tp_mesh = mesh["tensor_parallel"] if mesh is not None and names and "tensor_parallel" in names else None
             if mesh is None and self.tp_plan:
                 rank_zero_warn(
                     f"Parallelize: {type(trainer.strategy).__name__} has no device mesh, so the tensor-parallel "

@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accel import _lightning
 from lightning_accel.batches import data_parallel_replicas, samples_in
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 
@@ -64,7 +65,7 @@ class RunStats(Callback):
         from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
         logged = set(trainer.callback_metrics)
-        for callback in trainer.callbacks:
+        for callback in _lightning.trainer_callbacks(trainer):
             monitor = getattr(callback, "monitor", None)
             if isinstance(callback, (ModelCheckpoint, EarlyStopping)) and monitor and monitor not in logged:
                 name = type(callback).__name__
@@ -107,7 +108,9 @@ def _accumulation(trainer: Any) -> str:
     """How the fit accumulates, in words: an accumulation callback's own settings, else `accumulate_grad_batches`."""
     from lightning_accel.callbacks.accumulation import AccumulationScheduler
 
-    scheduler = next((cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler)), None)
+    scheduler = next(
+        (cb for cb in _lightning.trainer_callbacks(trainer) if isinstance(cb, AccumulationScheduler)), None
+    )
     if scheduler is not None:
         how = (
             f"global_batch_size={scheduler.global_batch_size}"

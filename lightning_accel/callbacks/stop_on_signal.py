@@ -182,8 +182,8 @@ class StopOnSignal(Callback):
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         environment = _lightning.cluster_environment(trainer)
         self._requeue_signal = None
-        if self.requeue_on_slurm and getattr(environment, "auto_requeue", False):
-            self._requeue_signal = int(environment.requeue_signal)  # type: ignore[attr-defined]
+        if self.requeue_on_slurm and environment is not None and getattr(environment, "auto_requeue", False):
+            self._requeue_signal = int(environment.requeue_signal)
         self._before_training = stage == "fit" and trainer.global_step == 0 and not self.received
         self._install(stage)  # before on_fit_start: the tuner's trials, a search, compiling, the sanity check
         self._keep_lightning_off(trainer)
@@ -408,7 +408,7 @@ class StopOnSignal(Callback):
 
 def _save_last(trainer: pl.Trainer) -> None:
     """`last.ckpt` through the first ModelCheckpoint, on every rank (saving is a collective under DDP and FSDP)."""
-    checkpoint = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)  # type: ignore[attr-defined]
+    checkpoint = next((cb for cb in _lightning.trainer_callbacks(trainer) if isinstance(cb, ModelCheckpoint)), None)
     if checkpoint is None or checkpoint.dirpath is None:
         return
     # "link" would only point at an older checkpoint

@@ -55,7 +55,7 @@ class DashState:
         self._host_cards, self._host_cards_problem = host_cards, host_cards_problem
         self._cache: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._last: tuple[float, dict[str, Any]] | None = None
+        self._last: tuple[float, str] | None = None
 
     def get(self, now: float | None = None) -> str:
         """The page data as JSON (`page_json(self.build())`), at most `min_age_s` old."""

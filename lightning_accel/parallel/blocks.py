@@ -195,7 +195,7 @@ def mixed_precision_policy(param_dtype: str | None = None, reduce_dtype: str | N
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dtypes = {}
+    dtypes: dict[str, torch.dtype | None] = {}
     for setting, name in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         dtype = getattr(torch, name, None) if isinstance(name, str) else None
         if name is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -204,7 +204,7 @@ def mixed_precision_policy(param_dtype: str | None = None, reduce_dtype: str | N
                 "'float32' or null."
             )
         dtypes[setting] = dtype
-    return MixedPrecisionPolicy(**dtypes)
+    return MixedPrecisionPolicy(param_dtype=dtypes["param_dtype"], reduce_dtype=dtypes["reduce_dtype"])
 
 
 def fully_shard_blocks(

@@ -10,7 +10,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -166,6 +166,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         if storage_options is not None or "://" in str(path):
-            super().save_checkpoint(checkpoint, path, storage_options)
+            # Lightning annotates `str | Path` but opens any path fsspec takes; the path goes on as it came
+            super().save_checkpoint(checkpoint, cast("str | Path", path), storage_options)
             return
         atomic_torch_save(checkpoint, path)

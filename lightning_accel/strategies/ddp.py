@@ -71,7 +71,9 @@ class DDPStrategy(_LightningDDPStrategy):
 
         self._timeout = self.init_timeout
         waited = self.init_timeout.total_seconds()
-        where = f"{self.cluster_environment.main_address}:{self.cluster_environment.main_port}"  # type: ignore[union-attr]
+        environment = self.cluster_environment
+        assert environment is not None, "Lightning gives a DDPStrategy its cluster environment before the setup"
+        where = f"{environment.main_address}:{environment.main_port}"
         if self.num_nodes > 1 and self.local_rank == 0:
             log.info(
                 f"node {self.node_rank}: waiting up to {waited:g} s (`init_timeout_s`) for "

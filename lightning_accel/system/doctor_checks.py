@@ -196,10 +196,7 @@ def check_bf16(facts: SystemFacts, request: CheckRequest) -> Check:
         return Check("bf16", "SKIP", f"no GPU in use; {facts.cpu.describe_bf16()} (`precision=amp` picks 32-true)")
     lacking = [g for g in gpus if g.capability is not None and g.capability < _BF16_CAPABILITY]
     if lacking:
-        names = ", ".join(
-            f"GPU {g.index} {g.name} ({g.capability[0]}.{g.capability[1]})"  # type: ignore[index]
-            for g in lacking
-        )
+        names = ", ".join(f"GPU {g.index} {g.name} ({'.'.join(map(str, g.capability or ()))})" for g in lacking)
         return Check(
             "bf16",
             "WARN",
@@ -360,7 +357,7 @@ def check_shm(facts: SystemFacts, request: CheckRequest) -> Check:
     shown = f"{shm.path} {_size(shm.size_bytes)} ({_size(shm.free_bytes)} free)"
     if not workers:
         return Check("shm", "PASS", f"{shown}; num_workers=0 does not use it")
-    need = procs * workers * SHM_PER_WORKER  # type: ignore[operator]
+    need = procs * workers * SHM_PER_WORKER
     shown += f"; {procs} process(es) x {workers} workers{'' if known else ' (assumed)'} need ~{_size(need)}"
     fix = "run the container with `--shm-size=8g` (or `--ipc=host`), or use num_workers=0"
     if shm.size_bytes < SHM_PER_WORKER:

@@ -458,7 +458,8 @@ class History:
             self._sums[key][-1] += value
             self._counts[key][-1] += 1
         while self.t and self.t[0] < t - self.span_s:
-            for series in (self.t, self._bucket, *self._sums.values(), *self._counts.values()):
+            columns: tuple[list[Any], ...] = (self.t, self._bucket, *self._sums.values(), *self._counts.values())
+            for series in columns:
                 del series[0]
 
     def series(self, key: str, digits: int = 2) -> list[float | None]:

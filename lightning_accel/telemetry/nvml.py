@@ -11,7 +11,7 @@ from lightning_accel.errors import ConfigError
 try:
     import pynvml  # nvidia-ml-py; called as `nvml.pynvml.nvmlX(...)` so tests can put a scripted fake in its place
 except ImportError:  # pragma: no cover - a dependency; a broken install must not break training
-    pynvml = None  # type: ignore[assignment]
+    pynvml = None
 
 __all__ = ["GpuDevice", "init_nvml", "inventory", "mig_sm_count", "resolve_devices", "shutdown_nvml", "unsupported"]
 

@@ -21,11 +21,16 @@ __all__ = [
 ]
 
 
+class _Device(Protocol):
+    @property
+    def index(self) -> int: ...
+
+
 class Reader(Protocol):
     """What the sampler needs of a device reader (`DeviceReader`, or a stand-in in tests)."""
 
     @property
-    def device(self) -> object: ...
+    def device(self) -> _Device: ...
 
     def read(self) -> dict[str, float]: ...
 
@@ -136,7 +141,7 @@ class NVMLSampler:
             return False
         now = self._clock() if now is None else now
         try:
-            readings = [(reader.device.index, reader.read()) for reader in self.readers]  # type: ignore[attr-defined]
+            readings = [(reader.device.index, reader.read()) for reader in self.readers]
         except Exception as err:  # NVML failed mid-run: stop sampling, never raise into training
             self.failure = f"{type(err).__name__}: {err}"
             return False

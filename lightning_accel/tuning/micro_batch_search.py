@@ -141,6 +141,7 @@ def find_micro_batch(
 
 
 def _run_trial(try_size: Callable[[int], int | None], size: int, budget_bytes: int | None) -> Trial:
+    first_line: str | None
     try:
         peak = try_size(size)
     except Exception as err:

@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 
 from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError
+from lightning_accel.files import PathLike
 from lightning_accel.strategies.checkpoint_io import (
     atomic_torch_save,
     recover_directory,
@@ -54,7 +55,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, An
     return get_optimizer_state_dict(model, optimizer, options=_options())
 
 
-def save_pipeline_checkpoint(strategy: ParallelStrategy, checkpoint: dict[str, Any], filepath: str | Path) -> None:
+def save_pipeline_checkpoint(strategy: ParallelStrategy, checkpoint: dict[str, Any], filepath: PathLike) -> None:
     """Every rank writes its shards of `checkpoint` into the directory `filepath`; rank 0 the rest (`meta.pt`).
 
     Written beside its target under a temporary name, then renamed over it: a save that dies (SIGKILL, a full disk)
@@ -81,7 +82,7 @@ def save_pipeline_checkpoint(strategy: ParallelStrategy, checkpoint: dict[str, A
 
 
 def load_pipeline_checkpoint(
-    strategy: ParallelStrategy, model: nn.Module, path: str | Path, weights_only: bool | None = None
+    strategy: ParallelStrategy, model: nn.Module, path: PathLike, weights_only: bool | None = None
 ) -> dict[str, Any]:
     """Load this rank's slice of the model and of each of `strategy.optimizers` in place; return the metadata.
 

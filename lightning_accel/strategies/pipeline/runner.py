@@ -249,7 +249,8 @@ def clip_grad_norm_over_stages(optimizer: Optimizer, clip_val: float, group: Any
 def _shard_group(grad: Any) -> Any:
     """The process group over which a DTensor gradient is sharded (a 1-D mesh, `Shard` placement: FSDP2's); None
     for a plain or replicated tensor, or a layout whose norm needs the full tensor."""
-    mesh, placements = getattr(grad, "device_mesh", None), getattr(grad, "placements", ())
+    mesh = getattr(grad, "device_mesh", None)
+    placements: tuple[Any, ...] = getattr(grad, "placements", ())
     if mesh is None or mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard():
         return None
     return mesh.get_group()

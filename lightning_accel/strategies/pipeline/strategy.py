@@ -6,7 +6,7 @@ import functools
 from collections.abc import Sequence
 from contextlib import ExitStack
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -126,8 +126,8 @@ class PipelineStrategy(_LightningModelParallelStrategy):
         settings = PipelineSettings(
             schedule=schedule,
             n_microbatches=n_microbatches,
-            split_points=split_points,
-            n_stages=n_stages,  # type: ignore[arg-type]
+            split_points=cast("tuple[str, ...] | None", split_points),  # PipelineSettings makes any list a tuple
+            n_stages=n_stages,
             data_parallel_size=data_parallel_size,
             data_parallel=data_parallel,
             block_list=block_list,

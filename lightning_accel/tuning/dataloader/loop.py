@@ -180,6 +180,7 @@ def stop_workers(loop: Any) -> None:
     """Shut down the worker processes behind a loop's CombinedLoader (its iterators' and persistent ones); its
     iterator object stays, so its length can still be read, but must be recreated before it is iterated again."""
     combined = _lightning.loop_combined_loader(loop, _FEATURE)
+    assert combined is not None, "stop_workers() before the loop set up its CombinedLoader"
     for it in _lightning.combined_loader_iterators(combined):
         _shutdown(it)
     for loader in combined.flattened:
@@ -202,7 +203,7 @@ def swap_loaders(loop: Any, loaders: list[Any], reiterate: bool, frozen: bool = 
 
 def untunable(trainer: pl.Trainer, loaders: list[Any]) -> str:
     """Why the fit's train loader is not tuned, or ""."""
-    if trainer.fast_dev_run:
+    if _lightning.trainer_fast_dev_run(trainer):
         return "`fast_dev_run` is set"
     if len(loaders) != 1:
         return f"the fit has {len(loaders)} train DataLoaders; one is tuned"
