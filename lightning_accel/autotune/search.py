@@ -108,8 +108,9 @@ class Space:
     """The model config names its blocks (`parallel_plan.block_classes`): model parallel, pipeline, checkpointing."""
     global_batch: int | None = None
     """The global batch to keep (samples per optimizer step), when the user set one."""
-    loader_keys: frozenset[str] = frozenset(LOADER_KEYS)
-    """The DataLoader settings the user's data config takes (`data.<key>`): the ones a preset may pin."""
+    loader_keys: frozenset[str] = frozenset(LOADER_KEYS) - {"prefetch_factor"}
+    """The DataLoader settings the user's data config takes (`data.<key>`): the ones a preset may pin. By default
+    the example data configs' keys (they set no `prefetch_factor`); accel-tune reads them from the config."""
     thread_plan: bool = True
     """The user's config applies the thread plan (`threads=auto`, accel-train's default, or no `threads` group);
     False for `threads=torch`, where the plan is a move on CPU runs."""
