@@ -122,7 +122,7 @@ def test_a_real_browser_sees_every_job_live(tmp_path: Path) -> None:
             # (polled from here: Playwright's wait_for_function evaluates strings, which the page's CSP forbids)
             wait_until(
                 lambda: page.locator("article.job[data-status=running]").count() >= 2,
-                timeout_s=30,
+                timeout_s=90,  # a loaded machine: the page's first fetches wait behind both jobs' training
                 what="the page to list both jobs running",
             )
 
