@@ -238,8 +238,8 @@ def test_code_cites_only_what_the_repo_holds() -> None:
     # the issue tracker and the team's style notes are not in the repo: cite neither by number
     root = Path(__file__).resolve().parents[1]
     cited = []
-    for folder in ("lightning_accel", "tests", "conf", "examples", "hydra_plugins"):
-        for path in (root / folder).rglob("*"):
+    for folder in ("lightning_accel", "tests", "conf", "examples", "hydra_plugins", "README.md"):
+        for path in (root / folder).rglob("*") if (root / folder).is_dir() else [root / folder]:
             if path.suffix in (".py", ".yaml", ".md") and path.is_file():
                 for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                     if re.search(r"STYLE habit|STYLE\.md|\b[Ii]ssue \d+\b", line) and "github.com" not in line:
