@@ -4,7 +4,7 @@ DataLoader worker inherits, decided from the CPU budget (cgroup quota, cpuset, a
 Why: torch sizes its intra-op pool to every CPU it can see and libgomp spin-waits for a while at each barrier. On a
 shared machine a spinning thread waits for a core a neighbour holds: a 256-1024-256 MLP's AdamW step on 2 cores
 beside one busy process ran at 7-15 steps/s with torch's defaults, 68-90 with one thread and 100 with two passive
-threads (issue 32). `plan_threads` is a plain function of the facts; `read_thread_plan` reads them from the machine.
+threads. `plan_threads` is a plain function of the facts; `read_thread_plan` reads them from the machine.
 """
 
 from __future__ import annotations
