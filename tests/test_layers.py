@@ -245,3 +245,15 @@ def test_code_cites_only_what_the_repo_holds() -> None:
                     if re.search(r"STYLE habit|STYLE\.md|\b[Ii]ssue \d+\b", line) and "github.com" not in line:
                         cited.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
     assert cited == []
+
+
+def test_the_formatter_is_never_switched_off() -> None:
+    root = Path(__file__).resolve().parents[1]
+    markers = ("fmt" + ": " + "skip", "fmt" + ": " + "off")  # spelled apart, so that this file does not hold them
+    found = [
+        str(path.relative_to(root))
+        for folder in ("lightning_accel", "tests", "examples", "conf", "hydra_plugins")
+        for path in (root / folder).rglob("*.py")
+        if any(marker in path.read_text(encoding="utf-8") for marker in markers)
+    ]
+    assert found == []

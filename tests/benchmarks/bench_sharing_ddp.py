@@ -30,17 +30,32 @@ from lightning_accel.measure import ratio, summarize  # noqa: E402
 
 SETTINGS = {"plan": "threads=auto", "lightning": "threads=torch"}
 CONDITIONS = {"quiet": 0, "1 busy": 1}
-_OURS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS", "OMP_WAIT_POLICY",
-         "ACCEL_THREADS_SET")  # fmt: skip
+_OURS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "ACCEL_THREADS_SET",
+)
 
 
 def run_once(setting: str, steps: int, root: Path) -> float:
     run_dir = Path(tempfile.mkdtemp(dir=root))
     overrides = [
-        "trainer=smoke", "trainer.accelerator=cpu", "strategy=ddp", "trainer.devices=2", "data.max_chars=200000",
-        f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "test=false", "logger=none",
-        "~callbacks.lr_monitor", SETTINGS[setting], f"hydra.run.dir={run_dir}",
-    ]  # fmt: skip
+        "trainer=smoke",
+        "trainer.accelerator=cpu",
+        "strategy=ddp",
+        "trainer.devices=2",
+        "data.max_chars=200000",
+        f"trainer.max_steps={steps}",
+        "trainer.limit_val_batches=0",
+        "test=false",
+        "logger=none",
+        "~callbacks.lr_monitor",
+        SETTINGS[setting],
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in _OURS} | {"ACCEL_LOG_DIR": str(root)}
     done = subprocess.run(
         [sys.executable, "-m", "lightning_accel.train", *overrides], env=env, capture_output=True, text=True

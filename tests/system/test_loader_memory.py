@@ -18,9 +18,15 @@ V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw\n"
 
 def test_workers_prefetched_batches_and_pinned_copies_add_up() -> None:
     estimate = estimate_loader_memory(
-        limit_bytes=4096 * MIB, ranks=2, num_workers=3, prefetch_factor=2, batch_bytes=10 * MIB,
-        worker_bytes=100 * MIB, pin_memory=True, rank_bytes=1024 * MIB,
-    )  # fmt: skip
+        limit_bytes=4096 * MIB,
+        ranks=2,
+        num_workers=3,
+        prefetch_factor=2,
+        batch_bytes=10 * MIB,
+        worker_bytes=100 * MIB,
+        pin_memory=True,
+        rank_bytes=1024 * MIB,
+    )
     assert estimate.workers_bytes() == 2 * (3 * 100 * MIB + 2 * 3 * 2 * 10 * MIB)  # 840 MiB
     assert estimate.available_bytes == 2048 * MIB and estimate.fits
     assert estimate.most_workers == 7  # 2 x 7 x (100 + 40) = 1960 MiB <= 2048; 8 would need 2240
