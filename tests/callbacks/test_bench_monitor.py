@@ -267,7 +267,7 @@ def test_split_every_n_batches_counts_the_queued_device_work_with_fewer_synchron
 ) -> None:
     """One batch in `every` is timed by phase; the rates count whole intervals between synchronised batch ends, so
     the device work queued by the unsynchronised batches is in the step time (a launch-time clock would miss it)."""
-    device = _QueuedWork(step_s=0.02)
+    device = _QueuedWork(step_s=0.05)  # well above a busy machine's few ms of host work per step
     monkeypatch.setattr(torch.cuda, "synchronize", device.synchronize)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda index=None: 0)
     monitor = _CudaBenchMonitor(None, metric="val/score", split_every_n_batches=every)
@@ -291,7 +291,9 @@ def test_split_every_n_batches_counts_the_queued_device_work_with_fewer_synchron
     assert 30 <= m.steady_batches <= 37
     assert m.split_batches == pytest.approx(m.steady_batches / every, abs=2)
     assert m.data_s + m.forward_s + m.backward_s + m.optimizer_s == pytest.approx(m.steady_s)
-    assert m.forward_s >= 0.9 * device.step_s * m.steady_batches  # the device work shows where it was queued
+    # The device work shows where it was queued. The split is scaled from a few timed batches, so one of them slowed
+    # by a busy machine shifts it: 0.75 leaves room for 12 ms of extra host work in a timed batch.
+    assert m.forward_s >= 0.75 * device.step_s * m.steady_batches
     syncs_per_batch = device.syncs / m.batches
     assert syncs_per_batch >= 4 if every == 1 else syncs_per_batch <= 1.5
 
