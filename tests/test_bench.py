@@ -825,6 +825,7 @@ def test_a_stage_on_fewer_steps_says_so(tmp_path: Path) -> None:
     assert "pass (+0.5%); steps 20 vs 40" in markdown_table(rows, "val/loss", 0.02, None)
 
 
+@pytest.mark.slow  # ~45 s; the quality verdict's rules run in process by default
 def test_a_broken_learning_rate_still_fails_quality(run_cli, tmp_path: Path) -> None:
     """A rung that really loses quality (its LR 100x too low: the loss hardly moves) fails the gate whatever the
     noise, and exits 1."""

@@ -114,6 +114,7 @@ def interrupt_at(tmp_path: Path, point: str) -> tuple[float, int, str]:
     return elapsed, code, log_path.read_text()
 
 
+@pytest.mark.slow  # ~25 s; signals during training run by default (test_train_signals.py)
 def test_sigterm_during_the_dataloader_tuners_trials_ends_every_rank(tmp_path: Path) -> None:
     elapsed, code, log = interrupt_at(tmp_path, "tuner")
     print(f"tuner: every rank ended {elapsed:.1f} s after SIGTERM, exit {code}")

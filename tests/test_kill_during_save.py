@@ -145,6 +145,7 @@ def _resume(tmp_path: Path, args: list[str], last: Path, steps: int) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow  # ~20 s; the atomic save is tested in process by default
 def test_sigkill_while_saving_a_checkpoint_file_leaves_the_previous_one_which_resumes(tmp_path: Path) -> None:
     args = ["trainer=smoke"]
     last = _killed_run(tmp_path, args)

@@ -42,6 +42,7 @@ def _restore_matmul_precision():
     torch.set_float32_matmul_precision(before)
 
 
+@pytest.mark.slow  # ~2 min: two full fits; tests/test_precision.py covers AMP's settings by default
 def test_amp_matches_fp32_validation_loss_within_2_percent(compose_train) -> None:
     # On a CPU without native bf16, amp resolves to fp32 and the comparison would be empty: run bf16 explicitly then.
     mixed = "amp" if read_cpu_info().has_native_bf16 else "bf16_mixed"

@@ -188,6 +188,7 @@ def _two_ranks(records: dict[int, dict]) -> None:
     assert samples_per_step(records)[0] == 128
 
 
+@pytest.mark.slow  # ~20 s; the template's own ddp_spawn and our DDP multirun run by default
 def test_ddp_relaunches_its_child_rank_inside_the_hydra_job(template: Path, tmp_path: Path) -> None:
     """`strategy=ddp` starts rank 1 by running the script again (Lightning issue #11300): through
     `hydra_safe_launch` it joins this job's run directory, and the job exits 0."""

@@ -22,6 +22,7 @@ SMOKE = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000"]
 DDP2 = ["strategy=ddp", "trainer.devices=2"]
 
 
+@pytest.mark.slow  # ~3 min: the whole default run; the set-up command's run, by hand or -m slow
 def test_default_run_beats_chance(run_cli, tmp_path: Path) -> None:
     """`accel-train` with no arguments (but the run directory) trains the GPT example past the unigram baseline."""
     run_dir = tmp_path / "run"
@@ -100,6 +101,7 @@ def test_ddp_preset_tunes_the_dataloader_once_for_both_ranks(run_cli, tmp_path: 
     assert entry["facts"]["world_size"] == 2 and entry["facts"]["cpus_per_rank"] >= 1
 
 
+@pytest.mark.slow  # ~25 s; two DDP ranks recovering together run by default (callbacks/test_micro_batch_finder.py)
 def test_micro_batch_auto_splits_every_batch_on_both_ddp_ranks_keeping_the_global_batch(run_cli, tmp_path) -> None:
     """`micro_batch=auto` with `accumulation=global_batch` under 2 DDP ranks (a start size of 4, so batches of 32
     split on the CPU): both ranks run it, the global batch stays 128, the micro-batch is logged."""
@@ -232,6 +234,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow  # ~15 s; two DDP ranks sharing one run directory run by default
 def test_two_nodes_under_torchrun_share_one_run_directory(tmp_path: Path) -> None:
     """Two torchrun agents on this machine play two nodes of one process each: `trainer.num_nodes=2` from config."""
     port = _free_port()
@@ -340,6 +343,7 @@ def _run_with_a_missing_node(run_cli, tmp_path: Path) -> tuple[subprocess.Comple
     return result, time.monotonic() - started
 
 
+@pytest.mark.slow  # ~15 s of waiting on purpose
 def test_a_node_that_never_joins_ends_the_wait_with_the_setting_named(run_cli, tmp_path: Path) -> None:
     """`trainer.num_nodes=2` with one node: the wait is bounded by `trainer.strategy.init_timeout_s` and says why."""
     result, _ = _run_with_a_missing_node(run_cli, tmp_path)

@@ -211,6 +211,7 @@ def _slurm_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # ~20 s; SIGTERM to a DDP rank runs by default
 def test_slurm_requeue_signal_saves_the_hpc_checkpoint_requeues_and_the_requeued_job_resumes(tmp_path) -> None:
     """SIGUSR1 (what accel_slurm asks SLURM to send before the time limit) to a SLURM task: Lightning's HPC checkpoint
     in the run directory `slurm-4242.0`, `scontrol requeue 4242`, exit 138; the requeued job, same job and step ids,

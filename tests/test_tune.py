@@ -108,6 +108,7 @@ def test_the_search_follows_the_bottleneck_keeps_quality_and_writes_the_preset(t
     assert any("generation 1" in line for line in lines)
 
 
+@pytest.mark.slow  # ~15 s; the confirmation runs in the search test by default
 def test_a_pick_the_confirmation_does_not_uphold_leaves_the_baseline(tmp_path: Path) -> None:
     rates = {"baseline": 100.0, "precision=amp": 150.0}
     launcher, calls = world(rates)
@@ -186,6 +187,7 @@ def test_the_search_and_its_confirmation_end_inside_the_time_budget_and_ctrl_c_k
     assert (tmp_path / "out2" / "tune.md").is_file()
 
 
+@pytest.mark.slow  # ~15 s; the move table's order is checked in process by default
 def test_an_input_bound_baseline_tries_the_dataloader_tuner_first(tmp_path: Path) -> None:
     tuner = "dataloader_tuner"
     decision = {"num_workers": 4, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": True}
@@ -256,6 +258,7 @@ def test_the_confirmation_is_estimated_from_the_training_part_of_a_run() -> None
     )
 
 
+@pytest.mark.slow  # ~20 s; the confirmation runs in the search test by default
 def test_a_win_on_top_of_a_win_must_hold_up_against_its_parent_in_the_confirmation(tmp_path: Path) -> None:
     """amp wins; compile on top of amp clears it in the search's short runs but not in the longer confirmation run,
     where it is measured beside amp too: amp is the pick, and the report says why compile lost."""
@@ -288,6 +291,7 @@ def test_a_win_on_top_of_a_win_must_hold_up_against_its_parent_in_the_confirmati
     assert "override /precision: amp" in preset and "compile" not in preset
 
 
+@pytest.mark.slow  # ~15 s; Ctrl-C in the search runs by default
 def test_ctrl_c_in_the_confirmation_keeps_the_searchs_pick_unconfirmed(tmp_path: Path) -> None:
     launcher, calls = world({"baseline": 100.0, "precision=amp": 150.0})
 

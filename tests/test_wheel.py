@@ -11,6 +11,8 @@ import venv
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -20,6 +22,7 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
     return result
 
 
+@pytest.mark.slow  # ~30 s: a fresh venv; tests/test_packaging.py builds the wheel by default
 def test_wheel_in_fresh_venv_runs_accel_train(tmp_path: Path) -> None:
     dist = tmp_path / "dist"
     _run(

@@ -89,6 +89,7 @@ def test_model_parallel_without_blocks_is_refused_and_with_blocks_goes_through_p
     assert parallelize.compile and parallelize.compile_mode == "max-autotune"
 
 
+@pytest.mark.slow  # ~15 s of compiling; Compile's settings are tested by default
 def test_compiled_gpt_matches_eager_within_1_percent(tmp_path) -> None:
     """The GPT example compiled with inductor (gcc on this CPU) against eager, same seed and data: validation loss
     within 1% after 12 steps (they agree to float rounding)."""

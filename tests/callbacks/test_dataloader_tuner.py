@@ -598,6 +598,7 @@ def test_a_right_cached_decision_passes_its_check(tmp_path: Path) -> None:
     assert second.decision is not None and second.decision.num_workers > CPUS
 
 
+@pytest.mark.slow  # ~20 s beside a busy process; a decision under interference runs by default
 def test_io_bound_choice_beside_a_busy_process_gets_many_workers(
     tmp_path: Path, real_probe: None, busy_process: int
 ) -> None:

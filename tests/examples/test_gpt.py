@@ -225,6 +225,7 @@ def test_gpt2_small_config_has_gpt2_small_shape(compose_train) -> None:
     assert hp.n_embd // hp.n_head == 64  # flash attention's head size
 
 
+@pytest.mark.slow  # ~25 s: 124M parameters on the CPU; its shape is checked by default
 def test_gpt2_small_trains_a_few_steps_on_cpu(run_cli, tmp_path: Path) -> None:
     """The GPU-sized config runs end to end here at a short context and batch: 3 optimizer steps, validation, test."""
     run_dir = tmp_path / "run"

@@ -461,6 +461,7 @@ def test_config_errors_before_launch(compose_train) -> None:
         check_config(compose_train(["preset=pipeline", "trainer.accelerator=cpu", "trainer.strategy.n_stages=two"]))
 
 
+@pytest.mark.slow  # ~30 s; the two-stage parity with one process and the preset's checks run by default
 def test_accel_train_preset_pipeline_on_two_cpu_processes(run_cli, tmp_path: Path) -> None:
     """`accel-train preset=pipeline trainer.devices=2`, tiny: fit with validation, checkpoint, test on the best one."""
     smoke = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000", "trainer.devices=2"]
