@@ -100,9 +100,15 @@ def test_a_repeated_sigint_within_a_second_is_one_event_and_stops_cleanly(tmp_pa
 
 def test_signals_outside_a_stage_keep_their_own_handlers(tmp_path) -> None:
     """Between fits the callback holds no handler: a plain Ctrl-C in a notebook still raises KeyboardInterrupt."""
-    callback = StopOnSignal()
-    _trainer(tmp_path, callback, max_steps=2).fit(_Tiny(), _loader())
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own Ctrl-C handler, as a notebook has it: pytest started in the background by a shell inherits SIGINT
+    # ignored, which would hide a callback that leaves SIG_IGN behind.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        callback = StopOnSignal()
+        _trainer(tmp_path, callback, max_steps=2).fit(_Tiny(), _loader())
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert callback._watchdog is None and callback._handlers is None
 
 
