@@ -196,13 +196,16 @@ def test_a_real_prometheus_scrapes_a_training_job(tmp_path: Path) -> None:
             assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done.stdout + done.stderr
             assert not re.search(rb'[{,](job|instance)="', exposition)  # never our labels
 
-            # scrapes over a whole RATE_WINDOW (a series younger than the window has its rate scaled down)
-            scrapes = f"count_over_time(accel_train_global_step[{RATE_WINDOW}])"
-            wait_until(
-                lambda: (found := _query(prom, scrapes)) and float(found[0]["value"][1]) >= 19,
-                timeout_s=60,
-                what=f"a series as old as {RATE_WINDOW}",
-            )
+            # scrapes over a whole RATE_WINDOW, of the step and of every card's energy counter (a series younger than
+            # the window has its rate scaled down: the cards' series start with the sampler's first reading, after
+            # the step's, and a CI run once read both cards' rates 10% low from that)
+            def _old_enough() -> bool:
+                steps = _query(prom, f"count_over_time(accel_train_global_step[{RATE_WINDOW}])")
+                cards = _query(prom, f"count_over_time(accel_gpu_energy_joules_total[{RATE_WINDOW}])")
+                counts = [float(r["value"][1]) for r in steps + cards]
+                return len(steps) >= 1 and len(cards) >= len(POWER_W) and min(counts) >= 19
+
+            wait_until(_old_enough, timeout_s=60, what=f"series as old as {RATE_WINDOW}", interval_s=0.5)
 
             # every documented metric, with its documented labels
             series = _api(prom, "series", **{"match[]": '{__name__=~"accel_.+"}'})
