@@ -292,7 +292,7 @@ def test_split_every_n_batches_counts_the_queued_device_work_with_fewer_synchron
     assert m.split_batches == pytest.approx(m.steady_batches / every, abs=2)
     assert m.data_s + m.forward_s + m.backward_s + m.optimizer_s == pytest.approx(m.steady_s)
     # The device work shows where it was queued. The split is scaled from a few timed batches, so one of them slowed
-    # by a busy machine shifts it: 0.75 leaves room for 12 ms of extra host work in a timed batch.
+    # by a busy machine shifts it: 0.75 leaves room for about 15 ms of extra host work in a timed batch.
     assert m.forward_s >= 0.75 * device.step_s * m.steady_batches
     syncs_per_batch = device.syncs / m.batches
     assert syncs_per_batch >= 4 if every == 1 else syncs_per_batch <= 1.5
