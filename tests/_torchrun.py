@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from _hung import stacks_of_hung_run
+
 TESTS = Path(__file__).parent
 
 
@@ -16,16 +18,29 @@ def torchrun(
     script: str | os.PathLike[str], *args: str, ranks: int = 2, env: dict[str, str] | None = None, timeout: float = 600
 ) -> subprocess.CompletedProcess[str]:
     """`python -m torch.distributed.run --standalone --nproc-per-node=RANKS SCRIPT ARGS`, capturing output; the
-    script's folder and `tests/` are on its PYTHONPATH (for its sibling and shared helper modules)."""
+    script's folder and `tests/` are on its PYTHONPATH (for its sibling and shared helper modules).
+
+    Raises:
+        subprocess.TimeoutExpired: past `timeout`, with every process's Python stacks in its `stderr` (a hang says
+            where each rank waits).
+    """
     path = os.pathsep.join([str(Path(script).parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)]
-    return subprocess.run(
+    full_env = {**os.environ, "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1", **(env or {})}
+    with subprocess.Popen(
         [*command, *args],
-        env={**os.environ, "PYTHONPATH": path, **(env or {})},
-        capture_output=True,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
+        start_new_session=True,  # its own process group: the stacks of every rank, and the cleanup, reach them all
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = stacks_of_hung_run(proc)
+            raise subprocess.TimeoutExpired(proc.args, timeout, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def rank_results(

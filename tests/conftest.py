@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from _env import DISTRIBUTED_ENV
+from _hung import stacks_of_hung_run
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -98,41 +98,13 @@ def _run_cli(
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            stdout, stderr = _stacks_of_hung_run(proc)
+            stdout, stderr = stacks_of_hung_run(proc)
             pytest.fail(
                 f"{' '.join(command[2:])} still ran after {timeout:.0f} s; its stacks:\n{stderr[-12000:]}\n"
                 f"stdout:\n{stdout[-3000:]}",
                 pytrace=False,
             )
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
-
-
-def _stacks_of_hung_run(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    """SIGABRT to the run's process group (faulthandler prints every thread's stack), then SIGKILL; its output, with
-    faulthandler's lists of extension modules left out (one per process, interleaved, they pushed the stacks out of
-    the failure message)."""
-    for sig, grace in ((signal.SIGABRT, 20.0), (signal.SIGKILL, 20.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            stdout, stderr = proc.communicate(timeout=grace)
-            return stdout, _without_module_lists(stderr)
-        except subprocess.TimeoutExpired:
-            continue
-    stdout, stderr = proc.communicate()
-    return stdout, _without_module_lists(stderr)
-
-
-def _without_module_lists(text: str) -> str:
-    """`text` without faulthandler's "Extension modules: ..." lines (and their interleaved fragments)."""
-    keep = []
-    for line in text.splitlines():
-        stack = 'File "' in line or "Thread 0x" in line or "thread 0x" in line or "Fatal Python" in line
-        if stack or ("Extension modules" not in line and "(total: " not in line and line.count(", ") < 4):
-            keep.append(line)
-    return "\n".join(keep)
 
 
 @pytest.fixture
