@@ -335,7 +335,7 @@ class DataLoaderTuner(Callback):
         self.trials, self.cache_hit, self.retuned = [], False, True
         try:
             with frozen_rng(loaders):
-                decision = self._decide(trainer, pl_module, fit_loop, loaders[0], start, force=True)
+                decision = self._decide(trainer, pl_module, fit_loop, loaders[0], start, force=True, replaces=old)
         except Exception as err:
             if trainer.world_size > 1 and not isinstance(err, TrialError):
                 raise RuntimeError(
@@ -381,8 +381,13 @@ class DataLoaderTuner(Callback):
         loader: Any,
         start: float,
         force: bool = False,
+        replaces: TunerDecision | None = None,
     ) -> LoaderSettings | None:
-        """Rank zero's decision, from the checkpoint, the cache or trials, on every rank, in `result` and `_state`."""
+        """Rank zero's decision, from the checkpoint, the cache or trials, on every rank, in `result` and `_state`.
+
+        `replaces`: the reused decision this one is tuned to replace; the new one keeps its fingerprint (its facts
+        were read from the user's loader, the live one now runs that decision's settings), so its cache entry is the
+        one replaced."""
         strategy = trainer.strategy
         sync = loop_internals.rank_sync(strategy.root_device)
         batch_size = loader_batch_size(loader)
@@ -392,6 +397,8 @@ class DataLoaderTuner(Callback):
             budget = max(1, read_cpu_budget().effective // max(1, trainer.num_devices))
             facts = {**loop_internals.facts(trainer, loader, batch_size, budget), "tuner": self._search_settings()}
             key = cache.fingerprint(facts)
+            if replaces is not None:
+                key, facts = replaces.fingerprint, {**replaces.facts}
             shm, memory = read_shm(), loop_internals.memory_free(trainer.num_devices)
             step, self.step_mode = loop_internals.make_step(trainer, pl_module)
         except Exception as err:

@@ -251,6 +251,52 @@ def _ddp_main(out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 
+def _ddp_retune(out: Path) -> None:
+    """A decision planted in the cache (2 workers) fails its check on both ranks (the verdict forced, as a loaded
+    machine can make it fail): the ranks tune again together at the next epoch start and train on in lockstep."""
+    import lightning_accel.callbacks.dataloader_tuner as tuner_module
+    import lightning_accel.tuning.dataloader.trial_runner as runner_module
+
+    runner_module.InterferenceProbe = QuietProbe  # type: ignore[misc]  # the first decision must be cached
+    rank, data, results = int(os.environ["RANK"]), SleepyDataset(400, delay_s=0.0), []
+    for fit_index in range(2):
+        if fit_index == 1:
+            if rank == 0:  # rank zero looks the decision up: plant 2 workers, recorded as hardly waiting
+                path = out / "cache" / "dataloader_tuner.json"
+                stored = json.loads(path.read_text())
+                for entry in stored["entries"].values():
+                    entry["settings"] = {
+                        "num_workers": 2,
+                        "prefetch_factor": 2,
+                        "pin_memory": False,
+                        "persistent_workers": True,
+                    }
+                    entry["wait_share"] = 0.0
+                path.write_text(json.dumps(stored))
+            verdict = tuner_module.verification.verdict
+            # the seam: every rank's window fails once it is complete
+            tuner_module.verification.verdict = lambda live, *a, **k: (live.complete, live.complete)
+        tuner = DataLoaderTuner(max_tuning_time_s=20, steps_per_trial=4, verify_steps=5, cache_dir=str(out / "cache"))
+        fitter = trainer([tuner], str(out / "run"), max_steps=60 if fit_index else 2, strategy="ddp", devices=2)
+        model = Regression()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fitter.fit(model, DataLoader(data, batch_size=8, shuffle=True))
+        if fit_index == 1:
+            tuner_module.verification.verdict = verdict
+        results.append(
+            {
+                "decision": None if tuner.decision is None else tuner.decision.as_dict(),
+                "cache_hit": tuner.cache_hit,
+                "retuned": tuner.retuned,
+                "loader_workers": fitter.train_dataloader.num_workers,
+                "global_step": fitter.global_step,
+                "weight": model.layer.weight.detach().flatten().tolist(),
+            }
+        )
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
 def _ddp_diverge(out: Path) -> None:
     """Rank 1 alone fails where no collective reports it (its choice raises): it must stop the run, not hang it."""
     import lightning_accel.tuning.dataloader.policy as policy
@@ -271,6 +317,8 @@ def _ddp_diverge(out: Path) -> None:
 if __name__ == "__main__":
     if sys.argv[2:] == ["diverge"]:
         _ddp_diverge(Path(sys.argv[1]))
+    elif sys.argv[2:] == ["retune"]:
+        _ddp_retune(Path(sys.argv[1]))
     else:
         _ddp_main(Path(sys.argv[1]))
     if torch.distributed.is_initialized():  # an orderly end: a group torn down at interpreter exit can abort a rank

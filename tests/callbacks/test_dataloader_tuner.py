@@ -437,6 +437,24 @@ def test_two_ddp_processes_agree(tmp_path: Path) -> None:
     assert cached["decision"] == tuned["decision"]
 
 
+def test_two_ddp_ranks_tune_again_together_when_a_reused_decision_fails_its_check(tmp_path: Path) -> None:
+    """A cached decision of 2 workers fails its check on the live loop (forced): both ranks tune again at the next
+    epoch start, switch to the same new setting and train to the last step in lockstep (a hang here once ended the
+    DDP preset's cached run, 2 -> 0 workers; a hang would hit the 300 s timeout with every rank's stacks)."""
+    proc = _torchrun_cases(str(tmp_path), "retune")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    for first, second in (rank0, rank1):
+        assert not first["cache_hit"] and first["global_step"] == 2
+        assert second["retuned"] and second["global_step"] == 60  # tuned again after the hit, trained to the end
+        assert second["decision"] == rank0[1]["decision"] and second["decision"]["num_workers"] != 2
+        assert second["loader_workers"] == second["decision"]["num_workers"]  # trains with the new decision
+    assert rank0[1]["weight"] == rank1[1]["weight"]  # DDP kept the ranks' models equal to the end
+    stored = json.loads((tmp_path / "cache" / "dataloader_tuner.json").read_text())
+    (entry,) = stored["entries"].values()
+    assert entry["settings"]["num_workers"] == rank0[1]["decision"]["num_workers"]  # the planted entry replaced
+
+
 def test_a_failure_on_one_ddp_rank_stops_the_run_instead_of_hanging_it(tmp_path: Path) -> None:
     """Rank 1 fails between the tuner's collectives while rank 0 waits in one: the run ends, naming the rank."""
     proc = _torchrun_cases(str(tmp_path), "diverge")  # a hang would hit the 300 s timeout
