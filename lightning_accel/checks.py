@@ -621,10 +621,18 @@ def _batch_bytes(data: Any) -> int | None:
 
 
 def check_loader_memory(
-    cfg: DictConfig, ranks: int, *, root: str = "/", rank_bytes: int | None = None
+    cfg: DictConfig,
+    ranks: int,
+    *,
+    root: str = "/",
+    rank_bytes: int | None = None,
+    worker_bytes: int | None = None,
 ) -> LoaderMemory | None:
     """Refuse, before launch, DataLoader workers that the cgroup's memory limit cannot hold: ranks x workers x
     (prefetched batches + each worker's footprint), plus pinned copies, beside what the ranks hold.
+
+    A worker's footprint (`worker_bytes`; None: measured once, `system.loader_memory.worker_footprint`, and only
+    when there is a limit to hold it against: one worker started for a second or two).
 
     Returns the estimate (`system.loader_memory.LoaderMemory`), or None when the config does not say a batch's size.
 
@@ -632,7 +640,7 @@ def check_loader_memory(
         ConfigError: naming `data.num_workers`, the figures and the most workers that fit.
     """
     from lightning_accel.system.cgroup import read_memory_limit
-    from lightning_accel.system.loader_memory import estimate_loader_memory
+    from lightning_accel.system.loader_memory import estimate_loader_memory, worker_footprint
 
     data = cfg.get("data")
     batch_bytes = _batch_bytes(data)
@@ -644,6 +652,9 @@ def check_loader_memory(
 
         rank_bytes = psutil.Process().memory_info().rss
     limit = read_memory_limit(root)
+    note = ""
+    if worker_bytes is None and limit.limit_bytes is not None:
+        worker_bytes, note = worker_footprint()
     prefetch = data.get("prefetch_factor") or 2
     estimate = estimate_loader_memory(
         limit_bytes=limit.limit_bytes,
@@ -652,6 +663,8 @@ def check_loader_memory(
         num_workers=workers,
         prefetch_factor=prefetch if isinstance(prefetch, int) else 2,
         batch_bytes=batch_bytes,
+        worker_bytes=worker_bytes,
+        worker_bytes_note=note,
         pin_memory=bool(data.get("pin_memory", False)),
         rank_bytes=rank_bytes,
     )

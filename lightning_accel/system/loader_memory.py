@@ -2,13 +2,64 @@
 
 from __future__ import annotations
 
+import gc
+import os
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["WORKER_BYTES", "LoaderMemory", "estimate_loader_memory"]
+__all__ = ["WORKER_BYTES", "LoaderMemory", "estimate_loader_memory", "measure_worker_bytes", "worker_footprint"]
 
 WORKER_BYTES = 256 * 2**20
-"""A worker's own footprint assumed when none is measured (pages of the parent it writes to, copy on write, and its
-Python and torch state): an assumption, not a measurement; pass `worker_bytes` when you have one."""
+"""A worker's own footprint assumed when it cannot be measured (`measure_worker_bytes` returned None)."""
+
+_measured: dict[int, int | None] = {}
+"""`measure_worker_bytes`'s result in this process (keyed by pid: a forked child measures its own)."""
+
+
+class _OwnMemory:
+    """A map-style dataset whose items are the memory unique to the process that reads them (its USS, after a garbage
+    collection): read in a DataLoader worker, the worker's own footprint."""
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index: int) -> int:
+        import psutil
+
+        gc.collect()  # writes to every tracked object's header: the pages of the parent's heap a worker copies
+        return int(psutil.Process().memory_full_info().uss)
+
+
+def measure_worker_bytes(timeout_s: float = 60.0) -> int | None:
+    """A DataLoader worker's own footprint, measured once per process: one worker started from this process as the
+    user's loaders start theirs (torch's default start method), reading its unique set size (USS: the pages only it
+    holds, which its memory cgroup is charged for) after three items, each read after a full garbage collection.
+    None when it cannot be measured (no USS on this platform, or no worker could start); the caller falls back to
+    `WORKER_BYTES`.
+
+    The most a forked worker comes to hold, not what it holds at first: a full collection writes to the header of
+    every object the parent's heap tracks, so the worker copies those pages. A worker that never runs one holds far
+    less (9 MiB against 112 MiB measured for the GPT example's workers, `tests/benchmarks/bench_worker_footprint.py`);
+    the check keeps the bound. Measured from the process as it is now: a parent whose Python heap grows later (a
+    dataset of Python objects) has workers that may copy more of it.
+    """
+    pid = os.getpid()
+    if pid not in _measured:
+        try:
+            from torch.utils.data import DataLoader
+
+            dataset: Any = _OwnMemory()  # map-style: all a DataLoader asks of a dataset
+            loader = DataLoader(dataset, batch_size=1, num_workers=1, timeout=timeout_s)
+            _measured[pid] = max(int(batch.max()) for batch in loader)
+        except Exception:  # noqa: BLE001 - a measurement that fails leaves the assumption, never a failed run
+            _measured[pid] = None
+    return _measured[pid]
+
+
+def worker_footprint() -> tuple[int, str]:
+    """(a worker's own footprint in bytes, "measured" or "assumed"): `measure_worker_bytes`, else `WORKER_BYTES`."""
+    measured = measure_worker_bytes()
+    return (WORKER_BYTES, "assumed") if measured is None else (measured, "measured")
 
 
 def _size(value: float) -> str:
@@ -31,6 +82,9 @@ class LoaderMemory:
     """Bytes of one batch as the workers hand it over."""
     worker_bytes: int
     """Each worker's own footprint."""
+    worker_bytes_note: str = ""
+    """Where `worker_bytes` came from, shown beside it: "measured" (`measure_worker_bytes`), "assumed"
+    (`WORKER_BYTES`), or "" for the caller's own figure."""
     pin_memory: bool
     """Pinned copies of the prefetched batches (the pin-memory thread), one set per rank."""
     rank_bytes: int
@@ -67,7 +121,8 @@ class LoaderMemory:
         shown = (
             f"{self.ranks} rank(s) x {self.num_workers} worker(s) x ({self.prefetch_factor} prefetched x "
             f"{_size(self.batch_bytes)} batches{' + pinned copies' if self.pin_memory else ''} + "
-            f"{_size(self.worker_bytes)} each) = {_size(need)}"
+            f"{_size(self.worker_bytes)} each{', ' + self.worker_bytes_note if self.worker_bytes_note else ''}) = "
+            f"{_size(need)}"
         )
         if self.limit_bytes is None:
             return f"{shown}; no cgroup memory limit"
@@ -85,15 +140,19 @@ def estimate_loader_memory(
     num_workers: int = 0,
     prefetch_factor: int = 2,
     batch_bytes: int,
-    worker_bytes: int = WORKER_BYTES,
+    worker_bytes: int | None = None,
+    worker_bytes_note: str = "",
     pin_memory: bool = False,
     rank_bytes: int = 0,
 ) -> LoaderMemory:
-    """The workers' host memory against `limit_bytes` (see `LoaderMemory`).
+    """The workers' host memory against `limit_bytes` (see `LoaderMemory`); `worker_bytes` None: `WORKER_BYTES`,
+    noted "assumed".
 
     Raises:
         ValueError: for a negative count or size, or `ranks < 1`.
     """
+    if worker_bytes is None:
+        worker_bytes, worker_bytes_note = WORKER_BYTES, "assumed"
     if ranks < 1 or min(num_workers, prefetch_factor, batch_bytes, worker_bytes, rank_bytes) < 0:
         raise ValueError(
             f"{ranks=} must be >= 1 and {num_workers=}, {prefetch_factor=}, {batch_bytes=}, {worker_bytes=}, "
@@ -107,6 +166,7 @@ def estimate_loader_memory(
         prefetch_factor=prefetch_factor if num_workers > 0 else 0,
         batch_bytes=batch_bytes,
         worker_bytes=worker_bytes,
+        worker_bytes_note=worker_bytes_note,
         pin_memory=pin_memory,
         rank_bytes=rank_bytes,
     )

@@ -23,6 +23,7 @@ from lightning_accel import _lightning
 from lightning_accel.batches import samples_in
 from lightning_accel.patching import patch_attribute
 from lightning_accel.system import read_cpu_info, read_memory_limit
+from lightning_accel.system.loader_memory import WORKER_BYTES, worker_footprint
 from lightning_accel.system.threads import planned_intra_op
 from lightning_accel.tuning.dataloader import policy
 from lightning_accel.tuning.dataloader.settings import LoaderSettings
@@ -315,8 +316,9 @@ def search_in_lockstep(
     batch_size, batch_bytes = batch_size or samples_in(probe, default=1), batch_nbytes(probe)
     original = loader_settings(loader)  # as a trial runs it: persistence only matters between epochs
     original = replace(original, persistent_workers=original.num_workers > 0)
-    shared = (budget, original, shm_free, memory_free)
-    budget, original, shm_free, memory_free = strategy.broadcast(shared, src=0)  # one search on every rank
+    worker_bytes = worker_footprint()[0] if trainer.is_global_zero else WORKER_BYTES  # measured once, on rank zero
+    shared = (budget, original, shm_free, memory_free, worker_bytes)
+    budget, original, shm_free, memory_free, worker_bytes = strategy.broadcast(shared, src=0)  # one search everywhere
     most_bytes, fewest_batches = sync([float(batch_bytes), -float(len(loader))])
     batch_bytes, length = int(most_bytes), int(-fewest_batches)
     measure = TrialRunner(
@@ -339,6 +341,6 @@ def search_in_lockstep(
             original=original,
             tolerance=tolerance,
             pin_memory=tune_pin_memory and isinstance(trainer.accelerator, CUDAAccelerator),
-            guard=lambda s: policy.memory_note(s, batch_bytes, shm_free, memory_free),
+            guard=lambda s: policy.memory_note(s, batch_bytes, shm_free, memory_free, worker_bytes),
         )
     return trials, original
