@@ -12,16 +12,17 @@ DigitsDataModule, 19 steps; needs scikit-learn), and `gpt-latency`: the GPT case
 latency per window (a dataset that waits on I/O), its epoch cut to `--latency-batches` batches.
 
 `io-busy` (the tuner's criterion: >= 80% of the sweep's best) is run alone: `--runs` tunings of an I/O-bound dataset (3
-ms sleep per item, the tests' SleepyDataset) while a CPU-bound process that is not ours runs beside them; after each,
-the tests' Referee times every worker count 0..8 and the choice under the same load, in `--sweep-rounds` interleaved
-rounds, and takes each setting's median. Printed per run: the choice, its share of the sweep's best median (with the
-paired rounds' range), whether the tuner flagged interference, the sweep's spread; then how many runs reached 80%.
+ms sleep per item, the tests' SleepyDataset) while `--busy` CPU-bound processes (1 unless told) that are not ours run
+beside them; after each, the tests' Referee times every worker count 0..8 and the choice under the same load, in
+`--sweep-rounds` interleaved rounds, and takes each setting's median. Printed per run: the choice, its share of the
+sweep's best median (with the paired rounds' range), whether the tuner flagged interference, the sweep's spread; then
+how many runs reached 80%.
 
 Run:
     python tests/benchmarks/bench_dataloader_tuner.py [--cases gpt digits gpt-latency] [--repeats 2] [--threads N]
         [--max-tuning-time-s 60] [--latency-batches 300] [--table]
     python tests/benchmarks/bench_dataloader_tuner.py --cases io-busy [--runs 10] [--max-tuning-time-s 30]
-        [--sweep-rounds 3]
+        [--sweep-rounds 3] [--busy 1]
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ import argparse
 import logging
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -128,21 +127,19 @@ def one_epoch(name: str, tuner: DataLoaderTuner | None, latency_batches: int) ->
 
 
 def io_busy(
-    runs: int, max_tuning_time_s: float, table: bool = False, sweep_rounds: int = 3
+    runs: int, max_tuning_time_s: float, table: bool = False, sweep_rounds: int = 3, busy_processes: int = 1
 ) -> list[tuple[LoaderSettings, float, bool]]:
     """The tuner's criterion: (choice, share of the sweep's best, flagged) of `runs` tunings of an I/O-bound dataset
-    beside a CPU-bound process that is not ours (started through a shell that exits, so init adopts it)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "callbacks"))
+    beside `busy_processes` CPU-bound processes that are not ours (started through a shell that exits, so init adopts
+    them)."""
+    tests = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(tests / "callbacks"), str(tests)]
     import _dataloader_tuner_cases as cases
+    from _busy import start_busy_processes, stop_processes
 
     space = [LoaderSettings(num_workers=w, prefetch_factor=2 if w else None) for w in range(9)]
-    out = subprocess.run(
-        ["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    busy, results = int(out), []
+    busy, results = start_busy_processes(busy_processes), []
+    print(f"io-busy: {runs} runs beside {busy_processes} CPU-bound process(es) (pids {busy})", flush=True)
     try:
         time.sleep(0.5)
         with tempfile.TemporaryDirectory() as root:
@@ -167,11 +164,12 @@ def io_busy(
                 )
                 print(f"        {referee.summary()}", flush=True)
     finally:
-        os.kill(busy, signal.SIGKILL)
+        stop_processes(busy)
     reached, choices = sum(share >= 0.8 for _, share, _ in results), [d.num_workers for d, _, _ in results]
     print(
-        f"\nio-busy: {reached} of {len(results)} runs >= 80% of the exhaustive sweep's best (its median over "
-        f"{sweep_rounds} interleaved rounds; criterion: >= 9 of 10); choices: {choices} workers; flagged under "
+        f"\nio-busy beside {busy_processes} busy process(es): {reached} of {len(results)} runs >= 80% of the "
+        f"exhaustive sweep's best (its median over {sweep_rounds} interleaved rounds; criterion: >= 9 of 10); "
+        f"choices: {choices} workers; flagged under "
         f"interference (not cached): {sum(f for _, _, f in results)} of {len(results)}."
     )
     return results
@@ -182,7 +180,7 @@ def main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if "io-busy" in args.cases:
-        io_busy(args.runs, args.max_tuning_time_s, args.table, args.sweep_rounds)
+        io_busy(args.runs, args.max_tuning_time_s, args.table, args.sweep_rounds, args.busy)
         args.cases = [c for c in args.cases if c != "io-busy"]
         if not args.cases:
             return
@@ -244,4 +242,5 @@ if __name__ == "__main__":
     parser.add_argument("--table", action="store_true", help="print the tuner's table of trials")
     parser.add_argument("--runs", type=int, default=10, help="tunings of the io-busy case")
     parser.add_argument("--sweep-rounds", type=int, default=3, help="interleaved rounds of the io-busy sweep")
+    parser.add_argument("--busy", type=int, default=1, help="CPU-bound processes beside the io-busy case")
     main(parser.parse_args())

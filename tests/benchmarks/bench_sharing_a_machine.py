@@ -10,8 +10,12 @@ worker builds the example's `GPTLanguageModel` as `accel-train` does by default 
 the conditions (quiet, 1 busy, 2 busy: `tests/_busy.py`'s processes, which are not ours) in a rotated order, and in
 each condition every setting in a rotated order, so drift hits all alike. Reported per condition and setting: the
 median samples/s with its interval (`lightning_accel.measure.summarize`), then the ratios the issue's criteria name,
-paired by round (`measure.ratio`): plan busy / plan quiet, plan / default, plan / the best fixed setting. The load
-average is printed before and after. A benchmark: it measures and prints, it asserts nothing.
+paired by round (`measure.ratio`): plan busy / plan quiet, plan / default, plan / the best fixed setting. Beside one
+busy process one CPU of two is left, so the figure to hold the plan against is one CPU's worth: what one thread makes
+of a whole CPU on a quiet machine (the faster t1 setting, quiet), printed as the plan's share of it and as its own
+ratio to the default (the plan / default that one CPU's worth would give). Two threads may get a fair share of 4/3
+CPUs beside one busy process, but each waits at every barrier for the other, descheduled (the t2 rows show it). The
+load average is printed before and after. A benchmark: it measures and prints, it asserts nothing.
 
 Run:
     python tests/benchmarks/bench_sharing_a_machine.py [--rounds 6] [--window-s 3] [--json out.json]
@@ -150,6 +154,10 @@ def main() -> None:
             "plan / default": ratio(results[condition]["plan"], results[condition]["default"]),
             f"plan / best fixed ({best})": ratio(results[condition]["plan"], results[condition][best]),
         }
+        if condition == "1 busy":  # one CPU of two left: what one thread makes of a whole CPU, quiet
+            one = max((n for n in fixed if n.startswith("t1")), key=lambda n: summarize(results["quiet"][n]).median)
+            lines[f"plan / one CPU ({one} quiet)"] = ratio(results[condition]["plan"], results["quiet"][one])
+            lines[f"one CPU ({one} quiet) / default"] = ratio(results["quiet"][one], results[condition]["default"])
         shown = "; ".join(f"{k} {v.format('.2f')}" for k, v in lines.items())
         print(f"{condition}: {shown}")
         report[condition] = {k: v.as_dict() for k, v in lines.items()}
