@@ -19,6 +19,7 @@ load average is printed before and after. A benchmark: it measures and prints, i
 
 Run:
     python tests/benchmarks/bench_sharing_a_machine.py [--rounds 6] [--window-s 3] [--json out.json]
+        [--spin-counts 1000 10000]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _busy, _wait
@@ -72,8 +74,10 @@ for line in sys.stdin:
 """
 
 
-def settings() -> dict[str, dict[str, str]]:
-    """Setting name -> the variables its worker starts with (on top of an environment cleared of ours)."""
+def settings(spin_counts: Sequence[int] = ()) -> dict[str, dict[str, str]]:
+    """Setting name -> the variables its worker starts with (on top of an environment cleared of ours); with
+    `spin_counts`, two threads that spin that many times at a barrier before they sleep (libgomp's `GOMP_SPINCOUNT`,
+    a wait between spinning, 300,000 spins unless told, and passive, none)."""
     plan = read_thread_plan(ranks=1, num_workers=0, env={})
     found = {"default": {}, "plan": dict(plan.set)}
     for threads in (1, 2):
@@ -82,6 +86,8 @@ def settings() -> dict[str, dict[str, str]]:
             if policy == "passive":
                 env[WAIT_POLICY_ENV] = "PASSIVE"
             found[f"t{threads}-{policy}"] = env
+    for count in spin_counts:
+        found[f"t2-spin{count}"] = {key: "2" for key in THREAD_COUNT_ENV} | {"GOMP_SPINCOUNT": str(count)}
     return found
 
 
@@ -115,12 +121,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--window-s", type=float, default=3.0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--spin-counts", type=int, nargs="*", default=[], help="GOMP_SPINCOUNT settings to add")
     args = parser.parse_args()
 
     plan = read_thread_plan(ranks=1, num_workers=0, env={})
     print(plan.describe())
     print(f"load average before: {_load()}")
-    workers = {name: Worker(name, env) for name, env in settings().items()}
+    workers = {name: Worker(name, env) for name, env in settings(args.spin_counts).items()}
     names = list(workers)
     results: dict[str, dict[str, list[float]]] = {c: {n: [] for n in names} for c in CONDITIONS}
     started = time.perf_counter()
@@ -147,7 +154,7 @@ def main() -> None:
     report: dict[str, object] = {"results": results, "plan": plan.describe()}
     print()
     for condition in CONDITIONS:
-        fixed = [n for n in names if n.startswith("t")]
+        fixed = [f"t{t}-{p}" for t in (1, 2) for p in ("spin", "passive")]  # the sweep: threads (1, 2) x policy
         best = max(fixed, key=lambda n: summarize(results[condition][n]).median)
         lines = {
             "plan / quiet plan": ratio(results[condition]["plan"], results["quiet"]["plan"]),
@@ -158,6 +165,8 @@ def main() -> None:
             one = max((n for n in fixed if n.startswith("t1")), key=lambda n: summarize(results["quiet"][n]).median)
             lines[f"plan / one CPU ({one} quiet)"] = ratio(results[condition]["plan"], results["quiet"][one])
             lines[f"one CPU ({one} quiet) / default"] = ratio(results["quiet"][one], results[condition]["default"])
+        for name in names[len(fixed) + 2 :]:  # the spin counts asked for
+            lines[f"{name} / default"] = ratio(results[condition][name], results[condition]["default"])
         shown = "; ".join(f"{k} {v.format('.2f')}" for k, v in lines.items())
         print(f"{condition}: {shown}")
         report[condition] = {k: v.as_dict() for k, v in lines.items()}
