@@ -1,5 +1,5 @@
-"""A hung run's Python stacks: SIGABRT to its process group, where faulthandler (`PYTHONFAULTHANDLER=1`) prints every
-thread's stack in every process (child ranks and DataLoader workers too)."""
+"""Running a test's subprocess so that a hang says where it hung: past its timeout every process under it gets SIGABRT,
+on which faulthandler (`PYTHONFAULTHANDLER=1`) prints every thread's stack (child ranks and DataLoader workers too)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,37 @@ import contextlib
 import os
 import signal
 import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import psutil
 
-__all__ = ["stacks_of_hung_run", "without_module_lists"]
+__all__ = ["run_with_stacks", "stacks_of_hung_run", "without_module_lists"]
+
+
+def run_with_stacks(
+    command: Sequence[str], *, env: Mapping[str, str], timeout: float, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`command` in a session of its own with faulthandler on, its output captured.
+
+    Raises:
+        subprocess.TimeoutExpired: past `timeout`, with every process's Python stacks in its `stderr`.
+    """
+    with subprocess.Popen(
+        list(command),
+        cwd=cwd,
+        env={**env, "PYTHONFAULTHANDLER": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: the stacks, and the cleanup, reach every process of it
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = stacks_of_hung_run(proc)
+            raise subprocess.TimeoutExpired(proc.args, timeout, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def stacks_of_hung_run(proc: subprocess.Popen[str]) -> tuple[str, str]:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _hung import stacks_of_hung_run
+from _hung import run_with_stacks
 
 TESTS = Path(__file__).parent
 
@@ -26,21 +26,7 @@ def torchrun(
     """
     path = os.pathsep.join([str(Path(script).parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(script)]
-    full_env = {**os.environ, "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1", **(env or {})}
-    with subprocess.Popen(
-        [*command, *args],
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group: the stacks of every rank, and the cleanup, reach them all
-    ) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stdout, stderr = stacks_of_hung_run(proc)
-            raise subprocess.TimeoutExpired(proc.args, timeout, output=stdout, stderr=stderr) from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return run_with_stacks([*command, *args], env={**os.environ, "PYTHONPATH": path, **(env or {})}, timeout=timeout)
 
 
 def rank_results(

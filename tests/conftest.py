@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from _env import DISTRIBUTED_ENV
-from _hung import stacks_of_hung_run
+from _hung import run_with_stacks
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -80,31 +80,20 @@ def _run_cli(
     full_env = {
         **inherited,
         "PYTHONUNBUFFERED": "1",
-        "PYTHONFAULTHANDLER": "1",
         "ACCEL_LOG_DIR": str(cwd / "outputs"),
         "XDG_CACHE_HOME": str(cwd / "cache"),
         **(env or {}),
     }  # the tuner's cache: not the user's
     command = [sys.executable, "-m", module, *args]
-    with subprocess.Popen(
-        command,
-        cwd=cwd,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stdout, stderr = stacks_of_hung_run(proc)
-            pytest.fail(
-                f"{' '.join(command[2:])} still ran after {timeout:.0f} s; its stacks:\n{stderr[-12000:]}\n"
-                f"stdout:\n{stdout[-3000:]}",
-                pytrace=False,
-            )
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+    try:
+        return run_with_stacks(command, env=full_env, timeout=timeout, cwd=cwd)
+    except subprocess.TimeoutExpired as err:
+        stdout, stderr = (text if isinstance(text, str) else "" for text in (err.output, err.stderr))
+        pytest.fail(
+            f"{' '.join(command[2:])} still ran after {timeout:.0f} s; its stacks:\n{stderr[-12000:]}\n"
+            f"stdout:\n{stdout[-3000:]}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture
