@@ -4,7 +4,7 @@ pinned`, the plan with each rank pinned to its own CPUs (`threads.pin=true`), qu
 (`tests/_busy.py`).
 
 Each run is `python -m lightning_accel.train` on the GPT example (`trainer=smoke`, `--steps` steps, no validation or
-test) in a fresh run directory; its figure is the summary's samples/s (fit time only). Rounds interleave the two
+test) in a fresh run directory; its figure is the summary's samples/s (fit time only). Rounds interleave the
 settings and the two conditions in rotated orders. Reported: median samples/s [interval] per setting and condition,
 and each setting's ratio to the plan's, paired by round, with the load average before and after. Measures; asserts
 nothing.
