@@ -9,12 +9,18 @@ import pytest
 from _torchrun import torchrun
 
 HANGS = """
-import os, time
+import faulthandler, os, signal, sys, time
 
 def wait_for_a_peer_that_never_comes(rank):
     print("rank", rank, "waiting", flush=True)
     time.sleep(3600)
 
+def stacks_in_turn(signum, frame):  # launcher and ranks share one stderr: each writes its stacks in turn
+    time.sleep(2 + 2 * int(os.environ["RANK"]))  # after the launcher's own stacks, which come at once
+    faulthandler.dump_traceback(sys.stderr)
+    os._exit(1)
+
+signal.signal(signal.SIGABRT, stacks_in_turn)
 wait_for_a_peer_that_never_comes(os.environ["RANK"])
 """
 
