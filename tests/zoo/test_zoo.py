@@ -1,0 +1,144 @@
+"""Every callback on LightningModules we did not write (`zoo_modules.ZOO`): each cell of examples/callbacks.md's zoo
+table is trained and checked against what the cell says.
+
+A cell says one of:
+
+- `same`: optimizer steps, `training_step` calls, final weights and buffers, every logged value and the LR of every
+  optimizer step equal the fit without the callback (weights and logs within 1e-6, LRs within 1e-12);
+- `trials`: as `same`, but `training_step` ran more often (the callback's timed trials), with nothing left behind;
+- `trials*`: as `trials` once dropout is off in both fits: the loader settings chosen change the random draws the
+  process makes (worker seeds, one draw per persistent iterator instead of one per epoch);
+- `accum`: equal, as `same` checks, to `Trainer(accumulate_grad_batches=2)` without the callback;
+- `lr x2`: the LR of every optimizer step is twice the plain fit's, and the steps and calls are the same;
+- `split`: after two optimizer steps, the weights within 1e-5 of the whole batch's, the same LRs, and
+  `training_step` once per piece (two per batch), not once more;
+- `split*`: as `split` once dropout is off in both fits: pieces draw their own dropout masks;
+- `warns`: a LightningAccelWarning naming the case came before the first optimizer step, and the fit trained;
+- `refused`: an error naming the callback ended the fit before the first optimizer step.
+
+The table is the promise; this test keeps it. A cell that changes the math without saying so fails here.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from zoo_columns import COLUMNS, LR_FACTOR
+from zoo_modules import ZOO
+from zoo_runner import Fit, fit, logged_difference, lr_difference, weight_difference
+
+from lightning_accel.errors import LightningAccelWarning
+
+TABLE = Path(__file__).parents[2] / "examples" / "callbacks.md"
+SECTION = "## The zoo"
+CODES = ("same", "trials", "trials*", "accum", "lr x2", "split", "split*", "warns", "refused")
+SPLIT_STEPS = 2
+"""Optimizer steps of the `split` cells: float rounding of a split sum (1e-8) grows by about 10x per SGD step of the
+demo transformer (lr 0.1), so the update is compared where rounding cannot pass for a difference."""
+
+
+def zoo_table() -> dict[tuple[str, str], str]:
+    """{(callback column, module): code} from the zoo section of examples/callbacks.md."""
+    text = TABLE.read_text()
+    section = text[text.index(SECTION) :]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    header = [cell.strip(" `") for cell in rows[0].strip("|").split("|")]
+    modules = header[1:]
+    cells = {}
+    for row in rows[2:]:
+        values = [cell.strip() for cell in row.strip("|").split("|")]
+        column = values[0].strip("`")
+        for module, code in zip(modules, values[1:], strict=True):
+            cells[column, module] = code.strip("`")
+    return cells
+
+
+CELLS = zoo_table()
+
+
+def test_the_table_covers_the_whole_zoo() -> None:
+    """Every column of the zoo and every module has its cell, in the table's own words."""
+    assert {c for c, _ in CELLS} == set(COLUMNS)
+    assert {m for _, m in CELLS} == set(ZOO)
+    unknown = {cell: code for cell, code in CELLS.items() if code not in CODES}
+    assert not unknown, f"codes the test does not know: {unknown}"
+
+
+def _no_dropout(module: nn.Module) -> None:
+    for sub in module.modules():
+        if isinstance(sub, nn.Dropout):
+            sub.p = 0.0
+        elif isinstance(sub, nn.MultiheadAttention):
+            sub.dropout = 0.0
+
+
+@functools.cache
+def _plain(module: str, *, accumulate: int = 1, dropout: bool = True, steps: int = -1) -> Fit:
+    """The fit without any callback of ours (cached: every column of a module compares with it)."""
+    settings = {"accumulate_grad_batches": accumulate, "max_steps": steps}
+    return fit(ZOO[module], trainer=settings, adjust=None if dropout else _no_dropout)
+
+
+def _accel_warnings(result: Fit) -> list[tuple[str, str, int]]:
+    known = {cls.__name__ for cls in (LightningAccelWarning, *LightningAccelWarning.__subclasses__())}
+    return [w for w in result.warnings if w[0] in known]
+
+
+def _assert_equal_math(result: Fit, reference: Fit, *, calls: bool = True, weights: float = 1e-6) -> None:
+    assert result.error is None, f"the fit failed: {result.error!r}"
+    assert result.optimizer_steps == reference.optimizer_steps, "optimizer steps"
+    if calls:
+        assert result.training_steps == reference.training_steps, "training_step calls"
+    assert weight_difference(result, reference) <= weights, "final weights"
+    assert lr_difference(result, reference) <= 1e-12, "LR of every optimizer step"
+
+
+@pytest.mark.parametrize(("column", "module"), sorted(CELLS), ids=lambda value: re.sub(r"\W+", "-", value))
+def test_zoo_cell(column: str, module: str, tmp_path: Path) -> None:
+    code = CELLS[column, module]
+    entry = ZOO[module]
+    context = types.SimpleNamespace(entry=entry, tmp=tmp_path)
+    dropout = not code.endswith("*")
+    steps = SPLIT_STEPS if code.startswith("split") else -1
+    result = fit(entry, COLUMNS[column](context), adjust=None if dropout else _no_dropout, trainer={"max_steps": steps})
+    plain = _plain(module, dropout=dropout, steps=steps)
+
+    if code == "refused":
+        assert result.error is not None, "the fit ran: the cell says it is refused"
+        assert result.error_at_step == 0, f"refused only after {result.error_at_step} optimizer steps"
+        name = column.split("(")[0].split()[0]
+        assert name in str(result.error) or column == "default set", f"the error does not name {name}: {result.error}"
+        return
+    if code == "warns":
+        assert result.error is None, f"the fit failed: {result.error!r}"
+        early = [w for w in _accel_warnings(result) if w[2] == 0]
+        assert early, f"no LightningAccelWarning before the first optimizer step: {_accel_warnings(result)}"
+        assert result.optimizer_steps == plain.optimizer_steps
+        return
+    if code in ("same", "trials", "trials*"):
+        _assert_equal_math(result, plain, calls=code == "same")
+        assert logged_difference(result, plain) <= 1e-6, "logged values"
+        if code != "same":
+            assert result.training_steps > plain.training_steps, "no trial ran: the cell says `same`"
+        return
+    if code == "accum":
+        reference = _plain(module, accumulate=2)
+        _assert_equal_math(result, reference)
+        assert logged_difference(result, reference) <= 1e-6, "logged values"
+        return
+    if code == "lr x2":
+        assert result.error is None and result.optimizer_steps == plain.optimizer_steps
+        assert result.training_steps == plain.training_steps
+        assert len(result.lrs) == len(plain.lrs)
+        for scaled, base in zip(result.lrs, plain.lrs, strict=True):
+            assert torch.allclose(torch.tensor(scaled), LR_FACTOR * torch.tensor(base), rtol=1e-9, atol=0.0)
+        return
+    assert code in ("split", "split*")
+    _assert_equal_math(result, plain, calls=False, weights=1e-5)
+    assert result.training_steps == 2 * plain.training_steps, "training_step once per piece, no other call"
