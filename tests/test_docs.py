@@ -247,6 +247,41 @@ def test_every_logged_key_is_in_the_callbacks_docstring_and_the_table() -> None:
             assert f"`{key}`" in doc and f"`{key}`" in table, f"{name} logs `{key}`, undocumented"
 
 
+CONTRACT = ("Keeps identical", "Changes on purpose", "Cannot serve")
+CONTRACT_SECTION = "## What each callback keeps, changes and cannot serve"
+
+
+def callback_contract(doc: str) -> dict[str, str]:
+    """{"Keeps identical": text, ...} from a callback docstring's three contract paragraphs (whitespace folded)."""
+    found = {}
+    for head in CONTRACT:
+        match = re.search(rf"^{head}: (.*?)(?=^\S|\Z)", doc, re.S | re.M)
+        if match:
+            found[head] = " ".join(match.group(1).split())
+    return found
+
+
+def test_every_callback_says_what_it_keeps_changes_and_cannot_serve_in_its_docstring_and_the_page() -> None:
+    """Each exported callback's docstring has the three paragraphs, and examples/callbacks.md's section repeats them
+    word for word under the callback's own heading."""
+    import inspect
+
+    import lightning_accel.callbacks as callbacks
+
+    page = (ROOT / "examples" / "callbacks.md").read_text()
+    section = page[page.index(CONTRACT_SECTION) :]
+    section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else len(section)]
+    folded = " ".join(section.split())
+    for name in callbacks.__all__:
+        contract = callback_contract(inspect.getdoc(getattr(callbacks, name)) or "")
+        assert set(contract) == set(CONTRACT), f"{name}'s docstring lacks {set(CONTRACT) - set(contract)}"
+        assert f"### {name}" in section, f"examples/callbacks.md has no `### {name}` under {CONTRACT_SECTION!r}"
+        own = folded[folded.index(f"### {name}") :]
+        own = own[: own.find("### ", 4) if "### " in own[4:] else len(own)]
+        for head, text in contract.items():
+            assert f"**{head}:** {text}" in own, f"examples/callbacks.md's {name}: {head!r} differs from the docstring"
+
+
 NEWCOMER_FEATURES = (
     "accel-tune's search",
     "the checks before launch",

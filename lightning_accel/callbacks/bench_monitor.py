@@ -118,6 +118,11 @@ class BenchMonitor(Callback):
     CUDA, RAPL on a CPU, else n/a with the reason). Global rank zero writes `output_path` at the end of
     the fit. It logs nothing.
 
+    Keeps identical: the math of every step (the zoo); it only reads clocks, memory and metrics.
+    Changes on purpose: on CUDA it synchronises the device at the timed batches' phase boundaries (slower, not
+        different); `stop_at_target` ends the fit when the target is reached.
+    Cannot serve: under manual optimization the split of a step has no backward phase (its time counts as forward).
+
     Args:
         output_path: where the JSON goes (`StageMeasurement` as a dict); None: keep it in `measurement` only.
         metric: the validation metric to follow (a key of `trainer.callback_metrics`).

@@ -6,12 +6,13 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel import _lightning
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system.software import compile_problem
 
 __all__ = ["COMPILE_MODES", "Compile"]
@@ -33,6 +34,12 @@ class Compile(Callback):
     `training_step` must reach the model through `self(...)` (or its compiled submodules) for the compiled graph to
     run. The first batches compile (and a new shape, such as a shorter last batch or eval mode, compiles again):
     `BenchMonitor` and accel-bench leave those batches out of throughput. The compile is undone at teardown.
+
+    Keeps identical: the model's math up to the compiled kernels' rounding (`backend="eager"`: bit for bit; the zoo).
+    Changes on purpose: how the forward runs (torch.compile), undone at teardown.
+    Cannot serve: a `training_step` that never calls the module itself (`self(...)`) but a submodule
+        (`self.model(...)`) or `self.forward(...)` directly: nothing runs compiled, and it warns at the first optimizer
+        step; pipeline, DeepSpeed and FSDP1 strategies are refused.
 
     Logs:
         nothing; the compile is reported at INFO.
@@ -101,6 +108,8 @@ class Compile(Callback):
             )
         self.mode, self.fullgraph, self.dynamic, self.backend = mode, fullgraph, dynamic, backend
         self._compiled: pl.LightningModule | None = None
+        self._calls = 0  # calls of the compiled module itself this fit
+        self._checked = True  # the first optimizer step saw whether training called it
 
     def compile_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `torch.compile` this callback passes."""
@@ -142,8 +151,31 @@ class Compile(Callback):
             rank_zero_info(f"Compile: each {blocks} block through Parallelize (mode={self.mode}).")
             return
         pl_module.compile(**self.compile_kwargs())
-        self._compiled = pl_module
+        self._compiled, self._calls, self._checked = pl_module, 0, False
+        compiled_call = pl_module._compiled_call_impl
+
+        def counted_call(*args: Any, **kwargs: Any) -> Any:  # outside the graph: counts the module's own calls
+            self._calls += 1
+            return compiled_call(*args, **kwargs)
+
+        pl_module._compiled_call_impl = counted_call
         rank_zero_info(f"Compile: {type(pl_module).__name__}.forward with torch.compile({self.compile_kwargs()}).")
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._checked or self._compiled is None:
+            return
+        self._checked = True
+        if self._calls == 0:
+            rank_zero_warn(
+                f"Compile: the first training step never called the {type(pl_module).__name__} itself, so nothing ran "
+                "compiled: `training_step` reaches the model another way (a submodule, `self.model(...)`, or "
+                "`self.forward(...)` called directly). Call `self(...)` in `training_step`, or compile the submodule "
+                "in your own `configure_model` (`self.model.compile()`) and remove Compile.",
+                category=LightningAccelWarning,
+            )
 
     def _undo(self) -> None:
         if self._compiled is not None:

@@ -47,6 +47,12 @@ class Float8Training(Callback):
     `accel-train precision=fp8` adds it when torchao is the fp8 package installed. `torch.compile` makes float8
     fast; without it the casts can cost more than they save.
 
+    Keeps identical: the weights, gradients and optimizer state's dtypes, and every layer it skips.
+    Changes on purpose: the matmuls of the converted `nn.Linear` layers run in float8 with dynamic scaling (a quality
+        change that accel-bench's quality check measures).
+    Cannot serve: a machine without torchao (refused at setup by name: the zoo on a CPU), or without a CUDA GPU of
+        compute capability 8.9 or newer.
+
     Logs:
         nothing.
 

@@ -65,6 +65,12 @@ class GPUMonitor(Callback):
     Publishing costs the training thread two counter updates per batch; any failure of it (an unwritable directory,
     a port taken) warns once on that node and training goes on.
 
+    Keeps identical: the whole fit: it reads NVML on a thread of its own and writes logs, reports and heartbeats; the
+        training step, the optimizer and the data are never touched (the zoo: every module's weights, logs and LRs).
+    Changes on purpose: nothing in training.
+    Cannot serve: a run with no CUDA device has nothing to watch: it warns once, logs nothing and still publishes the
+        job's heartbeat.
+
     Args:
         interval_s: seconds between NVML readings.
         device_indices: CUDA ordinals of the GPUs to watch on each node, as its processes see them; None takes the

@@ -46,6 +46,12 @@ class LRScaling(Callback):
     A fit resumed from a checkpoint of a scaled fit is not scaled again (its optimizer state holds the scaled LRs).
     An accumulation schedule (AccumulationScheduler) counts at its first window.
 
+    Keeps identical: the optimizer steps, the data and the schedules' shapes.
+    Changes on purpose: every learning rate (and `initial_lr`, `max_lr`, `min_lr`, schedulers' `base_lrs`) times the
+        rule's factor, so warm-up, decay and param groups added later by a fine-tuning callback follow (the zoo: every
+        LR of every step is exactly twice the plain fit's with `linear` from half the batch).
+    Cannot serve: a module that builds a new optimizer or resets its LR during the fit: the later LRs are its own.
+
     Logs:
         nothing; the scaled learning rate is reported at INFO.
 

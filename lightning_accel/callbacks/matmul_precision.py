@@ -32,6 +32,12 @@ class MatmulPrecision(Callback):
     of ours. It acts in `setup`, in each rank's own process: a rank that `ddp_spawn` starts is a fresh interpreter,
     which a setting made in the launching process does not reach.
 
+    Keeps identical: everything on a CPU, and everything with `highest`.
+    Changes on purpose: torch's float32 matmul precision (`high`: TF32 matmuls on CUDA, about 1e-3 relative rounding),
+        put back at teardown.
+    Cannot serve: every module is served; the setting is per process, so code outside the fit that runs between its
+        setup and teardown sees it too.
+
     Logs:
         nothing; the precision and the reason are reported at INFO.
 

@@ -54,6 +54,12 @@ class NonFiniteGuard(Callback):
     "stop", the LightningModule's `lr_scheduler_step` is stood in for by an instance attribute during training (the
     mechanism `SkippedStepGuard` shares; restored on `on_train_end`, `on_exception` and `teardown`).
 
+    Keeps identical: every fit whose losses stay finite (the zoo: automatic and manual optimization).
+    Changes on purpose: on a NaN/inf loss, what `action` says: the step dropped ("skip", the default in accel-train),
+        a checkpoint then a stop or an error, or only the warning.
+    Cannot serve: a `training_step` that returns no loss (manual optimization) is checked at `manual_backward`, the
+        loss it is given; what it does not backward is not seen.
+
     Args:
         action: "warn", "skip", "stop" or "raise", as above.
         dirpath: folder of the checkpoint of "stop" and "raise"; None takes the `ModelCheckpoint`'s `dirpath`, else

@@ -39,6 +39,13 @@ class Parallelize(Callback):
     but each FSDP unit keeps unsharded gradients between micro-batches: more memory). `AccumulationScheduler`, when
     present, already does this, and this callback leaves the switching to it.
 
+    Keeps identical: the math on one device or under DDP (activation checkpointing recomputes the same forward, with
+        the same RNG; the zoo with no option set).
+    Changes on purpose: under ModelParallelStrategy, where each parameter lives (FSDP2 shards, tensor-parallel
+        slices) and so the order of floating-point sums.
+    Cannot serve: a `tp_plan` for a module whose own `configure_model` already shards it (refused by name); without
+        `block_classes` the whole model is one FSDP2 unit (served, with all parameters gathered at once).
+
     Logs:
         nothing.
 

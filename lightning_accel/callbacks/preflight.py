@@ -33,6 +33,11 @@ class Preflight(Callback):
     anywhere raises `PreflightError` on all ranks (none is left waiting in a collective) with the node, rank, check
     and fix, before any training step; WARN results are warned once, on rank zero.
 
+    Keeps identical: the whole fit, on a machine whose checks pass or only warn (the zoo).
+    Changes on purpose: nothing in training.
+    Cannot serve: a machine with a FAIL check: `PreflightError` on every rank before the first step, naming the check
+        and the fix.
+
     Logs:
         nothing; its checks are reported at INFO and as warnings.
 

@@ -24,6 +24,11 @@ class RunStats(Callback):
     `EarlyStopping` monitor is a metric the run logs, and warns when a resumed fit accumulates otherwise than the
     checkpoint's (the optimizer-step count and the LR schedule change with it).
 
+    Keeps identical: the whole fit (the zoo).
+    Changes on purpose: nothing in training.
+    Cannot serve: a `ModelCheckpoint` or `EarlyStopping` monitor the run never logs: a `ConfigError` after the first
+        validation (the sanity check), before any training step where there is one.
+
     Logs:
         nothing; accel-train's summary reads it.
 

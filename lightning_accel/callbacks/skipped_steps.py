@@ -44,6 +44,12 @@ class SkippedStepGuard(Callback):
     optimization; under manual optimization your code steps the schedulers and only the last optimizer step of each
     batch is checked.
 
+    Keeps identical: every fit without fp16's GradScaler (fp32, bf16: it does nothing), and every step the scaler
+        does not skip (the zoo).
+    Changes on purpose: a step-interval LR scheduler no longer advances on a step the fp16 GradScaler skipped.
+    Cannot serve: under manual optimization your code steps the schedulers; only the last optimizer step of each batch
+        is checked.
+
     Logs:
         `train/skipped_steps`: optimizer steps skipped by the GradScaler in this fit (count, cumulative, kept
         in checkpoints and restored on resume), after every optimizer step.

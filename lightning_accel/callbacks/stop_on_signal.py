@@ -15,11 +15,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel import _lightning
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.signals import SignalExit, clear_signal, note_signal, pending_signal
 
 __all__ = [
@@ -104,6 +104,13 @@ class StopOnSignal(Callback):
     every rank ends); the tuner's trials and the search also check `pending_signal` between steps. Under one process
     a signal during validation, test or predict stops at the next batch (without a new checkpoint: the last one
     stays); under several, training stops at the next closed window and other stages by the watchdog.
+
+    Keeps identical: every fit that receives no signal (the zoo); with a signal, every step up to the one it stops at,
+        and no accumulation window is cut.
+    Changes on purpose: on SIGTERM/SIGINT the fit ends at the next window boundary with `last.ckpt` and exits 128 + N
+        (Lightning's own handler exits 0 and may hang DDP ranks).
+    Cannot serve: without a `ModelCheckpoint` in the Trainer nothing can be saved: `save_checkpoint=True` then warns
+        at the start of the fit, and the signal still stops it.
 
     Logs:
         nothing; the stop is reported at INFO.
@@ -286,6 +293,14 @@ class StopOnSignal(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._install("fit")
+        checkpoints = [cb for cb in _lightning.trainer_callbacks(trainer) if isinstance(cb, ModelCheckpoint)]
+        if self.save_checkpoint and not checkpoints and trainer.global_step == 0:
+            rank_zero_warn(
+                "StopOnSignal: the Trainer has no ModelCheckpoint, so a signal stops the fit without saving "
+                "`last.ckpt`; add ModelCheckpoint(save_last=True) (or keep `enable_checkpointing=True`), or pass "
+                "`save_checkpoint=False` to stop without saving.",
+                category=LightningAccelWarning,
+            )
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

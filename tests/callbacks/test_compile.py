@@ -10,7 +10,7 @@ import torch
 from _tiny import TinyRegression, tiny_loader
 
 from lightning_accel.callbacks import Compile
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system import software
 
 
@@ -29,7 +29,9 @@ def test_bad_options_name_the_setting(kwargs: dict[str, Any], setting: str) -> N
     assert info.value.setting == setting
 
 
-def _fit(callback: Compile, tmp_path: Any, model: pl.LightningModule | None = None) -> pl.LightningModule:
+def _fit(
+    callback: Compile, tmp_path: Any, model: pl.LightningModule | None = None, extra: list[pl.Callback] | None = None
+) -> pl.LightningModule:
     model = model or TinyRegression(seed=0)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -39,7 +41,7 @@ def _fit(callback: Compile, tmp_path: Any, model: pl.LightningModule | None = No
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
-        callbacks=[callback],
+        callbacks=[callback, *(extra or [])],
     )
     trainer.fit(model, tiny_loader())
     return model
@@ -119,3 +121,32 @@ def test_compiled_gpt_matches_eager_within_1_percent(tmp_path) -> None:
         )
         losses[name] = float(trainer.callback_metrics["val/loss"])
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=0.01), losses
+
+
+class _CallsItself(TinyRegression):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+
+def test_a_step_that_never_calls_the_module_itself_is_warned_before_the_first_optimizer_step(tmp_path) -> None:
+    """`self.layer(x)` (TinyRegression) or `self.model(...)` (Lightning's LSTM demo) never runs the compiled forward:
+    said at the first optimizer step, once, not left to a user who sees no speed-up."""
+    seen: list[tuple[int, int]] = []  # (optimizer steps taken, warnings so far) at each optimizer step
+
+    class Steps(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+            seen.append((trainer.global_step, sum("never called" in str(w.message) for w in record)))
+
+    with pytest.warns(LightningAccelWarning, match=r"never called the TinyRegression itself") as record:
+        _fit(Compile(backend="eager"), tmp_path, TinyRegression(seed=0), extra=[Steps()])
+    assert len([w for w in record if "never called" in str(w.message)]) == 1
+    assert seen[0] == (0, 1)  # Compile's hook ran first: the warning came before the first step was taken
+
+
+def test_a_step_that_calls_the_module_itself_is_not_warned(tmp_path, recwarn: pytest.WarningsRecorder) -> None:
+    _fit(Compile(backend="eager"), tmp_path, _CallsItself(seed=0))
+    assert not [w for w in recwarn if "never called" in str(w.message)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks import StopOnSignal
 from lightning_accel.callbacks.stop_on_signal import SignalExit, parse_signals
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, LightningAccelWarning
 
 
 class _Tiny(TinyRegression):
@@ -173,3 +174,23 @@ def test_a_stop_loses_no_logged_step(tmp_path) -> None:
         steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
     assert ckpt["global_step"] == trainer.global_step == 6
     assert steps == list(range(ckpt["global_step"])), steps  # rows of steps 0..5: the six steps that ran
+
+
+@pytest.mark.parametrize("save_checkpoint", [True, False])
+def test_no_model_checkpoint_to_save_through_is_said_before_the_first_step(save_checkpoint: bool, tmp_path) -> None:
+    """A Trainer without a ModelCheckpoint (`enable_checkpointing=False`, the zoo's): a signal could save nothing."""
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[StopOnSignal(save_checkpoint=save_checkpoint)],
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(TinyRegression(seed=0), tiny_loader())
+    said = [
+        w for w in record if issubclass(w.category, LightningAccelWarning) and "no ModelCheckpoint" in str(w.message)
+    ]
+    assert len(said) == (1 if save_checkpoint else 0)
