@@ -153,6 +153,7 @@ class Compile(Callback):
         pl_module.compile(**self.compile_kwargs())
         self._compiled, self._calls, self._checked = pl_module, 0, False
         compiled_call = pl_module._compiled_call_impl
+        assert compiled_call is not None, "Module.compile sets the compiled call"
 
         def counted_call(*args: Any, **kwargs: Any) -> Any:  # outside the graph: counts the module's own calls
             self._calls += 1
