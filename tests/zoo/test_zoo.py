@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import functools
 import re
+import tempfile
 import types
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
-from zoo_columns import COLUMNS, LR_FACTOR
+from zoo_columns import COLUMNS, LR_FACTOR, default_set
 from zoo_modules import ZOO
 from zoo_runner import Fit, fit, logged_difference, lr_difference, weight_difference
 
@@ -79,10 +80,13 @@ def _no_dropout(module: nn.Module) -> None:
 
 
 @functools.cache
-def _plain(module: str, *, accumulate: int = 1, dropout: bool = True, steps: int = -1) -> Fit:
-    """The fit without any callback of ours (cached: every column of a module compares with it)."""
+def _plain(module: str, *, accumulate: int = 1, dropout: bool = True, steps: int = -1, defaults: bool = False) -> Fit:
+    """The fit without the column's callback, alone or beside accel-train's default set (cached: every column of a
+    module compares with it)."""
     settings = {"accumulate_grad_batches": accumulate, "max_steps": steps}
-    return fit(ZOO[module], trainer=settings, adjust=None if dropout else _no_dropout)
+    entry = ZOO[module]
+    extra = default_set(entry.val_key, Path(tempfile.mkdtemp(prefix="zoo-defaults-"))) if defaults else []
+    return fit(entry, extra, trainer=settings, adjust=None if dropout else _no_dropout)
 
 
 def _accel_warnings(result: Fit) -> list[tuple[str, str, int]]:
@@ -99,15 +103,33 @@ def _assert_equal_math(result: Fit, reference: Fit, *, calls: bool = True, weigh
     assert lr_difference(result, reference) <= 1e-12, "LR of every optimizer step"
 
 
-@pytest.mark.parametrize(("column", "module"), sorted(CELLS), ids=lambda value: re.sub(r"\W+", "-", value))
+def _ids(value: str) -> str:
+    return re.sub(r"\W+", "-", value)
+
+
+@pytest.mark.parametrize(("column", "module"), sorted(CELLS), ids=_ids)
 def test_zoo_cell(column: str, module: str, tmp_path: Path) -> None:
+    _check_cell(column, module, tmp_path, defaults=False)
+
+
+@pytest.mark.slow  # the same cells beside accel-train's default set: the default tier has its own column
+@pytest.mark.parametrize(("column", "module"), sorted(c for c in CELLS if c[0] != "default set"), ids=_ids)
+def test_zoo_cell_beside_the_default_set(column: str, module: str, tmp_path: Path) -> None:
+    _check_cell(column, module, tmp_path, defaults=True)
+
+
+def _check_cell(column: str, module: str, tmp_path: Path, *, defaults: bool) -> None:
     code = CELLS[column, module]
     entry = ZOO[module]
     context = types.SimpleNamespace(entry=entry, tmp=tmp_path)
     dropout = not code.endswith("*")
     steps = SPLIT_STEPS if code.startswith("split") else -1
-    result = fit(entry, COLUMNS[column](context), adjust=None if dropout else _no_dropout, trainer={"max_steps": steps})
-    plain = _plain(module, dropout=dropout, steps=steps)
+    own = COLUMNS[column](context)
+    extra = default_set(entry.val_key, tmp_path / "defaults") if defaults else []
+    kinds = {type(callback) for callback in own}
+    callbacks = [*own, *(callback for callback in extra if type(callback) not in kinds)]  # the column's stands in
+    result = fit(entry, callbacks, adjust=None if dropout else _no_dropout, trainer={"max_steps": steps})
+    plain = _plain(module, dropout=dropout, steps=steps, defaults=defaults)
 
     if code == "refused":
         assert result.error is not None, "the fit ran: the cell says it is refused"
@@ -128,7 +150,7 @@ def test_zoo_cell(column: str, module: str, tmp_path: Path) -> None:
             assert result.training_steps > plain.training_steps, "no trial ran: the cell says `same`"
         return
     if code == "accum":
-        reference = _plain(module, accumulate=2)
+        reference = _plain(module, accumulate=2, defaults=defaults)
         _assert_equal_math(result, reference)
         assert logged_difference(result, reference) <= 1e-6, "logged values"
         return
