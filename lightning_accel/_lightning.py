@@ -34,6 +34,7 @@ __all__ = [
     "collect_rng_states",
     "ddp_comm_hook",
     "distributed_checkpoint_metadata_name",
+    "epoch_loop_batch_idx",
     "epoch_loop_makes_iterator",
     "forget_lightning_sigterm_handler",
     "load_distributed_checkpoint",
@@ -45,6 +46,7 @@ __all__ = [
     "optimizer_steps_logged",
     "patch_accumulation_boundary",
     "patch_closure_factory",
+    "patch_estimated_stepping_batches",
     "patch_hydra_subprocess_cmd",
     "patch_signal_registration",
     "patch_zero_grad_factory",
@@ -58,6 +60,8 @@ __all__ = [
     "set_loop_loaders",
     "setup_distributed",
     "signal_connector",
+    "train_fetcher_done",
+    "train_fetcher_prefetches",
     "trainer_callbacks",
     "trainer_fast_dev_run",
     "trainer_log_every_n_steps",
@@ -383,3 +387,56 @@ def patch_hydra_subprocess_cmd(command: Callable[..., Any], feature: str) -> Cal
         stack.close()
         raise
     return stack.close
+
+
+# -- the last batch of an epoch and the Trainer's estimate of its optimizer steps ------------------------------------
+
+
+def train_fetcher_prefetches(trainer: pl.Trainer, feature: str) -> bool | None:
+    """Whether the fit loop's data fetcher fetches a batch ahead (`_PrefetchDataFetcher`), so it knows the epoch's
+    last batch when that batch is handed out; False for the `_DataLoaderIterDataFetcher` of a `training_step` that
+    takes `dataloader_iter` (it learns of the end only when `next()` raises); None before the fit loop has one."""
+    from lightning.pytorch.loops import fetchers
+
+    fetcher = loop_data_fetcher(trainer.fit_loop, feature)
+    if fetcher is None:
+        return None
+    prefetching = _get(fetchers, "_PrefetchDataFetcher", feature)
+    return isinstance(fetcher, prefetching) and int(_get(fetcher, "prefetch_batches", feature)) >= 1
+
+
+def train_fetcher_done(trainer: pl.Trainer, feature: str) -> bool:
+    """Whether the batch the fit loop's data fetcher handed out last is the epoch's last (`_DataFetcher.done`: from
+    the length where the loader has one, else from the batch it fetched ahead)."""
+    fetcher = loop_data_fetcher(trainer.fit_loop, feature)
+    if fetcher is None:
+        raise _missing(trainer.fit_loop, "_data_fetcher", feature)
+    return bool(_get(fetcher, "done", feature))
+
+
+def epoch_loop_batch_idx(trainer: pl.Trainer) -> int:
+    """The index within the epoch of the training batch in hand (`_TrainingEpochLoop.batch_idx`), also where the
+    hooks are given a stale one (a `training_step` that takes `dataloader_iter` is handed the previous batch's)."""
+    return int(_get(trainer.fit_loop.epoch_loop, "batch_idx", "counting the batches left in an epoch"))
+
+
+def patch_estimated_stepping_batches(
+    trainer: pl.Trainer, estimate: Callable[[Callable[[], Any]], Any], feature: str
+) -> Callable[[], None]:
+    """Answer `trainer.estimated_stepping_batches` for this Trainer with `estimate(lightning)`, where `lightning()`
+    is Lightning's own answer; every other Trainer keeps Lightning's. The property lives on the class, so the patch
+    does too, dispatching on the instance; the undo puts the class's property back.
+    """
+    name = "estimated_stepping_batches"
+    owner = next((klass for klass in type(trainer).__mro__ if name in vars(klass)), None)
+    original = None if owner is None else vars(owner)[name]
+    if not isinstance(original, property) or original.fget is None:
+        raise _missing(trainer, name, feature)
+    lightning_fget = original.fget
+
+    def fget(self: Any) -> Any:
+        if self is trainer:
+            return estimate(lambda: lightning_fget(self))
+        return lightning_fget(self)
+
+    return patch_attribute(owner, name, property(fget, doc=original.__doc__), why=feature)

@@ -255,7 +255,8 @@ def callback_contract(doc: str) -> dict[str, str]:
     """{"Keeps identical": text, ...} from a callback docstring's three contract paragraphs (whitespace folded)."""
     found = {}
     for head in CONTRACT:
-        match = re.search(rf"^{head}: (.*?)(?=^\S|\Z)", doc, re.S | re.M)
+        ends = "|".join(CONTRACT)  # a blank line, the next of the three, or the end
+        match = re.search(rf"^{head}: (.*?)(?=\n\s*\n|\n(?:{ends}):|\Z)", doc, re.S | re.M)
         if match:
             found[head] = " ".join(match.group(1).split())
     return found

@@ -180,3 +180,32 @@ def test_pyproject_the_fence_and_ci_agree_on_the_lightning_range() -> None:
     assert oldest == floor  # the floor itself, not a later patch of its minor
     assert newest_minor in lightning.specifier  # and the cap is the next, untested, minor:
     assert cap == Version(f"{newest_minor.major}.{newest_minor.minor + 1}")
+
+
+def test_the_last_batch_and_the_stepping_estimate_touchpoints() -> None:
+    """The fetcher's look-ahead, the loop's batch index and the Trainer's step estimate: present in this Lightning,
+    named when absent, and the estimate's patch touches one Trainer and is undone."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loops import fetchers
+
+    kwargs = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer, other = pl.Trainer(max_steps=7, **kwargs), pl.Trainer(max_steps=7, **kwargs)
+    assert _lightning.train_fetcher_prefetches(trainer, "test") is None  # no fetcher before the fit
+    assert _lightning.epoch_loop_batch_idx(trainer) == -1
+    trainer.fit_loop._data_fetcher = fetchers._PrefetchDataFetcher()
+    assert _lightning.train_fetcher_prefetches(trainer, "test") is True
+    assert _lightning.train_fetcher_done(trainer, "test") is False
+    trainer.fit_loop._data_fetcher = fetchers._DataLoaderIterDataFetcher()
+    assert _lightning.train_fetcher_prefetches(trainer, "test") is False
+    trainer.fit_loop._data_fetcher = None
+    with pytest.raises(_lightning.LightningInternalsError, match="_data_fetcher"):
+        _lightning.train_fetcher_done(trainer, "test")
+
+    undo = _lightning.patch_estimated_stepping_batches(trainer, lambda lightning: lightning() * 10, "test")
+    try:
+        assert (trainer.estimated_stepping_batches, other.estimated_stepping_batches) == (70, 7)
+    finally:
+        undo()
+    assert trainer.estimated_stepping_batches == 7
+    with pytest.raises(_lightning.LightningInternalsError, match="estimated_stepping_batches.*the feature"):
+        _lightning.patch_estimated_stepping_batches(SimpleNamespace(), lambda lightning: 0, "the feature")  # type: ignore[arg-type]

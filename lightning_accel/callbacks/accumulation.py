@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any, Literal, TypeGuard
@@ -17,7 +18,7 @@ from typing_extensions import override
 from lightning_accel import _lightning
 from lightning_accel.batches import data_parallel_replicas, loader_batch_size, samples_in
 from lightning_accel.errors import ConfigError, LightningAccelWarning
-from lightning_accel.schedules import AccumulationPlan
+from lightning_accel.schedules import AccumulationPlan, estimated_optimizer_steps
 
 __all__ = [
     "AccumulationScheduler",
@@ -49,17 +50,42 @@ class AccumulationScheduler(Callback):
     attributes `scheduling` with the implicit `{0: 1}` and `epochs`, methods `going_to_accumulate_grad_batches()` and
     `get_accumulate_grad_batches(epoch)`, checks and warning in `on_train_start`, and exception types: ours subclass
     Lightning's and `ConfigError`) that also takes optimizer-step keys (`unit="step"`, e.g. a batch-size ramp) or a
-    target global batch size. Each window of micro-batches ends in one
-    optimizer step; its loss is averaged over the window's real length, so the last, partial window of an epoch
-    weighs each sample like a full one. Under DDP the gradients are not all-reduced on the micro-batches inside a
-    window (`no_sync`), and under `ModelParallelStrategy` FSDP2 modules skip their reduce-scatter likewise.
-    `lightning_accel.estimated_optimizer_steps(trainer)` counts the optimizer steps of a fit under this schedule, so
-    LR schedules sized with it end where they should. The window position is saved in checkpoints.
+    target global batch size. Each window of micro-batches ends in one optimizer step; its loss is averaged over
+    the window's real length, so the last, partial window of an epoch weighs each sample like a full one. Under DDP
+    the gradients are not all-reduced on the micro-batches inside a window (`no_sync`), and under
+    `ModelParallelStrategy` FSDP2 modules skip their reduce-scatter likewise. During the fit
+    `trainer.estimated_stepping_batches` counts the optimizer steps this schedule takes, as
+    `lightning_accel.estimated_optimizer_steps(trainer)` does, so LR schedules sized with either end where they
+    should. The window position is saved in checkpoints.
 
-    Deliberate differences from Lightning's: the last, partial window of an epoch is averaged over its real length
-    (Lightning divides by the full factor, so those samples weigh less); the checks also run in `setup`, before the
-    model is configured; string keys of digits (`{"2": 1}`, as Hydra passes them) are read as numbers; Lightning's
-    `accumulate_grad_batches` and a second accumulation callback are refused.
+    Keeps identical: for a constant factor k (`{0: k}`, or a global batch that resolves to k), the fit of
+    `Trainer(accumulate_grad_batches=k)`, where no epoch ends in a partial window: the samples and their order, each
+    loss divided by k, the optimizer step, `zero_grad` and step-interval LR scheduler step at each window's end, the
+    weights, and the LR at every step of a schedule sized by `trainer.estimated_stepping_batches`; Lightning's
+    `GradientAccumulationScheduler` API and exception types; `trainer.accumulate_grad_batches` and
+    `estimated_stepping_batches` after the fit.
+
+    Changes on purpose: a last, partial window of an epoch is averaged over its real length (Lightning divides by
+    the full factor, so those samples weigh less). A loader without `__len__` (an `IterableDataset`) has it from the
+    batch Lightning fetches ahead: a window that starts on the epoch's last batch divides it by 1, and one that
+    started earlier (its losses divided by the full factor) has its gradients multiplied by full / real length in
+    `on_before_optimizer_step`, after DDP's or FSDP's reduction and the GradScaler's unscaling, before gradient
+    clipping and the LightningModule's hook (callbacks listed before this one see them unscaled). During the fit
+    `trainer.accumulate_grad_batches` holds the window's size and `trainer.estimated_stepping_batches` the schedule's
+    optimizer steps (Lightning's own answer where no step runs or the fit has no end). The checks also run in
+    `setup`; string keys of digits (`{"2": 1}`, as Hydra passes them) are read as numbers.
+
+    Cannot serve: manual optimization and strategies that accumulate themselves (DeepSpeed):
+    `UnsupportedAccumulationError`. A Trainer with `accumulate_grad_batches` != 1, or Lightning's
+    `GradientAccumulationScheduler` beside it: `ConfigError`. A `training_step` that takes `dataloader_iter` over a
+    loader without `__len__`: nothing fetches ahead, so a partial last window of an epoch takes no step (as under
+    Lightning's own accumulation); a `LightningAccelWarning` at train start. A factor that varies over the fit:
+    `estimated_stepping_batches` still counts its optimizer steps, but code that turns them into batches or samples
+    with `accumulate_grad_batches` does not hold; a `LightningAccelWarning` names
+    `lightning_accel.estimated_optimizer_steps` when the property is read. A module that sizes its schedule from
+    `trainer.accumulate_grad_batches` or `num_training_batches` itself in `configure_optimizers` reads 1 there (the
+    first window sets the factor) and gets no warning: size it with `trainer.estimated_stepping_batches`. Overridden
+    `optimizer_step`/`optimizer_zero_grad` run once per window, with a warning, as Lightning's.
 
     Args:
         scheduling: `{key: micro_batches}`, or a list of `[key, micro_batches]` pairs (what a Hydra config holds, so
@@ -121,6 +147,8 @@ class AccumulationScheduler(Callback):
         self._fsdp_modules: list[Any] = []
         self._loaded_plan: dict[str, Any] | None = None  # the plan of a loaded checkpoint, until this one resolves
         self._verified = False  # the first batch was checked against the global batch
+        self._rescale = 1.0  # the window's gradients x this before its optimizer step (a window cut short)
+        self._warned_estimate = False  # the varying-factor warning of `estimated_stepping_batches`, once a fit
 
     def accumulation_plan(self, trainer: pl.Trainer) -> AccumulationPlan:
         """The plan this callback follows in `trainer`, resolving `global_batch_size` against its DataLoader.
@@ -206,8 +234,39 @@ class AccumulationScheduler(Callback):
         self._verified = False
         self._window_size = self._window_pos = 0
         self._saved_accumulate = trainer.accumulate_grad_batches
+        self._rescale = 1.0
+        self._warned_estimate = False
         self._restore.close()
         self._restore = _take_over_loop(trainer, self)
+        self._restore.callback(
+            _lightning.patch_estimated_stepping_batches(
+                trainer, lambda lightning: self._estimated_stepping_batches(trainer, lightning), _WHY
+            )
+        )
+
+    def _estimated_stepping_batches(self, trainer: pl.Trainer, lightning: Callable[[], int | float]) -> int | float:
+        """`trainer.estimated_stepping_batches` during the fit: the optimizer steps this schedule takes
+        (`estimated_optimizer_steps`), where Lightning's counts as if each step took one micro-batch; Lightning's own
+        answer where no step runs or the fit has no end (0 steps, `inf`)."""
+        plan = self.accumulation_plan(trainer)  # a global batch that does not divide is an error, not a fallback
+        try:
+            steps = estimated_optimizer_steps(trainer)
+        except ConfigError:  # no end: Lightning's `inf` (or its `max_steps`) is as good as any
+            return lightning()
+        if steps <= 0:
+            return lightning()
+        if not self._warned_estimate and _factor_varies(plan, trainer.max_epochs, steps):
+            self._warned_estimate = True
+            rank_zero_warn(
+                f"AccumulationScheduler: the accumulation factor varies over this fit ({_plan_text(plan)}), so "
+                f"`trainer.estimated_stepping_batches` returns {steps}, the optimizer steps of the whole fit as "
+                f"`lightning_accel.estimated_optimizer_steps(trainer)` counts them (Lightning's own count: "
+                f"{lightning()}). An LR schedule sized with it ends at the fit's last step; code that turns it into "
+                "batches or samples with `trainer.accumulate_grad_batches` does not hold while the factor varies: "
+                "call `lightning_accel.estimated_optimizer_steps(trainer)` for steps and count samples per window.",
+                category=LightningAccelWarning,
+            )
+        return steps
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -223,6 +282,7 @@ class AccumulationScheduler(Callback):
         for module in self._fsdp_modules:
             module.set_requires_gradient_sync(True, recurse=False)
         self._fsdp_modules = []
+        self._rescale = 1.0
         trainer.accumulate_grad_batches = self._saved_accumulate
 
     @override
@@ -239,6 +299,20 @@ class AccumulationScheduler(Callback):
                 category=LightningAccelWarning,
             )
         self._fsdp_modules = _fsdp_modules(pl_module)  # configure_model has run by now
+        if (
+            self.going_to_accumulate_grad_batches()
+            and not math.isfinite(trainer.num_training_batches)
+            and _lightning.train_fetcher_prefetches(trainer, _WHY) is False
+        ):
+            rank_zero_warn(
+                "AccumulationScheduler: `training_step` takes `dataloader_iter` and the train DataLoader has no "
+                "`__len__`, so an epoch's last batch is known only when `next(dataloader_iter)` raises inside "
+                "`training_step`: the last window of an epoch, when partial, takes no optimizer step and its "
+                "gradients are zeroed at the next window's start (as under `Trainer(accumulate_grad_batches=k)`). "
+                "Give the dataset a `__len__`, set `limit_train_batches` to a number of batches, or take `batch` "
+                "instead of `dataloader_iter` in `training_step`.",
+                category=LightningAccelWarning,
+            )
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -252,11 +326,15 @@ class AccumulationScheduler(Callback):
             micro_batches = self.accumulation_plan(trainer).at(trainer.current_epoch, trainer.global_step)
             if self.global_batch_size is not None and not self._verified:
                 self._verify_global_batch(trainer, batch, micro_batches)
-            left_in_epoch = trainer.num_training_batches - batch_idx
+            # the loop's own count: a `training_step` taking `dataloader_iter` is handed the previous batch's index
+            left_in_epoch = trainer.num_training_batches - _lightning.epoch_loop_batch_idx(trainer)
             self._window_size = int(min(micro_batches, left_in_epoch)) if left_in_epoch > 0 else micro_batches
             self._window_pos = 0
+            self._rescale = 1.0  # a window cut short whose optimizer step was skipped rescales nothing after it
             trainer.accumulate_grad_batches = self._window_size  # Lightning divides the loss by it
         self._window_pos += 1
+        if not self.window_complete and _last_of_unsized_epoch(trainer):
+            self._cut_window_short(trainer)
         for module in self._fsdp_modules:
             module.set_requires_gradient_sync(self.window_complete, recurse=False)
 
@@ -265,7 +343,36 @@ class AccumulationScheduler(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.window_complete:
-            pl_module.log("train/accumulation", float(self._window_size), on_step=True, on_epoch=False)
+            # batch_size: a step-only value needs none, but Lightning asks for it under `dataloader_iter`
+            pl_module.log("train/accumulation", float(self._window_size), on_step=True, on_epoch=False, batch_size=1)
+
+    def _cut_window_short(self, trainer: pl.Trainer) -> None:
+        """End the window at the micro-batch in hand, the last of an epoch whose length the loader does not say.
+
+        A window it starts has that one micro-batch, its loss divided by 1. A window started earlier divided its
+        losses by the full factor; `on_before_optimizer_step` multiplies its gradients by full / real length (after
+        DDP's all-reduce or FSDP's reduce-scatter and the GradScaler's unscaling, before gradient clipping), which is
+        the real length's average.
+        """
+        if self._window_pos == 1:
+            trainer.accumulate_grad_batches = 1
+        else:
+            self._rescale = self._window_size / self._window_pos
+        self._window_size = self._window_pos
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._rescale == 1.0:
+            return
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.mul_(self._rescale)
+        self._rescale = 1.0
+        trainer.accumulate_grad_batches = self._window_size
 
     def _verify_global_batch(self, trainer: pl.Trainer, batch: Any, micro_batches: int) -> None:
         """The first batch's real size against the one the global batch was computed from: a mismatch is an error,
@@ -311,6 +418,30 @@ class AccumulationScheduler(Callback):
                     f"{saved['unit']}:{dict(tuple(p) for p in saved['points'])}; the new schedule applies from here.",
                     category=LightningAccelWarning,
                 )
+
+
+_WHY = "AccumulationScheduler (or use Lightning's GradientAccumulationScheduler)"
+
+
+def _last_of_unsized_epoch(trainer: pl.Trainer) -> bool:
+    """Whether the batch in hand ends an epoch whose length the train DataLoader does not say (an IterableDataset
+    without `__len__`): Lightning's data fetcher has fetched one batch ahead and found none."""
+    if math.isfinite(trainer.num_training_batches) or not _lightning.train_fetcher_prefetches(trainer, _WHY):
+        return False
+    return _lightning.train_fetcher_done(trainer, _WHY)
+
+
+def _factor_varies(plan: AccumulationPlan, max_epochs: int | None, steps: int) -> bool:
+    """Whether a fit of `steps` optimizer steps and `max_epochs` epochs reaches a second factor of `plan`."""
+    if plan.unit == "step":
+        horizon: float = steps
+    else:
+        horizon = max_epochs if max_epochs is not None and max_epochs > 0 else math.inf
+    return len({factor for key, factor in plan.points if key == 0 or key < horizon}) > 1
+
+
+def _plan_text(plan: AccumulationPlan) -> str:
+    return f"{plan.unit} -> micro-batches {dict(plan.points)}"
 
 
 def _check_scheduling(scheduling: Mapping[int, int] | Sequence[Sequence[int]], unit: str) -> dict[int, int]:
@@ -410,10 +541,9 @@ def _take_over_loop(trainer: pl.Trainer, scheduler: AccumulationScheduler) -> Ex
             return None
         return lambda: _lightning.zero_grad_now(automatic, batch_idx, optimizer)
 
-    why = "AccumulationScheduler (or use Lightning's GradientAccumulationScheduler)"
     stack = ExitStack()
-    stack.callback(_lightning.patch_accumulation_boundary(trainer, lambda: scheduler.window_complete, why))
-    stack.callback(_lightning.patch_zero_grad_factory(automatic, make_zero_grad_fn, why))
+    stack.callback(_lightning.patch_accumulation_boundary(trainer, lambda: scheduler.window_complete, _WHY))
+    stack.callback(_lightning.patch_zero_grad_factory(automatic, make_zero_grad_fn, _WHY))
     return stack
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+import warnings
 from typing import Any
 
 import _accumulation_cases as cases
@@ -15,7 +16,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 from lightning_accel import estimated_optimizer_steps
 from lightning_accel.callbacks import AccumulationScheduler
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.schedules import AccumulationPlan, count_optimizer_steps
 
 # Window sizes (micro-batches per optimizer step) worked out by hand from cases.SCHEDULES, 10 micro-batches per rank
@@ -250,3 +251,247 @@ def test_the_first_batch_is_checked_when_the_loader_does_not_say_its_batch_size(
     loader = torch.utils.data.DataLoader(data, batch_sampler=pairs)
     with pytest.raises(ConfigError, match=r"computed from 4 samples per device, but the first batch holds 2"):
         trainer.fit(model, loader)
+
+
+# -- a loader without a length: the last window of an epoch, known one fetch ahead ----------------------------------
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """The samples of a TensorDataset in order, without `__len__` (streaming data)."""
+
+    def __init__(self, data: torch.utils.data.TensorDataset) -> None:
+        self.data = data
+
+    def __iter__(self) -> Any:
+        return iter(self.data)
+
+
+class _DivisorModel(cases.Regression):
+    """Records, per micro-batch, what Lightning divided its loss by (the raw loss over the loss backward gets), and
+    per optimizer step the window's size."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.divisors: list[float] = []
+        self.windows: list[int] = []
+        self._raw: torch.Tensor | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self._raw = loss.detach()
+        return loss
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        assert self._raw is not None
+        self.divisors.append(round(float(self._raw / loss.detach()), 9))
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.windows.append(self.trainer.accumulate_grad_batches)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=cases.LR)
+
+
+class _DataLoaderIterModel(_DivisorModel):
+    """The same, with a `training_step` that fetches its own batch (`dataloader_iter`: no batch fetched ahead)."""
+
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        batch, _, _ = next(dataloader_iter)
+        return super().training_step(batch, 0)
+
+
+def _fit_divisors(
+    batches: int, sized: bool, model: _DivisorModel | None = None, max_epochs: int = 2
+) -> tuple[_DivisorModel, pl.Trainer, list[str]]:
+    """Fit `batches` micro-batches per epoch of one dataset, in a sized loader or a stream, under `{0: 4}`."""
+    data = torch.utils.data.TensorDataset(*(t[: batches * cases.MICRO_BATCH] for t in cases.dataset(2).tensors))
+    assert len(data) == batches * cases.MICRO_BATCH
+    loader = torch.utils.data.DataLoader(data if sized else _Stream(data), batch_size=cases.MICRO_BATCH)
+    model = model or _DivisorModel()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=max_epochs,
+        callbacks=[AccumulationScheduler({0: 4})],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader)
+    ours = [str(w.message) for w in caught if issubclass(w.category, LightningAccelWarning)]
+    return model, trainer, ours
+
+
+def test_an_iterable_dataset_averages_its_last_window_over_its_real_length() -> None:
+    """The issue's case: 13 batches under `{0: 4}` from an IterableDataset without `__len__` divide the last batch
+    by 1, as a sized loader of the same data does (it divided by 4 before), and train the same weights."""
+    sized, _, _ = _fit_divisors(13, sized=True)
+    stream, trainer, warned = _fit_divisors(13, sized=False)
+    assert trainer.num_training_batches == float("inf")  # the case the loader's length did not cover
+    assert stream.divisors[-2:] == [4, 1] and stream.divisors[11:13] == [4, 1]  # each of the two epochs
+    assert stream.divisors == sized.divisors == ([4.0] * 12 + [1.0]) * 2
+    assert stream.windows == sized.windows == [4, 4, 4, 1] * 2
+    for name, value in sized.layer.state_dict().items():
+        torch.testing.assert_close(stream.layer.state_dict()[name], value, atol=1e-6, rtol=0)
+    assert warned == []
+
+
+def test_an_iterable_dataset_whose_last_window_began_full_is_rescaled_to_its_real_length() -> None:
+    """14 batches: the last window starts as one of 4 (the loader cannot say it holds 2) and learns so at its last
+    micro-batch; its gradients are rescaled to the mean over 2 before the step, as the sized loader's divisors of 2."""
+    sized, _, _ = _fit_divisors(14, sized=True)
+    stream, _, _ = _fit_divisors(14, sized=False)
+    assert sized.divisors[12:14] == [2.0, 2.0] and stream.divisors[12:14] == [4.0, 4.0]  # the cut comes late
+    assert stream.windows == sized.windows == [4, 4, 4, 2] * 2
+    for name, value in sized.layer.state_dict().items():
+        torch.testing.assert_close(stream.layer.state_dict()[name], value, atol=1e-6, rtol=0)
+    reference = _reference_with_divisors(stream.initial, sized.divisors, stream.windows)
+    torch.testing.assert_close(reference["weight"], stream.layer.weight.detach(), atol=1e-6, rtol=0)
+    unscaled = _reference_with_divisors(stream.initial, stream.divisors, stream.windows)
+    assert not torch.allclose(unscaled["weight"], stream.layer.weight.detach(), atol=1e-4)  # the rescale mattered
+
+
+def _reference_with_divisors(
+    initial: dict[str, torch.Tensor], divisors: list[float], windows: list[int]
+) -> dict[str, torch.Tensor]:
+    """Plain torch SGD on 14 batches per epoch, each micro-batch's loss divided by `divisors`: what the stream
+    would train without the rescale."""
+    x, y = (t[: 14 * cases.MICRO_BATCH] for t in cases.dataset(2).tensors)
+    layer = torch.nn.Linear(cases.FEATURES, 1)
+    layer.load_state_dict(initial)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=cases.LR)
+    micro = iter(range(len(divisors)))
+    for window in windows:
+        optimizer.zero_grad()
+        for _ in range(window):
+            i = next(micro)
+            batch = slice((i % 14) * cases.MICRO_BATCH, (i % 14 + 1) * cases.MICRO_BATCH)
+            (torch.nn.functional.mse_loss(layer(x[batch]), y[batch]) / divisors[i]).backward()
+        optimizer.step()
+    return layer.state_dict()
+
+
+def test_dataloader_iter_sized_windows_and_unsized_warning() -> None:
+    """A `training_step(dataloader_iter)` is handed the previous batch's index: the windows still follow the loop's
+    own count. Without a length the fetcher fetches nothing ahead, so a partial last window takes no step, as under
+    `Trainer(accumulate_grad_batches=4)`, and a named warning says so before the first step."""
+    sized, _, warned_sized = _fit_divisors(13, sized=True, model=_DataLoaderIterModel())
+    assert sized.windows == [4, 4, 4, 1] * 2 and sized.divisors == ([4.0] * 12 + [1.0]) * 2
+    assert warned_sized == []
+    stream, trainer, warned = _fit_divisors(13, sized=False, model=_DataLoaderIterModel())
+    assert trainer.global_step == 3 * 2 and stream.windows == [4, 4, 4] * 2
+    assert len(warned) == 1 and "`dataloader_iter`" in warned[0] and "no optimizer step" in warned[0]
+
+
+# -- `trainer.estimated_stepping_batches`, as a user's `configure_optimizers` reads it -------------------------------
+
+
+class _LinearToZero(cases.Regression):
+    """A Lightning-tutorial module: a step-interval LambdaLR to zero sized by `trainer.estimated_stepping_batches`
+    in `configure_optimizers`; records the total it read and the LR of every optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.total: int | float | None = None
+        self.lrs: list[float] = []
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=cases.LR)
+        self.total = total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+def _fit_linear_to_zero(callbacks: list[pl.Callback], max_epochs: int = 1, **trainer_kwargs: Any) -> _LinearToZero:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    model = _LinearToZero()
+    loader = torch.utils.data.DataLoader(cases.dataset(1), batch_size=cases.MICRO_BATCH)  # 10 batches
+    trainer.fit(model, loader)
+    assert model.trainer is trainer
+    return model
+
+
+def test_a_schedule_sized_by_estimated_stepping_batches_ends_where_lightnings_accumulation_ends() -> None:
+    """The issue's case: the LR of the last step under `{0: 2}` and under a global batch of 2 x the loader's batch
+    equals `Trainer(accumulate_grad_batches=2)`'s; Lightning's own count (10 micro-batches) would have left it at
+    0.6 x the base LR."""
+    lightning = _fit_linear_to_zero([], accumulate_grad_batches=2)
+    constant = _fit_linear_to_zero([AccumulationScheduler({0: 2})])
+    global_batch = _fit_linear_to_zero([AccumulationScheduler(global_batch_size=2 * cases.MICRO_BATCH)])
+    assert lightning.total == constant.total == global_batch.total == 5
+    assert len(lightning.lrs) == len(constant.lrs) == len(global_batch.lrs) == 5
+    assert constant.lrs[-1] == pytest.approx(lightning.lrs[-1], abs=1e-12, rel=0)
+    assert global_batch.lrs[-1] == pytest.approx(lightning.lrs[-1], abs=1e-12, rel=0)
+    unpatched = cases.LR * (1 - 4 / 10)  # step 4 of a schedule sized for 10 steps
+    assert abs(constant.lrs[-1] - unpatched) > 1e-3 and abs(global_batch.lrs[-1] - unpatched) > 1e-3
+
+
+def test_estimated_stepping_batches_is_lightnings_again_after_the_fit() -> None:
+    """The property is patched for the fit's Trainer only and put back in teardown, and after an exception."""
+    from lightning.pytorch import Trainer
+
+    original = vars(Trainer)["estimated_stepping_batches"]
+    model = _fit_linear_to_zero([AccumulationScheduler({0: 2})])
+    assert vars(Trainer)["estimated_stepping_batches"] is original
+    assert model.trainer.estimated_stepping_batches == 10  # Lightning's count with `accumulate_grad_batches=1`
+    assert _fit_linear_to_zero([]).total == 10  # a second fit of the same config without the callback
+
+    class Fails(_LinearToZero):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, callbacks=[AccumulationScheduler({0: 2})], logger=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Fails(), torch.utils.data.DataLoader(cases.dataset(1), batch_size=cases.MICRO_BATCH))
+    assert vars(Trainer)["estimated_stepping_batches"] is original
+
+
+def test_a_varying_factor_counts_exactly_and_warns_naming_estimated_optimizer_steps() -> None:
+    """`{0: 1, 1: 2}` over 2 epochs of 10 batches: 10 + 5 steps. The property says 15 (Lightning's says 20) and a
+    warning before the first optimizer step names the function and the value; a constant factor does not warn."""
+    with pytest.warns(LightningAccelWarning, match=r"returns 15.*estimated_optimizer_steps\(trainer\)") as caught:
+        varying = _fit_linear_to_zero([AccumulationScheduler({0: 1, 1: 2})], max_epochs=2)
+    assert varying.total == 15 == len(varying.lrs) and varying.lrs[-1] == pytest.approx(cases.LR / 15, rel=1e-12)
+    assert sum("varies over this fit" in str(w.message) for w in caught) == 1  # once, however often it is read
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LightningAccelWarning)
+        _fit_linear_to_zero([AccumulationScheduler({0: 2, 5: 4})], max_epochs=2)  # epoch 5 is never reached
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(max_epochs=e, max_steps=s, limit_train_batches=b) for e in (1, 3) for s in (-1, 4) for b in (1.0, 0.5, 3)]
+    + [dict(max_epochs=-1, max_steps=-1), dict(max_epochs=2, limit_train_batches=0), dict(max_epochs=-1, max_steps=6)],
+)
+def test_estimated_stepping_batches_under_a_constant_factor_is_lightnings_own_formula(kwargs: dict[str, Any]) -> None:
+    """Under `{0: 3}` the property answers as `Trainer(accumulate_grad_batches=3)` does, edges included (a fit
+    without an end, no training batch). Each fit stops in `configure_optimizers`."""
+
+    class Stop(Exception):
+        pass
+
+    class Reads(cases.Regression):
+        def configure_optimizers(self) -> Any:
+            raise Stop(self.trainer.estimated_stepping_batches)
+
+    def read(callbacks: list[pl.Callback], **extra: Any) -> Any:
+        trainer = pl.Trainer(accelerator="cpu", callbacks=callbacks, logger=False, **kwargs, **extra)
+        with pytest.raises(Stop) as stopped:
+            trainer.fit(Reads(None), torch.utils.data.DataLoader(cases.dataset(1), batch_size=cases.MICRO_BATCH))
+        return stopped.value.args[0]
+
+    assert read([AccumulationScheduler({0: 3})]) == read([], accumulate_grad_batches=3)
