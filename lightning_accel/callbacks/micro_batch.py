@@ -77,16 +77,18 @@ class MicroBatchFinder(Callback):
 
     Cannot serve:
         Manual optimization, a `training_step` that takes `dataloader_iter`, a strategy other than one device or DDP,
-        and Lightning's `BatchSizeFinder` in the same run: a `ConfigError` at setup. A module that keeps tensors
-        sized by its batch on itself between `training_step` calls (an RNN's hidden state, as Lightning's
-        `demos.lstm.LightningLSTM` does): a split batch would hand one piece's state to the next, so the first
-        piece of the first split batch ends in a `ConfigError` naming the attribute, before that batch's optimizer
-        step (served as it is while its batches run whole). Layers that take statistics over the batch in train
-        mode (BatchNorm, SyncBatchNorm, InstanceNorm tracking running statistics) normalise each piece by its own
-        statistics, as gradient accumulation does: a warning names them at the first split batch, before its
-        optimizer step (GroupNorm or LayerNorm keep the whole batch's update). Under DDP, a `training_step` that runs
-        collectives of its own (SyncBatchNorm, an all-gather): a rank out of memory would leave them unmatched; a
-        warning names SyncBatchNorm layers at the start of training.
+        and Lightning's `BatchSizeFinder` in the same run: a `ConfigError` at setup. A module that keeps tensors sized
+        by its batch on itself between `training_step` calls (an RNN's hidden state, as Lightning's
+        `demos.lstm.LightningLSTM` does): a split batch would hand one piece's state to the next, so the first piece of
+        the first split batch ends in a `ConfigError` naming the attribute, before that batch's optimizer step (served
+        as it is while its batches run whole). Such state is what the step set as attributes of the module or its
+        submodules, alone or in a tuple or dict, with the piece's size along their first or second dimension; a tensor
+        kept only to look at (the last batch) counts too, a list of collected outputs does not. Layers that take
+        statistics over the batch in train mode (BatchNorm, SyncBatchNorm, InstanceNorm tracking running statistics)
+        normalise each piece by its own statistics, as gradient accumulation does: a warning names them at the first
+        split batch, before its optimizer step (GroupNorm or LayerNorm keep the whole batch's update). Under DDP, a
+        `training_step` that runs collectives of its own (SyncBatchNorm, an all-gather): a rank out of memory would
+        leave them unmatched; a warning names SyncBatchNorm layers at the start of training.
 
     Args:
         micro_batch_size: "auto" (sized on the first batches of training) or the micro-batch to run (no sizing).
