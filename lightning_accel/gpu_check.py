@@ -18,9 +18,9 @@ installed, `gpu_check.png`. Parts (about a minute on an H200):
   (FSDP2 per block), on one GPU;
 - `fp8`: one fp8 step where the GPU (compute capability 8.9+) and Transformer Engine or torchao allow;
 - `micro_batch`: MicroBatchFinder under a 3 GiB cap on the process (`set_per_process_memory_fraction`): the GPT
-  example's batch of 128 does not fit, the search finds the largest micro-batch that does from real CUDA
-  out-of-memory errors and measured peaks, a real allocator OOM injected at step 3 is recovered by halving, and the
-  weights after 6 steps equal a run at a fixed micro-batch of 8 (1e-3).
+  example's batch of 128 does not fit, the first real steps size the micro-batch from real CUDA out-of-memory
+  errors and measured peaks, a real allocator OOM injected in the first step after the sizing is recovered by
+  halving, and the weights after 6 steps equal a run at a fixed micro-batch of 8 (1e-3).
 
 `--full` adds (about 8 minutes on an H200 in all):
 
@@ -399,13 +399,14 @@ def _micro_batch(ctx: CheckContext) -> Part:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     class _OOMOnce(_SGD):
-        """A real CUDA out-of-memory error from the allocator, once, in the first piece of optimizer step 3."""
+        """A real CUDA out-of-memory error from the allocator, once, in the first piece after the sizing ended."""
 
-        oom_at = 3
+        finder: MicroBatchFinder | None = None
+        injected = False
 
         def training_step(self, batch: object, batch_idx: int) -> object:
-            if self.global_step == self.oom_at:
-                self.oom_at = -1
+            if self.finder is not None and self.finder.found is not None and not self.injected:
+                self.injected = True
                 torch.empty(total, dtype=torch.uint8, device="cuda")  # more than the cap: raises OutOfMemoryError
             return super().training_step(batch, batch_idx)
 
@@ -418,6 +419,8 @@ def _micro_batch(ctx: CheckContext) -> Part:
         for name, finder in (("auto", MicroBatchFinder(grow_after=None)), ("fixed 8", MicroBatchFinder(8))):
             pl.seed_everything(0)
             model = (_OOMOnce if name == "auto" else _SGD)(block_size=256, n_layer=4, n_head=8, n_embd=512)
+            if isinstance(model, _OOMOnce):
+                model.finder = finder
             trainer = pl.Trainer(
                 accelerator="cuda",
                 devices=1,
@@ -439,7 +442,7 @@ def _micro_batch(ctx: CheckContext) -> Part:
     drift = max(float((a - b).abs().max()) for a, b in zip(weights, runs["fixed 8"][2], strict=True))
     trials = ", ".join(
         f"{t.size}: {'fits' if t.fits else 'no'}" + (f" ({t.peak_bytes / 2**30:.2f} GiB)" if t.peak_bytes else "")
-        for t in (finder.search.trials if finder.search else ())
+        for t in finder.sizing
     )
     # >= 1: a real OOM of its own during training (the cap limits reserved memory, fragmentation included) is fine
     ok = finder.found is not None and finder.found < 128 and finder.oom_recoveries >= 1 and drift <= 1e-3
@@ -450,7 +453,7 @@ def _micro_batch(ctx: CheckContext) -> Part:
         detail=f"cap {cap / 2**30:.0f} GiB, GPT 4x512, block 256, batch 128, 6 steps",
         figures={
             "micro-batch found": str(finder.found),
-            "trials": trials,
+            "sizing steps": trials,
             "after the injected OOM": f"{finder.size} ({finder.oom_recoveries} recoveries)",
             "max |w_auto - w_fixed8|": f"{drift:.2e}",
             "fit s (auto, fixed 8)": f"{seconds:.1f}, {runs['fixed 8'][1]:.1f}",

@@ -1,13 +1,13 @@
 """The stop signal this process received and has not acted on yet, shared by whoever can act on it.
 
 `StopOnSignal` notes a signal here from its handler; work that runs before the training loop (the DataLoaderTuner's
-trials, MicroBatchFinder's search) asks `pending_signal()` between its steps and ends with `SignalExit` instead of
-running on for a minute. Plain Python: the tuners import it without importing a callback.
+trials) asks `pending_signal()` between its steps and ends with `SignalExit` instead of running on for a minute. Plain
+Python: the tuners import it without importing a callback.
 """
 
 from __future__ import annotations
 
-__all__ = ["SignalExit", "clear_signal", "note_signal", "pending_signal", "raise_if_signalled"]
+__all__ = ["SignalExit", "clear_signal", "note_signal", "pending_signal"]
 
 _pending = 0
 
@@ -35,24 +35,3 @@ def clear_signal() -> None:
 def pending_signal() -> int:
     """The stop signal received and not acted on yet; 0 if none."""
     return _pending
-
-
-def raise_if_signalled(where: str = "") -> None:
-    """End the work under way with `SignalExit` (exit 128 + N) when a stop signal is pending.
-
-    Args:
-        where: what was interrupted, for the message.
-    """
-    signum = _pending
-    if signum:
-        clear_signal()
-        import signal
-        import sys
-
-        print(
-            f"{signal.Signals(signum).name} received{' during ' + where if where else ''}: stopping (exit "
-            f"{128 + signum})",
-            file=sys.stderr,
-            flush=True,
-        )
-        raise SignalExit(signum)

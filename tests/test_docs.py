@@ -252,11 +252,12 @@ CONTRACT_SECTION = "## What each callback keeps, changes and cannot serve"
 
 
 def callback_contract(doc: str) -> dict[str, str]:
-    """{"Keeps identical": text, ...} from a callback docstring's three contract paragraphs (whitespace folded)."""
+    """{"Keeps identical": text, ...} from a callback docstring's three contract paragraphs (whitespace folded): each
+    `Head: text` on its line, or a `Head:` section with its text indented under it, up to a blank line."""
     found = {}
     for head in CONTRACT:
         ends = "|".join(CONTRACT)  # a blank line, the next of the three, or the end
-        match = re.search(rf"^{head}: (.*?)(?=\n\s*\n|\n(?:{ends}):|\Z)", doc, re.S | re.M)
+        match = re.search(rf"^{head}:\s*(.*?)(?=\n\s*\n|\n(?:{ends}):|\Z)", doc, re.S | re.M)
         if match:
             found[head] = " ".join(match.group(1).split())
     return found

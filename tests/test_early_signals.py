@@ -1,5 +1,6 @@
-"""SIGTERM before the training loop: during the DataLoaderTuner's trials, during MicroBatchFinder's search, before
-the first step and during compile. Every rank of a 2-rank accel-train ends non-zero within 30 s.
+"""SIGTERM before the training loop: during the DataLoaderTuner's trials, during MicroBatchFinder's sizing (its first
+batch: the point named "search"), before the first step and during compile. Every rank of a 2-rank accel-train ends
+non-zero within 30 s.
 
 A marker callback (first in the callbacks, by its name) prints `PHASE <name>` when the phase begins; the test sends
 SIGTERM to rank 0 (which forwards it to the rank it started) once the phase runs. Before the fix the signal came
@@ -51,7 +52,7 @@ class Phase(pl.Callback):
     def on_fit_start(self, trainer, pl_module):  # the DataLoaderTuner's trials follow, in its on_fit_start
         self._say(trainer, "fit_start")
 
-    def on_train_start(self, trainer, pl_module):  # MicroBatchFinder's search follows, in its on_train_start
+    def on_train_start(self, trainer, pl_module):  # MicroBatchFinder's sizing follows, in the first batch
         self._say(trainer, "train_start")
 """
 

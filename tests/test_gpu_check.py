@@ -176,8 +176,8 @@ def test_the_ladder_part_end_to_end_on_a_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 def test_micro_batch_finder_on_a_real_gpu_recovers_from_real_cuda_out_of_memory() -> None:
-    """Under a 3 GiB cap: the search rules sizes out by real CUDA OOM or measured peak, an allocator OOM at step 3 is
-    recovered by halving, and the weights equal a fixed micro-batch of 8's (1e-3)."""
+    """Under a 3 GiB cap: the first real steps rule sizes out by real CUDA OOM or measured peak, an allocator OOM
+    after the sizing is recovered by halving, and the weights equal a fixed micro-batch of 8's (1e-3)."""
     (part,) = gpu_check.run_checks(["micro_batch"])
     assert part.status == "PASS", (part.detail, part.figures)
 

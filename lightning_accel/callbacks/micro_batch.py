@@ -1,11 +1,12 @@
-"""MicroBatchFinder: every batch runs as the largest micro-batches that fit, found at fit start and halved on
-out-of-memory, with the update of the whole batch (the hook over `lightning_accel.tuning.micro_batch_search`)."""
+"""MicroBatchFinder: every batch runs as the largest micro-batches that fit, sized on the first real steps of training
+and halved on out-of-memory (the hook over `lightning_accel.tuning.micro_batch_search`)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -19,60 +20,91 @@ from typing_extensions import override
 from lightning_accel import _lightning
 from lightning_accel.batches import loader_batch_size, samples_in
 from lightning_accel.errors import ConfigError, LightningAccelWarning
-from lightning_accel.patching import patch_attribute
-from lightning_accel.signals import raise_if_signalled
+from lightning_accel.tuning import module_state
 from lightning_accel.tuning.micro_batch_search import (
-    MicroBatchSearch,
     MicroBatchTooLargeError,
+    Trial,
     average_gradients,
     backward_in_pieces,
-    find_micro_batch,
+    batch_sized_state,
+    batch_statistics_layers,
+    held_tensors,
+    micro_batch_for_budget,
     optimizer_state_bytes,
-    split_batch,
 )
 
 __all__ = ["MicroBatchFinder"]
 
 
 class MicroBatchFinder(Callback):
-    """Run each training batch as micro-batches of the largest size that fits the device, with the update of the
-    whole batch: Lightning's `accumulate_grad_batches="auto"` (its issue #17393), for a plain `Trainer` on one device
-    or under DDP.
+    """Run each training batch as micro-batches that fit the device, inside its optimizer step: Lightning's
+    `accumulate_grad_batches="auto"` (its issue #17393), for a plain `Trainer` on one device or under DDP.
 
-    At the start of training it searches the divisors of the train loader's batch size (bisection, largest first)
-    for the largest micro-batch whose forward and backward fit: no out-of-memory error, and on CUDA a peak of at most
-    `memory_fraction` of the memory this process can use, less room for the optimizer's state. Every batch then runs
-    in pieces of that size inside its optimizer step, each piece's mean loss weighted by its share of the samples, so
-    the gradient is the whole batch's: the loader, its samples and order, the optimizer steps per epoch (Lightning's
-    `estimated_stepping_batches`, `estimated_optimizer_steps`) and the LR schedules sized by them stay what they were,
-    and so does the global batch of `accumulate_grad_batches` or `AccumulationScheduler(global_batch_size=...)`, whose
-    every micro-batch this splits further.
+    There are no trial steps. With `micro_batch_size="auto"` the first batch of training runs whole, as a real step
+    whose work is kept. An out-of-memory error in it splits it (the recovery below: half the size until it fits), and
+    on CUDA its peak memory, measured against `memory_fraction` of the memory this process can use (less room for the
+    optimizer's state before its first step), sets the size of the next batch: estimated from the peak per sample,
+    measured again, until a batch's peak is within the budget. Under DDP every rank takes the smallest rank's size.
+    On a CPU (no peak to measure) a batch that does not run out of memory stays whole: `auto` then changes nothing.
+    With `micro_batch_size=k`, every batch runs in pieces of k. Each piece's mean loss is weighted by its share of the
+    samples, its backward accumulates, and the optimizer steps once per batch.
 
     During training, an out-of-memory error inside a step (a long sequence, a fragmented allocator) puts the
     gradients back as they were before the batch, frees what the attempt held and runs the batch again in pieces of
     half the size, once per error; after `grow_after` clean batches it tries twice the size again, up to the size
-    found. Under DDP every rank adopts the smallest rank's size, an out-of-memory error on one rank makes every rank
-    redo the batch at the smaller size (one all-reduce of a byte per attempt), the gradients are averaged once per
-    optimizer step (the pieces run past DDP's forward, under `no_sync`), and buffers are broadcast from rank zero then;
-    a DDP communication hook is not used.
+    found. Under DDP an out-of-memory error on one rank makes every rank redo the batch at the smaller size (one
+    all-reduce of a byte per attempt), the gradients are averaged once per optimizer step (the pieces run past DDP's
+    forward, under `no_sync`), and buffers are broadcast from rank zero then.
 
-    The backward hooks (`on_before_backward`, `on_after_backward`) run once per batch, after all its pieces, with the
-    batch's loss; `training_step` runs once per piece (on_step logs show the last piece's values; on_epoch means are
-    weighted by each piece's samples). Under DDP, `training_step` must not run collectives of its own
-    (SyncBatchNorm, an all-gather): a rank that runs out of memory would leave them unmatched.
+    Keeps identical:
+        The loader, its samples and order; the optimizer steps per epoch (Lightning's `estimated_stepping_batches`,
+        `estimated_optimizer_steps`) and the LR schedules sized by them; the global batch of
+        `accumulate_grad_batches` or `AccumulationScheduler(global_batch_size=...)`, whose every micro-batch this
+        splits further. A batch that runs whole (`auto` on a CPU, or `micro_batch_size` >= the batch) runs exactly
+        as without the callback: one `training_step` call per batch. A split batch gets the update of the whole
+        batch (within floating-point rounding) where the loss is a mean over samples that do not see each other:
+        no layer taking statistics over the batch in train mode, no state carried from one piece to the next, and no
+        random draws in the step.
+
+    Changes on purpose:
+        A batch split into pieces of k runs `training_step` once per piece, with the batch's `batch_idx`: steps x
+        ceil(batch / k) calls, and not one more. Whatever a step does besides its loss (a counter, an environment
+        step, a Python random draw) happens once per piece, and a warning at the first split batch, before its
+        optimizer step, names the module's attributes that its first two pieces changed; random draws (dropout
+        masks) are drawn per piece, from the same distribution. On-step logs show the last piece's values; on-epoch
+        means are weighted by each piece's samples. The backward hooks (`on_before_backward`, `on_after_backward`) run once per batch, after
+        its pieces, with the batch's loss. An out-of-memory error runs the batch's pieces again at half the size
+        (the pieces before the error run twice). Under DDP the gradient all-reduce runs once after the backward,
+        buffers are broadcast once per optimizer step, and a DDP communication hook is not used (a warning says so).
+
+    Cannot serve:
+        Manual optimization, a `training_step` that takes `dataloader_iter`, a strategy other than one device or DDP,
+        and Lightning's `BatchSizeFinder` in the same run: a `ConfigError` at setup. A module that keeps tensors sized
+        by its batch on itself between `training_step` calls (an RNN's hidden state, as Lightning's
+        `demos.lstm.LightningLSTM` does): a split batch would hand one piece's state to the next, so the first piece of
+        the first split batch ends in a `ConfigError` naming the attribute, before that batch's optimizer step (served
+        as it is while its batches run whole). Such state is what the step set as attributes of the module or its
+        submodules, alone or in a tuple or dict, with the piece's size along their first or second dimension; a tensor
+        kept only to look at (the last batch) counts too, a list of collected outputs does not. Layers that take
+        statistics over the batch in train mode (BatchNorm, SyncBatchNorm, InstanceNorm tracking running statistics)
+        normalise each piece by its own statistics, as gradient accumulation does: a warning names them at the first
+        split batch, before its optimizer step (GroupNorm or LayerNorm keep the whole batch's update). Under DDP, a
+        `training_step` that runs collectives of its own (SyncBatchNorm, an all-gather): a rank out of memory would
+        leave them unmatched; a warning names SyncBatchNorm layers at the start of training.
 
     Args:
-        micro_batch_size: "auto" (search at the start of training) or the micro-batch to start from (no search).
+        micro_batch_size: "auto" (sized on the first batches of training) or the micro-batch to run (no sizing).
         memory_fraction: on CUDA, the share of the memory this process can use (free + what its allocator holds)
-            that a trial's peak may reach; the rest is the margin for fragmentation and data-dependent batches.
+            that a step's peak may reach; the rest is the margin for fragmentation and data-dependent batches.
         grow_after: clean batches after a recovery before trying twice the micro-batch again (never above the size
             found); None: keep the smaller size.
 
     Raises:
         ConfigError: for a bad option, manual optimization, a strategy other than one device or DDP (FSDP, model
-            parallel, pipeline and DeepSpeed split their own work), or Lightning's `BatchSizeFinder` in the same run.
-        MicroBatchTooLargeError: (at the start of training, or at the step that needs it) when one sample does not
-            fit; the message names the memory and the fixes.
+            parallel, pipeline and DeepSpeed split their own work), Lightning's `BatchSizeFinder` in the same run, or
+            batch-sized state on the module when a batch is split.
+        MicroBatchTooLargeError: (at the first batch, or at the step that needs it) when one sample does not fit;
+            the message names the sizes tried and the fixes.
 
     Logs:
         `micro_batch/size`: the micro-batch the step ran (samples); `micro_batch/oom_recoveries`: out-of-memory errors
@@ -131,19 +163,23 @@ class MicroBatchFinder(Callback):
         self.micro_batch_size = micro_batch_size
         self.memory_fraction = float(memory_fraction)
         self.grow_after = grow_after
-        self.search: MicroBatchSearch | None = None
-        """The search of this fit (None when resumed or given a size)."""
+        self.sizing: list[Trial] = []
+        """The sizes the sizing batches of this fit ran, in order: out of memory, over the budget, or fitted (with
+        their peaks on CUDA). Empty when given a size or resumed."""
         self.batch_size: int | None = None
-        """The train loader's batch size the micro-batch divides."""
+        """The train loader's batch size the micro-batch divides (the first batch's samples when the loader does not
+        say)."""
         self.found: int | None = None
-        """The micro-batch chosen at the start of training (the ceiling for growing back)."""
+        """The micro-batch the sizing settled on (the ceiling for growing back); None while sizing."""
         self.size: int | None = None
-        """The micro-batch the next batch starts from."""
+        """The micro-batch the next batch starts from; None before the first batch of `auto` (the whole batch)."""
         self.oom_recoveries = 0
-        """Out-of-memory errors survived during training (every rank counts each one)."""
+        """Out-of-memory errors survived during training, after the sizing (every rank counts each one)."""
+        self._sizing = False  # auto: the next batch still sizes the micro-batch
         self._clean = 0  # clean batches since the last recovery
         self._last_size: int | None = None  # the micro-batch the last batch ran
         self._resumed = False  # the state came from a checkpoint
+        self._watch = _Watch()
         self._restore = ExitStack()
 
     # -- set-up ---------------------------------------------------------------------------------------------------
@@ -175,91 +211,37 @@ class MicroBatchFinder(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.train_dataloader is None:
-            trainer.fit_loop.setup_data()
-        batch = None
+        self._watch = _Watch()
+        if trainer.world_size > 1:
+            synced = [n for n, m in pl_module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+            if synced:
+                rank_zero_warn(
+                    f"MicroBatchFinder: SyncBatchNorm layers ({', '.join(f'`{n}`' for n in synced)}) all-gather "
+                    "inside `training_step`; an out-of-memory error on one rank would leave that collective "
+                    "unmatched (a hang). Use BatchNorm (per-rank statistics) or GroupNorm, or remove MicroBatchFinder.",
+                    category=LightningAccelWarning,
+                )
         batch_size = loader_batch_size(trainer.train_dataloader)
-        if batch_size is None:
-            batch = _first_batch(trainer)
-            batch_size = samples_in(batch, default=1)
         resumed, self._resumed = self._resumed, False
-        if resumed and self.batch_size == batch_size and self.size and self.found:
+        if resumed and self.size and self.found and batch_size in (None, self.batch_size):
+            self._sizing = False
             rank_zero_info(
                 f"MicroBatchFinder: resumed at micro-batch {self.size} of {self.batch_size} "
                 f"({self.oom_recoveries} out-of-memory recoveries so far)."
             )
             return
-        self.batch_size, self.search = batch_size, None
+        self.batch_size, self.sizing = batch_size, []
         self.oom_recoveries = self._clean = 0
-        if self.micro_batch_size != "auto":
-            chosen, how = min(int(self.micro_batch_size), self.batch_size), "given"
-        else:
-            self.search = self._search(trainer, pl_module, _first_batch(trainer) if batch is None else batch)
-            chosen = _agree_min(trainer, self.search.micro_batch or 0)
-            if chosen == 0:
-                raise MicroBatchTooLargeError(_too_large_message(self.search, trainer))
-            how = f"trials: {_trials_text(self.search)}"
-        self.found = self.size = chosen
-        pieces = -(-self.batch_size // chosen)
-        rank_zero_info(
-            f"MicroBatchFinder: micro-batch {chosen} of the loader's {self.batch_size} ({pieces} "
-            f"micro-batch(es) per batch; {how})."
+        if self.micro_batch_size == "auto":
+            self.found = self.size = None
+            self._sizing = True
+            return
+        self._sizing = False
+        self.found = self.size = (
+            int(self.micro_batch_size) if batch_size is None else min(self.micro_batch_size, batch_size)
         )
-
-    def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> MicroBatchSearch:
-        """Forward and backward of the first `size` samples of the first batch at each size the bisection asks for,
-        with no logging, and the RNG, buffers (BatchNorm statistics) and gradients put back afterwards."""
-        device = pl_module.device
-        cuda = device.type == "cuda"
-        budget = None
-        if cuda:
-            free, total = torch.cuda.mem_get_info(device)
-            room = free + torch.cuda.memory_reserved(device)
-            capped = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
-            if capped is not None:
-                room = min(room, int(capped(device) * total))
-            budget = int(self.memory_fraction * room) - sum(optimizer_state_bytes(o) for o in trainer.optimizers)
-        n = samples_in(batch, default=1)
-        params = [p for p in pl_module.parameters() if p.requires_grad]
-        buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
-        metrics = _metric_states(pl_module)
-        rngs = _host_rngs()
-        rng = torch.random.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
-
-        def try_size(size: int) -> int | None:
-            raise_if_signalled("MicroBatchFinder's search")  # a stop signal ends the search at its next trial
-            part = batch if size >= n else split_batch(batch, [size, n - size])[0]
-            if cuda:
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            try:
-                loss = _piece_loss(trainer, _step_kwargs(pl_module, part))
-                if loss is not None:
-                    loss.backward()
-                    del loss
-                return int(torch.cuda.max_memory_allocated(device)) if cuda else None
-            finally:
-                for param in params:
-                    param.grad = None
-
-        with ExitStack() as stack:
-            for name in ("log", "log_dict"):
-                stack.callback(patch_attribute(pl_module, name, _no_log, why="MicroBatchFinder's trial steps"))
-            stack.enter_context(_no_sync(trainer))
-            try:
-                return find_micro_batch(try_size, n, budget_bytes=budget)
-            finally:
-                with torch.no_grad():
-                    for name, b in pl_module.named_buffers():
-                        if name in buffers:
-                            b.copy_(buffers[name])
-                for metric, state in metrics:
-                    metric.__dict__.update(state)
-                _set_host_rngs(rngs)
-                torch.random.set_rng_state(rng)
-                if cuda_rng is not None:
-                    torch.cuda.set_rng_state(cuda_rng, device)
+        of = "" if batch_size is None else f" of the loader's {batch_size} ({-(-batch_size // self.size)} per batch)"
+        rank_zero_info(f"MicroBatchFinder: micro-batch {self.size}{of}, given.")
 
     # -- training -------------------------------------------------------------------------------------------------
 
@@ -271,12 +253,28 @@ class MicroBatchFinder(Callback):
 
         results = _lightning.logged_results(trainer)
         whole = kwargs["batch"]
+        n = samples_in(whole, default=1)
+        if self.batch_size is None:
+            self.batch_size = n
+        sizing = self._sizing
+        meter = _cuda_meter(trainer, pl_module, params, self.memory_fraction) if sizing else None
+        attempts: list[int] = []
+
+        def on_attempt(size: int) -> None:
+            attempts.append(size)
+            if meter is not None:
+                meter.reset()
 
         def loss_fn(part: Any) -> torch.Tensor | None:
             extra.clear()  # the last piece's outputs (a failed attempt's among them) go before the next forward
             if results is not None:  # self.log weighs on-epoch means by this piece's samples, not the batch's
                 results.batch, results.batch_size = part, None
+            k = samples_in(part, default=1)
+            before = self._watch.before_step(self, pl_module, k, n)
             output = _piece_output(trainer, OrderedDict(kwargs, batch=part))
+            if before is not None:
+                self._watch.after_step(self, pl_module, before, k, n)
+            self._watch.after_piece(pl_module, k, n)
             result = ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
             extra.update(result.extra)
             return result.closure_loss
@@ -296,10 +294,15 @@ class MicroBatchFinder(Callback):
                     loss_fn,
                     whole,
                     params,
-                    piece=self.size,
+                    piece=self.size or n,
                     agree=agree,
                     backward=piece_backward if backward is not None else _skip_backward,
+                    on_attempt=on_attempt,
                 )
+        except MicroBatchTooLargeError as err:
+            if not sizing:
+                raise
+            raise MicroBatchTooLargeError(_too_large_message(attempts, n)) from err
         finally:
             if results is not None:
                 results.batch, results.batch_size = whole, None
@@ -308,7 +311,10 @@ class MicroBatchFinder(Callback):
             if getattr(model, "broadcast_buffers", False):  # what DDP's forward did: rank zero's buffers everywhere
                 for buffer in pl_module.buffers():
                     torch.distributed.broadcast(buffer, src=_group_rank_zero(group), group=group)
-        self._after_batch(trainer, step.piece, step.recoveries)
+        if sizing:
+            self._sized(trainer, step.piece, attempts, meter, n)
+        else:
+            self._after_batch(trainer, step.piece, step.recoveries)
         if step.loss is None:
             return ClosureResult(None, extra=extra)
         if backward is not None:
@@ -318,6 +324,40 @@ class MicroBatchFinder(Callback):
             _lightning.call_callback_hooks(trainer, "on_after_backward")
             _lightning.call_module_hook(trainer, "on_after_backward")
         return ClosureResult(step.loss, extra=extra)
+
+    def _sized(self, trainer: pl.Trainer, piece: int, attempts: list[int], meter: _Meter | None, n: int) -> None:
+        """After a sizing batch: the size the next batch runs; the sizing ends when every rank's batch fitted."""
+        assert self.batch_size is not None, "set by the batch"
+        self.sizing += [Trial(size, fits=False, reason="out of memory") for size in attempts[:-1]]
+        proposal = piece
+        if meter is None:
+            self.sizing.append(Trial(piece, fits=True))
+        else:
+            peak = meter.peak()
+            fits = peak <= meter.budget
+            reason = "" if fits else f"peak {_mib(peak)} over the budget of {_mib(meter.budget)}"
+            self.sizing.append(Trial(piece, fits=fits, peak_bytes=peak, reason=reason))
+            if not fits and piece >= n and self._watch.state:
+                rank_zero_warn(
+                    f"MicroBatchFinder: the batch of {n} peaked at {_mib(peak)}, over `memory_fraction="
+                    f"{self.memory_fraction}` ({_mib(meter.budget)}), but the module keeps batch-sized state "
+                    f"({_names(self._watch.state)}), so its batches stay whole. Lower the loader's batch size to keep "
+                    "the margin.",
+                    category=LightningAccelWarning,
+                )
+            elif not fits:
+                proposal = micro_batch_for_budget(
+                    self.batch_size, piece, peak_bytes=peak, base_bytes=meter.base, budget_bytes=meter.budget
+                )
+        agreed = _agree_min(trainer, proposal)
+        self._last_size, self.size = piece, agreed
+        if agreed == piece:  # every rank's batch fitted at this size
+            self.found, self._sizing = piece, False
+            pieces = -(-self.batch_size // piece)
+            rank_zero_info(
+                f"MicroBatchFinder: micro-batch {piece} of the loader's {self.batch_size} ({pieces} per batch), sized "
+                f"on the first batch(es) of training: {_sizing_text(self.sizing)}."
+            )
 
     def _after_batch(self, trainer: pl.Trainer, piece: int, recoveries: int) -> None:
         self._last_size = piece
@@ -365,6 +405,140 @@ class MicroBatchFinder(Callback):
         self._resumed = True
 
 
+class _Watch:
+    """What a fit's first pieces show about the module: batch-sized state it keeps on itself, checked after its first
+    `training_step` and after the first piece of a split batch; and the layers with batch statistics, named at the
+    first split batch."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, tuple[int, ...]] = {}
+        """Batch-sized tensors the first whole batch left on the module (name -> shape)."""
+        self.whole_checked = self.split_checked = False
+        self._carried: dict[str, Any] | None = None  # the fingerprint after the first split piece
+        self._carried_checked = False
+
+    def before_step(
+        self, finder: MicroBatchFinder, module: torch.nn.Module, k: int, n: int
+    ) -> dict[str, torch.Tensor] | None:
+        """Before a piece of k of a batch of n: refuse a split the module's state cannot take, warn of batch
+        statistics; the module's tensors when this piece is to be checked."""
+        if k >= n:
+            return None if self.whole_checked else held_tensors(module)
+        if self.state:
+            raise _state_error(finder, self.state, k, n)
+        if self.split_checked:
+            return None
+        layers = batch_statistics_layers(module)
+        if layers:
+            rank_zero_warn(
+                f"MicroBatchFinder: each batch of {n} runs as micro-batches of {k}, and these layers take statistics "
+                f"over the batch in train mode: {', '.join(f'`{name}` ({kind})' for name, kind in layers.items())}. "
+                "Each piece is normalised by its own statistics (and running statistics are updated once per "
+                "piece), so the update is not the whole batch's: it is what gradient accumulation over these pieces "
+                "gives. For the whole batch's update use GroupNorm or LayerNorm, or a `micro_batch_size` >= the "
+                "batch; or accept per-piece statistics, as gradient accumulation does.",
+                category=LightningAccelWarning,
+            )
+        return held_tensors(module)
+
+    def after_step(
+        self, finder: MicroBatchFinder, module: torch.nn.Module, before: dict[str, torch.Tensor], k: int, n: int
+    ) -> None:
+        found = batch_sized_state(before, held_tensors(module), k)
+        if k >= n:
+            self.whole_checked, self.state = True, found
+            return
+        self.split_checked = True
+        if found:
+            raise _state_error(finder, found, k, n)
+
+    def after_piece(self, module: torch.nn.Module, k: int, n: int) -> None:
+        """After the first two pieces of the first split batch: warn of any other state `training_step` changes from
+        call to call (a counter, an RL agent's environment and replay buffer), which now changes once per piece. Two
+        pieces, not one: a cache built at the fit's first call (a mask, a positional table) changes only once."""
+        if k >= n or self._carried_checked:
+            return
+        now = module_state.fingerprint(module)
+        if self._carried is None:
+            self._carried = now
+            return
+        self._carried_checked = True
+        carried = [name for name in module_state.changed(self._carried, now) if name not in self.state]
+        if carried:
+            rank_zero_warn(
+                f"MicroBatchFinder: each batch of {n} runs as micro-batches of {k}, so `training_step` runs once per "
+                f"piece, and it changes the module's own state from call to call: "
+                f"{', '.join(f'`{name}`' for name in carried)}. Whatever it does there besides its loss (an "
+                "environment step, a replay-buffer append, a counter) now happens once per piece, not once per batch. "
+                f"Use `micro_batch_size` >= {n} to keep one call per batch, or move that work out of `training_step` "
+                "(`on_train_batch_start`).",
+                category=LightningAccelWarning,
+            )
+
+
+def _state_error(finder: MicroBatchFinder, state: dict[str, tuple[int, ...]], k: int, n: int) -> ConfigError:
+    why = (
+        f"`micro_batch_size={finder.micro_batch_size}`"
+        if finder.micro_batch_size != "auto"
+        else "the whole batch ran out of memory or over `memory_fraction`"
+    )
+    return ConfigError(
+        f"MicroBatchFinder would run each batch of {n} as micro-batches of {k} ({why}), but `training_step` keeps "
+        f"state sized by its batch on the module: {_names(state)}. The next piece would take one piece's state as "
+        f"its own (or fail on the size). Use `micro_batch_size` >= {n} (the batch runs whole, the module as it is), "
+        "or keep per-sample state off the module (return it from `training_step`, or carry it in the batch).",
+        setting="micro_batch_size",
+    )
+
+
+def _names(state: dict[str, tuple[int, ...]]) -> str:
+    return ", ".join(f"`{name}` (shape {tuple(shape)})" for name, shape in state.items())
+
+
+@dataclass
+class _Meter:
+    """A sizing step's device memory on CUDA: what it held before its first forward plus the gradients it allocates
+    (memory that does not grow with the micro-batch), and the most its peak may reach."""
+
+    device: torch.device
+    grad_bytes: int
+    budget: int
+    base: int = 0
+
+    def reset(self) -> None:
+        """Before an attempt: the peak counter restarts, and the base is what the device holds now."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = int(torch.cuda.memory_allocated(self.device)) + self.grad_bytes
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+
+def _cuda_meter(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, params: list[torch.nn.Parameter], memory_fraction: float
+) -> _Meter | None:
+    """The meter of a sizing step on CUDA (None on another device): the budget is `memory_fraction` of the free
+    memory plus what this process's allocator holds (capped by `set_per_process_memory_fraction`), less the state
+    an optimizer that has not stepped yet will allocate."""
+    device = pl_module.device
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    room = free + torch.cuda.memory_reserved(device)
+    capped = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.6
+    if capped is not None:
+        room = min(room, int(capped(device) * total))
+    pending = sum(optimizer_state_bytes(o) for o in trainer.optimizers if not o.state)
+    grads = sum(p.numel() * p.element_size() for p in params)
+    return _Meter(device, grad_bytes=grads, budget=int(memory_fraction * room) - pending)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
 class _PiecesClosure(Closure):
     """Lightning's closure for one batch, run by MicroBatchFinder in micro-batches (zero_grad first, as the
     gradients are snapshotted before the batch)."""
@@ -397,10 +571,6 @@ def _skip_backward(loss: torch.Tensor) -> None:
     """Lightning skips the backward (its `_skip_backward`): the pieces run their forwards only."""
 
 
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    """`LightningModule.log` during the search's trial steps: nothing is logged."""
-
-
 def _piece_output(trainer: pl.Trainer, kwargs: OrderedDict) -> Any:
     """`training_step` on one micro-batch as the strategy runs it, but past DDP's forward (its buffer broadcast and
     reducer are collectives a rank out of memory would leave unmatched; the gradients are averaged afterwards)."""
@@ -411,56 +581,6 @@ def _piece_output(trainer: pl.Trainer, kwargs: OrderedDict) -> Any:
     if output is None and trainer.world_size > 1:
         raise RuntimeError("Skipping the `training_step` by returning None in distributed training is not supported.")
     return output
-
-
-def _piece_loss(trainer: pl.Trainer, kwargs: dict[str, Any]) -> torch.Tensor | None:
-    output = _piece_output(trainer, OrderedDict(kwargs))
-    return ClosureResult.from_training_step_output(output, 1).closure_loss
-
-
-def _step_kwargs(pl_module: pl.LightningModule, batch: Any) -> dict[str, Any]:
-    """`training_step`'s arguments as Lightning passes them: `batch_idx` only where the signature takes it."""
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-
-    kwargs: dict[str, Any] = {"batch": batch}
-    if is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2):
-        kwargs["batch_idx"] = 0
-    return kwargs
-
-
-def _metric_states(pl_module: pl.LightningModule) -> list[tuple[Any, dict[str, Any]]]:
-    """Copies of every torchmetrics Metric's states (its `_defaults` keys, update count, cached result), so trial
-    steps that update metrics leave them as they were."""
-    import copy
-
-    saved = []
-    for module in pl_module.modules():
-        defaults = getattr(module, "_defaults", None)
-        if isinstance(defaults, dict) and hasattr(module, "_update_count"):
-            keys = [*defaults, "_update_count", "_computed"]
-            saved.append((module, {k: copy.deepcopy(module.__dict__[k]) for k in keys if k in module.__dict__}))
-    return saved
-
-
-def _host_rngs() -> dict[str, Any]:
-    """Python's and (when imported) numpy's global random states."""
-    import random
-    import sys
-
-    states: dict[str, Any] = {"random": random.getstate()}
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        states["numpy"] = numpy.random.get_state()
-    return states
-
-
-def _set_host_rngs(states: dict[str, Any]) -> None:
-    import random
-    import sys
-
-    random.setstate(states["random"])
-    if "numpy" in states:
-        sys.modules["numpy"].random.set_state(states["numpy"])
 
 
 def _any_rank(flag: bool, device: torch.device, group: Any) -> bool:
@@ -491,53 +611,6 @@ def _agree_min(trainer: pl.Trainer, value: int) -> int:
         return value
     tensor = torch.tensor(value, device=trainer.strategy.root_device)
     return int(trainer.strategy.reduce(tensor, reduce_op="min").item())
-
-
-def _first_batch(trainer: pl.Trainer) -> Any:
-    """The train loader's first batch on the device (the RNG a shuffling sampler draws from is put back)."""
-    if trainer.train_dataloader is None:
-        trainer.fit_loop.setup_data()
-    loader = trainer.train_dataloader
-    assert loader is not None, "`fit_loop.setup_data()` sets the train DataLoader"
-    sampler = getattr(loader, "sampler", None)
-    generators = [
-        g
-        for g in (getattr(loader, "generator", None), getattr(sampler, "generator", None))
-        if isinstance(g, torch.Generator)
-    ]
-    states = [g.get_state() for g in generators]
-    rng, host = torch.random.get_rng_state(), _host_rngs()
-    try:
-        batch = next(iter(loader))
-    except StopIteration:
-        raise ConfigError(
-            "MicroBatchFinder: the train DataLoader yields no batch to size the micro-batch on."
-        ) from None
-    finally:
-        torch.random.set_rng_state(rng)
-        _set_host_rngs(host)
-        for generator, state in zip(generators, states, strict=True):
-            generator.set_state(state)
-    return trainer.strategy.batch_to_device(batch)
-
-
-def _trials_text(search: MicroBatchSearch) -> str:
-    def one(trial: Any) -> str:
-        peak = "" if trial.peak_bytes is None else f" ({trial.peak_bytes / 2**20:.0f} MiB)"
-        return f"{trial.size} {'fits' if trial.fits else 'no: ' + trial.reason}{peak}"
-
-    return ", ".join(one(t) for t in search.trials)
-
-
-def _too_large_message(search: MicroBatchSearch | None, trainer: pl.Trainer) -> str:
-    tried = _trials_text(search) if search is not None and search.trials else "on another rank"
-    return (
-        f"MicroBatchFinder: not even one sample of the train loader's batch fits the device (trials: {tried}). "
-        "Reduce the memory per sample: activation checkpointing (Parallelize(activation_checkpointing=True)), bf16 "
-        "(precision='bf16-mixed', or accel-train precision=bf16_mixed), a model-parallel strategy "
-        "(ModelParallelStrategy, PipelineStrategy), or shorter sequences; or lower `memory_fraction` only if it is "
-        "the margin that rules one sample out."
-    )
 
 
 def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -574,3 +647,21 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             "MicroBatchFinder keeps the batch size and splits it; Lightning's BatchSizeFinder changes "
             "it. Use one of them."
         )
+
+
+def _sizing_text(trials: list[Trial]) -> str:
+    def one(trial: Trial) -> str:
+        peak = "" if trial.peak_bytes is None else f" ({_mib(trial.peak_bytes)})"
+        return f"{trial.size} {'fits' if trial.fits else trial.reason}{peak if trial.fits else ''}"
+
+    return ", ".join(one(t) for t in trials)
+
+
+def _too_large_message(attempts: list[int], n: int) -> str:
+    return (
+        f"MicroBatchFinder: not even one sample of the batch of {n} fits the device (out of memory at micro-batches "
+        f"{', '.join(map(str, attempts))}). Reduce the memory per sample: activation checkpointing "
+        "(Parallelize(activation_checkpointing=True)), bf16 (precision='bf16-mixed', or accel-train "
+        "precision=bf16_mixed), a model-parallel strategy (ModelParallelStrategy, PipelineStrategy), or shorter "
+        "sequences."
+    )

@@ -97,13 +97,13 @@ class StopOnSignal(Callback):
        loading, a collective with a dead peer, a long validation.
 
     The handler is installed in `setup`, before anything slow runs (the DataLoaderTuner's trials in `on_fit_start`,
-    MicroBatchFinder's search, compiling at the first forward, the sanity check), and Lightning's own SIGTERM handler
-    is never registered while it runs (its registration is patched to leave ours in place). A signal before the
-    first training batch of a new fit has ended, when there is nothing to save, ends the process at once with
+    MicroBatchFinder's first batches, compiling at the first forward, the sanity check), and Lightning's own SIGTERM
+    handler is never registered while it runs (its registration is patched to leave ours in place). A signal before
+    the first training batch of a new fit has ended, when there is nothing to save, ends the process at once with
     `SignalExit` (from the handler: a compile or a tuner's trial does not hold it; rank 0 forwards the signal, so
-    every rank ends); the tuner's trials and the search also check `pending_signal` between steps. Under one process
-    a signal during validation, test or predict stops at the next batch (without a new checkpoint: the last one
-    stays); under several, training stops at the next closed window and other stages by the watchdog.
+    every rank ends); the tuner's trials also check `pending_signal` between steps. Under one process a signal
+    during validation, test or predict stops at the next batch (without a new checkpoint: the last one stays); under
+    several, training stops at the next closed window and other stages by the watchdog.
 
     Keeps identical: every fit that receives no signal (the zoo); with a signal, every step up to the one it stops at,
         and no accumulation window is cut.

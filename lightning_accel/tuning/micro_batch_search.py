@@ -1,10 +1,12 @@
-"""Micro-batch sizing by experiment: the largest micro-batch that fits, and splitting a batch that did not.
+"""Micro-batch sizing by experiment: how large a micro-batch fits, and splitting a batch that did not.
 
-The search and the splitting the micro-batch finder (`callbacks.MicroBatchFinder`) is built on, with no Trainer in them:
+The sizing and the splitting the micro-batch finder (`callbacks.MicroBatchFinder`) is built on, with no Trainer in
+them:
 
 - `candidate_sizes(batch_size)`: the micro-batches a batch divides into evenly, largest first;
-- `find_micro_batch(try_size, batch_size)`: the largest candidate whose trial fits (no out-of-memory error, and a
-  peak within the budget when the trial measures one), by bisection over the candidates;
+- `micro_batch_for_budget(batch_size, ran, peak_bytes=, base_bytes=, budget_bytes=)`: after a real step of `ran`
+  samples whose peak device memory was measured, the micro-batch the next steps should run to stay within a budget
+  (memory grows about linearly with the micro-batch above what the step held before it started);
 - `split_sizes(n, piece)` and `split_batch(batch, sizes)`: a batch cut into micro-batches along its first dimension
   (30 in pieces of 8: 8, 8, 8, 6), with `sample_weights(sizes)`, the share of each piece in the batch's mean loss
   (a piece's mean loss times its share sums to the whole batch's mean, which equal weights would not);
@@ -12,14 +14,17 @@ The search and the splitting the micro-batch finder (`callbacks.MicroBatchFinder
   from out-of-memory by splitting further, with the gradients of the whole batch and ranks kept in lockstep;
 - `is_out_of_memory(err)` and `release_memory()`: what counts as running out of device memory (torch's
   `OutOfMemoryError` on CUDA, and the same class raised by a memory-budget seam on a CPU), and freeing what a
-  failed attempt held.
+  failed attempt held;
+- `held_tensors(module)`, `batch_sized_state(before, after, samples)` and `batch_statistics_layers(module)`: what
+  makes a module's update differ when its batch is split: state sized by the batch that a step leaves on the module
+  (an RNN's hidden state), and layers that take statistics over the batch (BatchNorm).
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,15 +33,17 @@ from lightning_accel.batches import samples_in
 from lightning_accel.errors import ConfigError, ConfigTypeError
 
 __all__ = [
-    "MicroBatchSearch",
     "MicroBatchTooLargeError",
     "SplitStep",
     "Trial",
     "average_gradients",
     "backward_in_pieces",
+    "batch_sized_state",
+    "batch_statistics_layers",
     "candidate_sizes",
-    "find_micro_batch",
+    "held_tensors",
     "is_out_of_memory",
+    "micro_batch_for_budget",
     "optimizer_state_bytes",
     "release_memory",
     "sample_weights",
@@ -80,83 +87,38 @@ def release_memory() -> None:
 
 @dataclass(frozen=True)
 class Trial:
-    """One attempt of the search: a micro-batch size, whether it fitted, and its peak memory when measured."""
+    """One size a sizing step ran: the micro-batch, whether it fitted, and its peak memory when measured."""
 
     size: int
     fits: bool
+    """No out-of-memory error, and a measured peak within the budget."""
     peak_bytes: int | None = None
-    """The trial's peak device memory (CUDA); None where it is not measured (a CPU)."""
+    """The step's peak device memory (CUDA); None where it is not measured (a CPU, an attempt that ran out)."""
     reason: str = ""
     """Why it did not fit: "out of memory", or the peak against the budget."""
 
 
-@dataclass(frozen=True)
-class MicroBatchSearch:
-    """The search's result: the micro-batch it chose and every trial, in the order run."""
-
-    batch_size: int
-    micro_batch: int | None
-    """The largest candidate that fitted; None when not even one sample did."""
-    trials: tuple[Trial, ...] = field(default_factory=tuple)
-
-    @property
-    def micro_batches(self) -> int | None:
-        """Micro-batches per batch at the chosen size (the accumulation factor the batch gains)."""
-        return None if self.micro_batch is None else self.batch_size // self.micro_batch
-
-
-def find_micro_batch(
-    try_size: Callable[[int], int | None],
-    batch_size: int,
-    *,
-    budget_bytes: int | None = None,
-) -> MicroBatchSearch:
-    """The largest micro-batch among `candidate_sizes(batch_size)` whose trial fits, by bisection (memory grows with
-    the micro-batch, so a size that fits means every smaller one does).
+def micro_batch_for_budget(batch_size: int, ran: int, *, peak_bytes: int, base_bytes: int, budget_bytes: int) -> int:
+    """The micro-batch to run after a step of `ran` samples that peaked at `peak_bytes`: `ran` itself when that is
+    within `budget_bytes` (or `ran` is 1); else the largest of `candidate_sizes(batch_size)` below `ran` whose peak,
+    estimated as `base_bytes` plus the step's bytes per sample times its samples, is within the budget; 1 when none
+    is.
 
     Args:
-        try_size: runs one forward and backward at the given micro-batch size and returns its peak device memory in
-            bytes (None where not measured); raises torch's `OutOfMemoryError` when it does not fit. It is called
-            with each size at most once, and memory is released after each failed trial.
-        batch_size: the loader's batch size, the largest candidate.
-        budget_bytes: a trial whose peak exceeds this does not fit either (the margin below the device's memory);
-            None: only an out-of-memory error rules a size out.
-
-    Returns:
-        The search, with `micro_batch=None` when even 1 sample does not fit.
+        batch_size: the loader's batch, whose divisors are the candidates.
+        ran: the samples per micro-batch of the measured step.
+        peak_bytes: its peak device memory.
+        base_bytes: what the step held before its first forward, plus the gradients it allocates (memory that does
+            not grow with the micro-batch).
+        budget_bytes: the most a step's peak may reach.
     """
-    sizes = candidate_sizes(batch_size)  # largest first
-    trials: list[Trial] = []
-    lo, hi = 0, len(sizes) - 1  # the answer's index lies in [lo, hi]; sizes[hi] (1) is the last resort
-    best: int | None = None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        trial = _run_trial(try_size, sizes[mid], budget_bytes)
-        trials.append(trial)
-        if trial.fits:
-            best, hi = sizes[mid], mid - 1  # fits: try larger sizes (smaller indices)
-        else:
-            lo = mid + 1
-    return MicroBatchSearch(batch_size=batch_size, micro_batch=best, trials=tuple(trials))
-
-
-def _run_trial(try_size: Callable[[int], int | None], size: int, budget_bytes: int | None) -> Trial:
-    first_line: str | None
-    try:
-        peak = try_size(size)
-    except Exception as err:
-        if not is_out_of_memory(err):
-            raise
-        first_line = (str(err).strip().splitlines() or [""])[0][:300]
-        peak = None
-    else:
-        first_line = None
-    if first_line is not None:
-        release_memory()  # outside the `except`: the handled error's frames no longer hold the trial's tensors
-        return Trial(size, fits=False, reason=f"out of memory ({first_line})" if first_line else "out of memory")
-    if budget_bytes is not None and peak is not None and peak > budget_bytes:
-        return Trial(size, fits=False, peak_bytes=peak, reason=f"peak {peak} B over the budget of {budget_bytes} B")
-    return Trial(size, fits=True, peak_bytes=peak)
+    if peak_bytes <= budget_bytes or ran <= 1:
+        return ran
+    per_sample = max(0, peak_bytes - base_bytes) / ran
+    for size in candidate_sizes(batch_size):
+        if size < ran and base_bytes + per_sample * size <= budget_bytes:
+            return size
+    return 1
 
 
 def split_sizes(n: int, piece: int) -> list[int]:
@@ -230,6 +192,7 @@ def backward_in_pieces(
     piece: int | None = None,
     agree: Callable[[bool], bool] | None = None,
     backward: Callable[[torch.Tensor], None] | None = None,
+    on_attempt: Callable[[int], None] | None = None,
 ) -> SplitStep:
     """Forward and backward of `batch` as micro-batches of `piece` samples (the whole batch when None), with the
     gradient of the whole batch's mean loss: each piece's mean loss is weighted by its share of the samples.
@@ -262,6 +225,8 @@ def backward_in_pieces(
     while True:
         for param in params:
             param.grad = None
+        if on_attempt is not None:
+            on_attempt(size)
         sizes = split_sizes(n, min(size, n))
         message: str | None = None
         total: torch.Tensor | None = None
@@ -359,7 +324,7 @@ def average_gradients(params: Sequence[torch.nn.Parameter], group: Any = None, b
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """The device memory `optimizer`'s state takes once it has stepped: what it holds now, or, before its first step,
     an estimate from its kind (Adam-like optimizers keep two tensors per parameter, momentum SGD one, others none),
-    the room a search run before the first step must leave."""
+    the room a step measured before the optimizer's first step must leave for it."""
     held = sum(
         value.numel() * value.element_size()
         for state in optimizer.state.values()
@@ -376,3 +341,57 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         per_param = 1
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     return per_param * sum(p.numel() * p.element_size() for p in params)
+
+
+def held_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors `module` and its submodules hold as plain attributes, alone or in a tuple or a public dict, by
+    qualified name (`model.hidden[0]`): not parameters or buffers, nor the states of torchmetrics metrics (their
+    accumulators), nor the items of lists (outputs collected for the epoch's end, which a split leaves whole)."""
+    held: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        if hasattr(sub, "_defaults") and hasattr(sub, "_update_count"):  # a torchmetrics Metric
+            continue
+        for name, value in vars(sub).items():
+            qualified = f"{prefix}.{name}" if prefix else name
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                held[qualified] = value
+            elif isinstance(value, tuple):
+                held.update((f"{qualified}[{i}]", v) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
+            elif isinstance(value, dict) and not name.startswith("_"):  # `_parameters`, `_buffers`: nn.Module's own
+                held.update((f"{qualified}[{k!r}]", v) for k, v in value.items() if isinstance(v, torch.Tensor))
+    return held
+
+
+def batch_sized_state(
+    before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor], samples: int
+) -> dict[str, tuple[int, ...]]:
+    """The tensors of `after` (a `held_tensors` taken after a step) that the step set, not the same objects as in
+    `before`, and that hold `samples` along their first or second dimension (an RNN's hidden state is (layers,
+    batch, features)): state sized by the step's batch that the module keeps for its next step. Name -> shape."""
+    found = {}
+    for name, tensor in after.items():
+        if before.get(name) is tensor or tensor.dim() == 0:
+            continue
+        if tensor.shape[0] == samples or (tensor.dim() > 1 and tensor.shape[1] == samples):
+            found[name] = tuple(tensor.shape)
+    return found
+
+
+def batch_statistics_layers(module: torch.nn.Module) -> dict[str, str]:
+    """The layers of `module` whose output or running statistics depend on the whole batch as they run now: BatchNorm
+    of any kind (SyncBatchNorm and the lazy ones too) in train mode or without running statistics, and InstanceNorm
+    in train mode that tracks running statistics (averaged over the batch). Qualified name -> class name."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    found = {}
+    for name, layer in module.named_modules():
+        if isinstance(layer, _InstanceNorm):
+            batchwise = layer.training and layer.track_running_stats
+        elif isinstance(layer, _BatchNorm):
+            batchwise = layer.training or layer.running_mean is None
+        else:
+            batchwise = False
+        if batchwise:
+            found[name or type(module).__name__] = type(layer).__name__
+    return found

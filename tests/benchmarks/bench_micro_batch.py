@@ -5,7 +5,8 @@ A model too large to train the loader's batch of `--batch` whole: a memory budge
 torch's `OutOfMemoryError`) lets at most `--fits` samples through one forward. Each configuration trains the same
 samples in the same order for `--steps` optimizer steps of `--batch` samples:
 
-- `auto`: the loader's batch of `--batch` with `MicroBatchFinder()`, which searches the micro-batch at fit start;
+- `auto`: the loader's batch of `--batch` with `MicroBatchFinder()`, whose first batch runs whole, runs out of
+  memory and is halved until it fits (the size every batch after it starts from);
 - `hand N`: what a user does by hand to be safe: a loader batch of N and `accumulate_grad_batches = batch / N` (the
   smallest micro-batch that surely fits is 1; `--hand` lists the sizes to time).
 
@@ -107,7 +108,7 @@ def run(name: str, args: argparse.Namespace, data: TensorDataset, root: str) -> 
         "micro_batch": finder.found if finder is not None else int(name.split()[1]),
         "samples_per_s": args.batch * len(timed) / sum(timed),
         "wall_s": wall,
-        "search_trials": None if finder is None or finder.search is None else len(finder.search.trials),
+        "sizing_steps": None if finder is None else len(finder.sizing),
         "ooms": budget.ooms,
         "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
     }
@@ -144,17 +145,17 @@ def main() -> None:
     auto = summarize([r["samples_per_s"] for r in results["auto"]])
     print(
         f"{'configuration':>16} | micro-batch | samples/s median [interval] | vs auto | fit wall s (median) | "
-        "search trials | same update"
+        "sizes tried | same update"
     )
     for name in names:
         rates = summarize([r["samples_per_s"] for r in results[name]])
         same = all(torch.allclose(r["weights"], reference, rtol=1e-4, atol=1e-4) for r in results[name])
-        trials = results[name][0]["search_trials"]
+        trials = results[name][0]["sizing_steps"]
         wall = summarize([r["wall_s"] for r in results[name]]).median
         print(
             f"{name:>16} | {results[name][0]['micro_batch']:>11} | {rates.median:>10,.0f} [{rates.low:,.0f}, "
             f"{rates.high:,.0f}] | {rates.median / auto.median:>6.2f}x | {wall:>19.2f} | "
-            f"{'-' if trials is None else trials:>13} | {'yes' if same else 'NO'}"
+            f"{'-' if trials is None else trials:>11} | {'yes' if same else 'NO'}"
         )
     print(f"load at the end {os.getloadavg()[0]:.2f}")
 

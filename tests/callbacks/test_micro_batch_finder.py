@@ -1,8 +1,11 @@
-"""MicroBatchFinder in a real CPU Trainer: the micro-batch found under a memory budget, recovery from out-of-memory
-inside a step, and the update of the whole batch every time (weights equal a run without it, 1e-5)."""
+"""MicroBatchFinder in a real CPU Trainer: the micro-batch sized on the first real step under a memory budget (no trial
+steps: `training_step` runs as often as without it, once per piece), recovery from out-of-memory inside a step, the
+update of the whole batch (weights equal a run without it, 1e-5), and the modules it cannot serve as they are: state
+sized by the batch on the module (refused by name), BatchNorm (a warning naming the layers)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,9 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.callbacks import AccumulationScheduler, MicroBatchFinder
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.schedules import estimated_optimizer_steps
-from lightning_accel.tuning.micro_batch_search import MicroBatchTooLargeError
+from lightning_accel.tuning.micro_batch_search import MicroBatchTooLargeError, Trial, split_sizes
 
 FEATURES = 8
 TOL = 1e-5
@@ -44,8 +47,8 @@ class BudgetedModel(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
         self.budget, self.oom_at_steps, self.onecycle = budget, set(oom_at_steps), onecycle
-        self.pieces: list[int] = []  # samples of each training_step call of a training batch (not the search's)
-        self.trials: list[int] = []  # samples of each training_step call of the search that got past the budget
+        self.pieces: list[int] = []  # samples of each training_step call inside a training batch past the budget
+        self.outside: list[int] = []  # samples of each training_step call outside a training batch (none expected)
         self._in_batch = False
         self.lrs: list[float] = []
 
@@ -56,7 +59,7 @@ class BudgetedModel(pl.LightningModule):
             raise torch.OutOfMemoryError("CUDA out of memory (injected at this step)")
         if self.budget is not None:
             self.budget.check(x)
-        (self.pieces if self._in_batch else self.trials).append(int(x.shape[0]))
+        (self.pieces if self._in_batch else self.outside).append(int(x.shape[0]))
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train/loss", loss)
         return loss
@@ -122,47 +125,98 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> BudgetedModel:
 
 
 def test_a_budget_of_4_samples_gives_micro_batch_4_and_the_whole_batchs_weights(reference, tmp_path) -> None:
+    """No trial steps: the first batch runs whole as a real step, runs out of memory at 32, 16 and 8 (the recovery
+    path), fits at 4, and the 19 batches after it start at 4."""
     model, finder = BudgetedModel(budget_for(4)), MicroBatchFinder()
     trainer = fit(model, [finder], tmp_path)
-    assert finder.search is not None and finder.search.micro_batch == 4 and finder.found == finder.size == 4
-    assert [t.size for t in finder.search.trials] == [8, 2, 4]  # bisection over 32, 16, 8, 4, 2, 1
+    assert finder.found == finder.size == 4
+    assert [(t.size, t.fits) for t in finder.sizing] == [(32, False), (16, False), (8, False), (4, True)]
+    assert model.budget is not None and model.budget.ooms == 3  # on the first batch only
     assert trainer.global_step == 20
-    assert model.trials == [2, 4]  # 8 ran out of memory
-    assert model.pieces == [4] * 8 * 20  # 8 micro-batches per batch, no whole batch ever tried in training
-    assert finder.oom_recoveries == 0
+    assert model.outside == []  # no training_step call outside a training batch
+    assert model.pieces == [4] * 8 * 20  # 8 micro-batches per batch
+    assert finder.oom_recoveries == 0  # the first batch's errors sized the micro-batch
     assert trainer.callback_metrics["micro_batch/size"] == 4
     assert_same_weights(model, reference)
 
 
-def test_the_search_leaves_no_trace(tmp_path) -> None:
-    """The trial steps leave buffers (BatchNorm statistics) and the RNG as they were: a buffer counting forwards
-    sees only the training's, and a shuffling loader draws the order it draws without the finder."""
+class Observed(BudgetedModel):
+    """Everything a `training_step` does besides its loss, as a user would see it: a Python counter, a buffer, a
+    Python random draw, and the samples of the first call (kept in a list: a batch-sized tensor held as an attribute
+    would be state the finder refuses to split)."""
 
-    class Counting(BudgetedModel):
-        def __init__(self, budget: MemoryBudget | None = None) -> None:
-            super().__init__(budget)
-            self.register_buffer("seen", torch.zeros(()))
-            self.first_x: torch.Tensor | None = None
+    def __init__(self, budget: MemoryBudget | None = None) -> None:
+        super().__init__(budget)
+        self.calls = 0
+        self.register_buffer("seen", torch.zeros(()))
+        self.draws: list[float] = []
+        self.first_x: list[torch.Tensor] = []
 
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        import random
+
+        self.calls += 1
+        self.seen += 1
+        self.draws.append(random.random())
+        if not self.first_x:
+            self.first_x.append(batch[0].clone())
+        return super().training_step(batch, batch_idx)
+
+
+def _observed_fit(tmp_path: Any, callbacks: list[pl.Callback], steps: int = 4) -> Observed:
+    import random
+
+    random.seed(3)
+    torch.manual_seed(5)
+    model = Observed()
+    fit(model, callbacks, tmp_path, data=DataLoader(loader().dataset, batch_size=32, shuffle=True), max_steps=steps)
+    return model
+
+
+@pytest.mark.parametrize(("setting", "per_batch"), [("auto", 1), (32, 1), (64, 1), (8, 4), (12, 3)])
+def test_training_step_runs_exactly_as_often_as_without_the_finder(tmp_path, setting: Any, per_batch: int) -> None:
+    """4 steps of batches of 32: `auto` on a CPU and a size >= the batch run whole, exactly as without the finder (the
+    same calls, buffer, Python draws, shuffled order and weights); a size k splits each batch into ceil(32 / k)
+    pieces: steps x ceil(32 / k) calls, not one more."""
+    plain = _observed_fit(tmp_path / "plain", [])
+    finder = MicroBatchFinder(micro_batch_size=setting)
+    model = _observed_fit(tmp_path / "finder", [finder])
+    assert plain.calls == plain.seen.item() == 4
+    assert model.calls == model.seen.item() == 4 * per_batch
+    assert model.pieces == (plain.pieces if per_batch == 1 else split_sizes(32, setting) * 4)
+    if per_batch == 1:
+        assert model.draws == plain.draws and finder.found == 32 and finder.sizing in ([], [Trial(32, fits=True)])
+    torch.testing.assert_close(model.first_x[0], plain.first_x[0][: model.pieces[0]])  # the same shuffled order
+    assert_same_weights(model.net, plain.net)  # (the `seen` buffer counts the pieces)
+
+
+@pytest.mark.parametrize("setting", [8, 32])
+def test_state_a_step_changes_on_every_call_is_named_before_the_first_optimizer_step(tmp_path, setting: int) -> None:
+    """A split batch runs `training_step` once per piece: the counter and the list of draws the module keeps change
+    once per piece (what an RL agent's environment steps would do), named at the first split batch; a cache built
+    once is not named, and a batch that runs whole warns of nothing."""
+
+    class Cached(Observed):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            self.seen += 1
-            if self.first_x is None and self._in_batch:
-                self.first_x = batch[0].clone()
+            if not hasattr(self, "table"):
+                self.table = torch.ones(3)  # built at the first call, then only read
             return super().training_step(batch, batch_idx)
 
-    def shuffled() -> DataLoader:
-        return DataLoader(loader().dataset, batch_size=32, shuffle=True)
+    steps: list[int] = []
 
-    torch.manual_seed(5)
-    plain = Counting()
-    fit(plain, [], tmp_path / "plain", data=shuffled(), max_steps=1)
-    torch.manual_seed(5)
-    model, finder = Counting(budget_for(8)), MicroBatchFinder()
-    fit(model, [finder], tmp_path / "finder", data=shuffled(), max_steps=1)
-    assert finder.found == 8 and finder.search is not None and len(finder.search.trials) >= 2
-    assert model.seen.item() == 4  # the 4 pieces of the one training batch; the trials' counts were put back
-    assert model.first_x is not None and plain.first_x is not None
-    torch.testing.assert_close(model.first_x, plain.first_x[:8])  # the same shuffled order: the search's draw undone
+    class Steps(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+            steps.append(sum("changes the module's own state" in str(w.message) for w in record))
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Cached(), [MicroBatchFinder(micro_batch_size=setting), Steps()], tmp_path, max_steps=2)
+    named = [str(w.message) for w in record if "changes the module's own state" in str(w.message)]
+    if setting >= 32:
+        assert named == []
+        return
+    assert len(named) == 1 and steps[0] == 1  # once, before the first optimizer step
+    assert "`calls`" in named[0] and "`draws`" in named[0] and "table" not in named[0]
 
 
 def test_two_injected_out_of_memory_errors_recover_with_the_same_weights(reference, tmp_path) -> None:
@@ -204,7 +258,7 @@ def test_a_data_dependent_oom_long_batches_split_short_ones_do_not(tmp_path) -> 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             (x,) = batch
             self.budget.check(x)  # type: ignore[union-attr]
-            (self.pieces if self._in_batch else self.trials).append(int(x.shape[0]))
+            (self.pieces if self._in_batch else self.outside).append(int(x.shape[0]))
             return self.net(x.mean(dim=1)).pow(2).mean()
 
     short = [torch.randn(32, 4, FEATURES) for _ in range(3)]
@@ -223,7 +277,7 @@ def test_a_data_dependent_oom_long_batches_split_short_ones_do_not(tmp_path) -> 
 
 def test_one_sample_that_does_not_fit_fails_before_any_step(tmp_path) -> None:
     model = BudgetedModel(MemoryBudget(limit_bytes=FEATURES - 1))
-    with pytest.raises(MicroBatchTooLargeError, match="not even one sample.*activation checkpointing.*bf16"):
+    with pytest.raises(MicroBatchTooLargeError, match=r"not even one sample.*32, 16, 8, 4, 2, 1.*activation checkp"):
         fit(model, [MicroBatchFinder()], tmp_path)
     assert model.pieces == [] and model.trainer.global_step == 0
 
@@ -248,8 +302,8 @@ def test_resume_keeps_the_micro_batch_and_the_accumulation(tmp_path) -> None:
     )
     budget = resumed.budget
     fit(resumed, [finder, accumulation], tmp_path / "resumed", ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert finder.search is None and finder.size == 4  # resumed, not searched again
-    assert budget.ooms == 0  # no trial above the budget ran
+    assert finder.sizing == [] and finder.size == 4  # resumed, not sized again
+    assert budget.ooms == 0  # no batch ran above the budget
     assert accumulation.get_accumulate_grad_batches(0) == 2
     assert resumed.pieces == [4] * 8 * 2 * 10
     assert_same_weights(resumed, straight)
@@ -318,24 +372,49 @@ def test_manual_optimization_and_other_strategies_are_refused(tmp_path) -> None:
         ).fit(OwnLoader())
 
 
-def test_two_ddp_ranks_recover_together_when_only_rank_1_runs_out_of_memory(tmp_path) -> None:
-    """2 gloo ranks x batches of 32 under a budget of 4, rank 1 out of memory at step 5: both ranks redo the step at
-    2, and their weights equal each other and one process's on whole batches of 64 (the same samples per step)."""
+@pytest.fixture(scope="module")
+def ddp_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], BudgetedModel]:
+    """`_micro_batch_cases.py`'s two fits on 2 gloo ranks, and one process's fit on whole batches of 64 (the same
+    samples per step)."""
     import _micro_batch_cases as cases
     from _torchrun import rank_results
 
-    ranks = rank_results(cases.__file__, tmp_path, ranks=2)
+    root = tmp_path_factory.mktemp("ddp")
+    ranks = rank_results(cases.__file__, root, ranks=2)
     whole = BudgetedModel()
-    fit(whole, [], tmp_path / "whole", data=loader(640, 64))
-    for rank, result in enumerate(ranks):
+    fit(whole, [], root / "whole", data=loader(640, 64))
+    return ranks, whole
+
+
+def _assert_ranks_equal_whole(ranks: list[dict[str, Any]], whole: BudgetedModel) -> None:
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # identical on both ranks
+    for name, value in whole.state_dict().items():
+        torch.testing.assert_close(torch.tensor(ranks[0]["weights"][name]), value.flatten(), rtol=TOL, atol=TOL)
+
+
+def test_two_ddp_ranks_recover_together_when_only_rank_1_runs_out_of_memory(ddp_ranks) -> None:
+    """2 gloo ranks x batches of 32 under a budget of 4, rank 1 out of memory at step 5: both ranks redo the step at
+    2, and their weights equal each other and one process's on whole batches of 64."""
+    ranks, whole = ddp_ranks
+    for rank, result in enumerate(r["oom"] for r in ranks):
         assert result["found"] == 4 and result["steps"] == 20
+        assert [s[:2] for s in result["sizing"]] == [[32, False], [16, False], [8, False], [4, True]]
         assert result["recoveries"] == 1 and result["size"] == 2  # rank 0 recovered too, in lockstep
         ran_at_4 = 8 * 5 + (8 if rank == 0 else 0)  # rank 0 finished step 5 at 4, then redid it with rank 1 at 2
         assert result["pieces"][:ran_at_4] == [4] * ran_at_4
         assert result["pieces"][ran_at_4:] == [2] * 16 * 15
-    assert ranks[0]["weights"] == ranks[1]["weights"]  # identical on both ranks
-    for name, value in whole.state_dict().items():
-        torch.testing.assert_close(torch.tensor(ranks[0]["weights"][name]), value.flatten(), rtol=TOL, atol=TOL)
+    _assert_ranks_equal_whole([r["oom"] for r in ranks], whole)
+
+
+def test_two_ddp_ranks_take_the_smallest_ranks_size_from_their_peaks(ddp_ranks) -> None:
+    """The first batch of 32 peaks over both ranks' budgets; rank 0's alone would take 8, rank 1's 4: both run 4 from
+    the second batch on, and the update is the whole batches' still."""
+    ranks, whole = ddp_ranks
+    for result in (r["peak"] for r in ranks):
+        assert result["sizing"] == [[32, False, 4200], [4, True, 1400]]
+        assert result["found"] == result["size"] == 4 and result["recoveries"] == 0
+        assert result["pieces"] == [32] + [4] * 8 * 19
+    _assert_ranks_equal_whole([r["peak"] for r in ranks], whole)
 
 
 def _two_runs(make_model: Any, callbacks: Any, tmp_path: Any, **trainer: Any) -> tuple[Any, Any, Any, Any]:
@@ -422,26 +501,140 @@ def test_a_training_step_without_batch_idx_and_epoch_means_weighted_by_samples(t
     torch.testing.assert_close(finder.callback_metrics["train/x_mean"], plain.callback_metrics["train/x_mean"])
 
 
-def test_the_search_leaves_metrics_and_the_loaders_own_generator_alone(tmp_path) -> None:
-    from torchmetrics import SumMetric
+class _FakeMeter:
+    """The CUDA meter of a sizing step, on a CPU: the peak of an attempt is a base of 1000 B plus 100 B per sample of
+    its largest piece (read from the model's record of pieces), against `budget` (2000 B: 10 samples)."""
 
-    class Counting(BudgetedModel):
-        def __init__(self, budget: MemoryBudget | None = None) -> None:
-            super().__init__(budget)
-            self.samples = SumMetric()
-            self.first: torch.Tensor | None = None
+    def __init__(self, model: BudgetedModel, budget: int = 2000) -> None:
+        self.model, self.base, self.budget, self._start = model, 1000, budget, 0
 
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            self.samples.update(float(batch[0].shape[0]))
-            if self.first is None and self._in_batch:
-                self.first = batch[0][0].clone()
-            return super().training_step(batch, batch_idx)
+    def reset(self) -> None:
+        self._start = len(self.model.pieces)
 
-    def shuffled() -> DataLoader:
-        return DataLoader(loader().dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
+    def peak(self) -> int:
+        return self.base + 100 * max(self.model.pieces[self._start :])
 
-    plain, model = Counting(), Counting(budget_for(8))
-    fit(plain, [], tmp_path / "plain", data=shuffled(), max_steps=2)
-    fit(model, [MicroBatchFinder()], tmp_path / "finder", data=shuffled(), max_steps=2)
-    assert model.trials and model.samples.compute() == plain.samples.compute() == 64  # the trials' 14 not counted
-    torch.testing.assert_close(model.first, plain.first)  # the loader's generator drew the same order
+
+def test_on_cuda_the_first_batchs_peak_sets_the_next_batches_size(reference, tmp_path, monkeypatch) -> None:
+    """The first batch of 32 runs whole, peaks at 4200 B over a budget of 2000 B: the next batch runs at 8 (the
+    largest divisor whose estimated peak, 1800 B, fits), peaks within the budget, and 8 is kept; every batch's work
+    counts: one call for the first batch, 4 for each after it, and the weights of whole batches."""
+    from lightning_accel.callbacks import micro_batch
+
+    monkeypatch.setattr(micro_batch, "_cuda_meter", lambda trainer, module, params, fraction: _FakeMeter(module))
+    model, finder = BudgetedModel(), MicroBatchFinder()
+    fit(model, [finder], tmp_path)
+    assert [(t.size, t.fits, t.peak_bytes) for t in finder.sizing] == [(32, False, 4200), (8, True, 1800)]
+    assert finder.found == finder.size == 8 and finder.oom_recoveries == 0
+    assert model.pieces == [32] + [8] * 4 * 19
+    assert_same_weights(model, reference)
+
+
+def _lstm(vocab: int = 16) -> pl.LightningModule:
+    """Lightning's `demos.lstm.LightningLSTM` as it is, with a tiny SimpleLSTM (2 layers of 16, dropout 0.2) and no
+    WikiText2 download in `prepare_data` (the data is `_lstm_loader`'s)."""
+    from lightning.pytorch.demos.lstm import LightningLSTM, SimpleLSTM
+
+    torch.manual_seed(0)
+    model = LightningLSTM(vocab_size=vocab)
+    model.model = SimpleLSTM(vocab_size=vocab, ninp=8, nhid=16, nlayers=2)
+    model.prepare_data = lambda: None  # type: ignore[method-assign]
+    return model
+
+
+def _lstm_loader(vocab: int = 16, length: int = 6) -> DataLoader:
+    """Token windows and their next tokens (as `demos.transformer.WikiText2` gives), in the demo's SequenceSampler
+    batches of 4: each row continues the row of the batch before it, whose hidden state the demo carries on."""
+    from lightning.pytorch.demos.lstm import SequenceSampler
+
+    tokens = torch.randint(0, vocab, (64 + length + 1,), generator=torch.Generator().manual_seed(2))
+    data = [(tokens[i : i + length], tokens[i + 1 : i + length + 1]) for i in range(64)]
+    return DataLoader(data, batch_sampler=SequenceSampler(data, batch_size=4))  # type: ignore[arg-type]
+
+
+def _lstm_fit(model: pl.LightningModule, callbacks: list[pl.Callback], root: Any) -> pl.Trainer:
+    torch.manual_seed(1)  # the dropout masks
+    return fit(model, callbacks, root, data=_lstm_loader(), max_steps=4)
+
+
+def test_lightnings_lstm_demo_trains_with_auto_as_without_it(tmp_path) -> None:
+    """`demos.lstm.LightningLSTM` keeps its hidden state (2 layers x batch x 16) on `self`. On a CPU, auto runs each
+    batch of 4 whole: it trains, with the weights of the run without the finder (the dropout draws untouched)."""
+    plain, model = _lstm(), _lstm()
+    _lstm_fit(plain, [], tmp_path / "plain")
+    finder = MicroBatchFinder()
+    trainer = _lstm_fit(model, [finder], tmp_path / "finder")
+    assert trainer.global_step == 4 and finder.found == 4
+    assert_same_weights(model, plain)
+
+
+def test_lightnings_lstm_demo_split_in_pieces_is_refused_by_name_before_the_first_step(tmp_path) -> None:
+    """Pieces of 2 would hand one piece's hidden state to the next: a ConfigError naming `hidden[0]` and the fixes,
+    at the first piece, with the weights as they were (no optimizer step)."""
+    model = _lstm()
+    initial = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match=r"`hidden\[0\]` \(shape \(2, 2, 16\)\).*`micro_batch_size` >= 4") as info:
+        _lstm_fit(model, [MicroBatchFinder(micro_batch_size=2)], tmp_path)
+    assert info.value.setting == "micro_batch_size"
+    assert model.trainer.global_step == 0
+    for before, after in zip(initial, model.parameters(), strict=True):
+        assert torch.equal(before, after)
+
+
+class Normed(pl.LightningModule):
+    """Linear-BatchNorm1d-Linear (or Linear-Tanh-Linear with `norm=False`), SGD; records the warnings seen by the time
+    of the first optimizer step."""
+
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        middle = nn.BatchNorm1d(16) if norm else nn.Tanh()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16), middle, nn.Linear(16, 1))
+        self.warned_before_first_step: bool | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _one_epoch(norm: bool, callbacks: list[pl.Callback], root: Any) -> Normed:
+    model = Normed(norm)
+    fit(model, callbacks, root, data=loader(64, 8), max_steps=-1, max_epochs=1)  # 8 batches of 8, in order
+    return model
+
+
+def test_batchnorm_split_into_pieces_warns_naming_the_layer_before_the_first_step(tmp_path) -> None:
+    import warnings
+
+    seen: list[int] = []
+
+    class FirstStep(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 0:
+                seen.append(len([w for w in caught if issubclass(w.category, LightningAccelWarning)]))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split = _one_epoch(True, [MicroBatchFinder(micro_batch_size=4), FirstStep()], tmp_path / "split")
+    ours = [str(w.message) for w in caught if issubclass(w.category, LightningAccelWarning)]
+    assert len(ours) == 1 and seen == [1]  # once, before the first optimizer step
+    assert "`net.1` (BatchNorm1d)" in ours[0] and "GroupNorm or LayerNorm" in ours[0]
+    assert "accept per-piece statistics" in ours[0]
+    whole = _one_epoch(True, [], tmp_path / "whole")
+    drift = max(float((a - b).abs().max()) for a, b in zip(split.parameters(), whole.parameters(), strict=True))
+    assert drift > 1e-3  # what the warning is about: per-piece statistics give another update
+
+
+def test_without_batchnorm_pieces_of_4_give_the_whole_batchs_weights_after_an_epoch(tmp_path) -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        split = _one_epoch(False, [MicroBatchFinder(micro_batch_size=4)], tmp_path / "split")
+    assert not [w for w in caught if issubclass(w.category, LightningAccelWarning)]
+    whole = _one_epoch(False, [], tmp_path / "whole")
+    assert split.trainer.global_step == whole.trainer.global_step == 8
+    assert_same_weights(split, whole)

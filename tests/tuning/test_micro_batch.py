@@ -1,4 +1,5 @@
-"""Micro-batch sizing: the search over divisors, the split, and sample-weighted losses."""
+"""Micro-batch sizing: the candidates, the size a measured peak asks for, the split, sample-weighted losses, and what
+makes a module's update differ when its batch is split (state sized by the batch, batch statistics)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from _memory_budget import BudgetedMLP, MemoryBudget
 
 from lightning_accel.errors import ConfigError, ConfigTypeError
 from lightning_accel.tuning.micro_batch_search import (
+    batch_sized_state,
+    batch_statistics_layers,
     candidate_sizes,
-    find_micro_batch,
+    held_tensors,
     is_out_of_memory,
+    micro_batch_for_budget,
     sample_weights,
     split_batch,
     split_sizes,
@@ -29,44 +33,22 @@ def test_candidates_are_the_divisors_largest_first() -> None:
         candidate_sizes(8.0)  # type: ignore[arg-type]
 
 
-def _step(model: BudgetedMLP, x: torch.Tensor) -> None:
-    model(x).pow(2).mean().backward()
-
-
-@pytest.mark.parametrize(("limit", "expected"), [(32 * 8, 32), (31 * 8, 16), (4 * 8, 4), (7 * 8, 4), (8, 1)])
-def test_the_search_finds_the_largest_divisor_that_fits(limit: int, expected: int) -> None:
-    budget = MemoryBudget(limit_bytes=limit)
-    model, x = BudgetedMLP(budget), torch.randn(32, 8)
-    tried: list[int] = []
-
-    def try_size(size: int) -> None:
-        tried.append(size)
-        _step(model, x[:size])
-
-    search = find_micro_batch(try_size, 32)
-    assert search.micro_batch == expected and search.micro_batches == 32 // expected
-    assert len(tried) == len(set(tried)) <= 3  # bisection over 6 candidates: each size once, at most 3 trials
-    assert [t.size for t in search.trials] == tried
-    assert all(t.fits == (t.size * 8 <= limit) for t in search.trials)
-
-
-def test_not_even_one_sample_fits() -> None:
-    model = BudgetedMLP(MemoryBudget(limit_bytes=4))
-    search = find_micro_batch(lambda size: _step(model, torch.randn(size, 8)), 8)
-    assert search.micro_batch is None and search.micro_batches is None
-    assert search.trials[-1].size == 1 and not search.trials[-1].fits
-
-
-def test_a_measured_peak_over_the_budget_does_not_fit_and_other_errors_propagate() -> None:
-    search = find_micro_batch(lambda size: size * 100, 16, budget_bytes=450)  # peaks 1600, 800, 400 ...
-    assert search.micro_batch == 4
-    assert any(t.reason.startswith("peak 800 B over the budget of 450 B") for t in search.trials)
-
-    def broken(size: int) -> None:
-        raise ValueError("a bug, not memory")
-
-    with pytest.raises(ValueError, match="a bug"):
-        find_micro_batch(broken, 8)
+@pytest.mark.parametrize(
+    ("ran", "peak", "expected"),
+    [
+        (32, 1900, 32),  # within the budget of 2000: keep it
+        (32, 4200, 8),  # 1000 + 100 per sample: 16 would peak at 2600, 8 at 1800
+        (30, 4000, 10),  # not a divisor itself (halved from 60): the divisors of 60 below it, 10 peaks at 2000
+        (8, 100_000, 1),  # not even 1 is estimated to fit: 1, and the next step measures it
+        (1, 100_000, 1),
+    ],
+)
+def test_a_measured_peak_over_the_budget_asks_for_the_largest_divisor_estimated_to_fit(
+    ran: int, peak: int, expected: int
+) -> None:
+    batch = 60 if ran == 30 else 32
+    size = micro_batch_for_budget(batch, ran, peak_bytes=peak, base_bytes=1000, budget_bytes=2000)
+    assert size == expected
 
 
 def test_what_counts_as_out_of_memory() -> None:
@@ -131,8 +113,7 @@ def test_a_long_sequence_batch_runs_out_where_short_ones_fit() -> None:
     assert budget.check(short) == 16 * 64
     with pytest.raises(torch.OutOfMemoryError):
         budget.check(long)
-    search = find_micro_batch(lambda size: budget.check(long[:size]), 16)
-    assert search.micro_batch == 2  # 2 x 512 fits 1024
+    assert budget.check(long[:2]) == 2 * 512  # 2 long ones fit
 
 
 def _whole_and_split(n: int, limit_samples: int) -> tuple[BudgetedMLP, BudgetedMLP, tuple[torch.Tensor, torch.Tensor]]:
@@ -159,8 +140,10 @@ def test_an_oom_splits_the_batch_and_keeps_the_whole_batchs_gradient() -> None:
         p.grad = g.clone()
     expected = _mse(whole)(data)
     expected.backward()
-    step = backward_in_pieces(_mse(split), data, list(split.parameters()))
+    attempts: list[int] = []
+    step = backward_in_pieces(_mse(split), data, list(split.parameters()), on_attempt=attempts.append)
     assert (step.piece, step.recoveries) == (4, 3)  # halved once per error: 32 -> 16 -> 8 -> 4
+    assert attempts == [32, 16, 8, 4]
     torch.testing.assert_close(step.loss.double(), expected.detach(), rtol=1e-12, atol=1e-12)
     for a, b in zip(whole.parameters(), split.parameters(), strict=True):  # failed attempts left no trace
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
@@ -251,3 +234,34 @@ def test_a_failed_attempt_frees_its_activations_before_the_retry_and_keeps_earli
     expected = torch.autograd.grad((layer(x) * 2.0).pow(2).mean(), layer.weight)[0] + 1.0
     assert layer.weight.grad is earlier  # the gradient from before the batch, summed in place
     torch.testing.assert_close(layer.weight.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_state_sized_by_the_batch_that_a_step_leaves_on_the_module() -> None:
+    """An RNN's hidden state (layers x batch x features) set by the step is found, by name, in a tuple; a buffer, a
+    parameter, a tensor the step did not set, a list of outputs and a tensor of another size are not."""
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    module.register_buffer("counter", torch.zeros(4))
+    module.constant = torch.zeros(4, 4)  # set before the step: not the step's state
+    module.outputs = []
+    before = held_tensors(module)
+    module.hidden = (torch.zeros(2, 4, 16), torch.zeros(2, 4, 16))
+    module.outputs.append(torch.zeros(4, 1))  # collected for the epoch's end: a split keeps it whole
+    module[0].last = torch.zeros(5, 3)  # another size
+    module[0].seen = {"x": torch.zeros(4, 3)}
+    found = batch_sized_state(before, held_tensors(module), 4)
+    assert found == {"hidden[0]": (2, 4, 16), "hidden[1]": (2, 4, 16), "0.seen['x']": (4, 3)}
+    assert batch_sized_state(before, held_tensors(module), 7) == {}
+
+
+def test_layers_that_take_statistics_over_the_batch() -> None:
+    module = torch.nn.Sequential(
+        torch.nn.Linear(4, 4),
+        torch.nn.BatchNorm1d(4),
+        torch.nn.Sequential(torch.nn.InstanceNorm1d(4), torch.nn.InstanceNorm1d(4, track_running_stats=True)),
+        torch.nn.GroupNorm(2, 4),
+        torch.nn.LayerNorm(4),
+        torch.nn.BatchNorm1d(4, track_running_stats=False),
+    )
+    assert batch_statistics_layers(module) == {"1": "BatchNorm1d", "2.1": "InstanceNorm1d", "5": "BatchNorm1d"}
+    module.eval()  # running statistics: no batch statistics, but for a BatchNorm that keeps none
+    assert batch_statistics_layers(module) == {"5": "BatchNorm1d"}
