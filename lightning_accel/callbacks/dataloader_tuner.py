@@ -218,7 +218,7 @@ class DataLoaderTuner(Callback):
                     category=LightningAccelWarning,
                 )
             try:  # after the last collective: a failure here keeps this rank's loaders, the others go on
-                if self.decision is not None:
+                if self.decision is not None and not self._kept:
                     final = [loop_internals.rebuilt(dl, self.decision) for dl in train]
             except Exception as err:
                 self.decision = None
@@ -367,9 +367,14 @@ class DataLoaderTuner(Callback):
         if self.apply_to_val and not trainer.sanity_checking:  # first time, or reloaded
             self._reapply(trainer.fit_loop.epoch_loop.val_loop, reiterate=trainer.validating)
 
+    @property
+    def _kept(self) -> bool:
+        """Whether the decision keeps the loader's own settings: its loaders, train and validation, stay as built."""
+        return self.result is not None and self.result.kept
+
     def _reapply(self, loop: Any, reiterate: bool) -> None:
         loaders = _lightning.loop_loaders(loop, _FEATURE)
-        if self.decision is not None and not all(loop_internals.is_tuned(dl) for dl in loaders):
+        if self.decision is not None and not self._kept and not all(loop_internals.is_tuned(dl) for dl in loaders):
             rebuilt = [loop_internals.rebuilt(dl, self.decision) for dl in loaders]
             loop_internals.swap_loaders(loop, rebuilt, reiterate=reiterate)
 
@@ -409,18 +414,22 @@ class DataLoaderTuner(Callback):
                 if local_error
                 else "reading its facts failed on another rank"
             ) from local_error
-        known, bound = None, max(budget, self.max_workers or 4 * budget)  # the most workers a search tries
+        user = loader_settings(loader)
+        # the most workers a search tries, or the loader's own (a kept decision)
+        known, bound = None, max(budget, self.max_workers or 4 * budget, user.num_workers)
         if not (self.force or force) and self.use_cache:  # from a checkpoint, or the previous fit of this callback
             known = TunerDecision.from_dict(self._state, fingerprint=key, max_workers=bound)
             known = known if known is not None and known.confident else None  # never reuse one made under load
             if known is None and trainer.is_global_zero:
                 known = self._cached(key, bound)
         known = strategy.broadcast(known, src=0)
+        for caveat in loop_internals.caveats(loader, self.step_mode, trainer.strategy, trials=known is None):
+            rank_zero_warn(f"DataLoaderTuner: {caveat}.", category=LightningAccelWarning)
         if known is not None:
             self.cache_hit, self.result, self._state = True, known, known.as_dict()
             return known.settings
         shm_free = None if shm is None else shm.free_bytes // trainer.num_devices
-        self.trials, original = loop_internals.search_in_lockstep(
+        searched = loop_internals.search_in_lockstep(
             trainer,
             pl_module,
             loader,
@@ -437,8 +446,26 @@ class DataLoaderTuner(Callback):
             prefetch_factors=self.prefetch_factors,
             tune_pin_memory=self.tune_pin_memory,
         )
+        self.trials = searched.trials
+        if searched.changed:
+            names = ", ".join(f"`self.{name}`" for name in searched.changed)
+            rank_zero_warn(
+                f"DataLoaderTuner: the trial steps changed {names} in place (it holds more or fewer items than "
+                "before them), which cannot be put back: the fit starts with those changes. Keep such state out of "
+                "`training_step`, or remove the DataLoaderTuner.",
+                category=LightningAccelWarning,
+            )
         decision = strategy.broadcast(
-            policy.decide(self.trials, self.tolerance, fingerprint=key, facts=facts, original=original), src=0
+            policy.decide(
+                self.trials,
+                self.tolerance,
+                fingerprint=key,
+                facts=facts,
+                original=searched.original,
+                budget=searched.budget,
+                user=user,
+            ),
+            src=0,
         )
         if decision is None:
             rank_zero_warn(

@@ -380,12 +380,16 @@ def test_table_is_printed_and_settings_are_logged(tmp_path: Path, capsys: pytest
         "samples_per_s",
         "data_wait_share",
         "speedup",
+        "speedup_bound",
+        "kept",
         "tuning_time_s",
         "trials",
         "cache_hit",
     )
     assert {k for k in logger.logged if k.startswith("dataloader_tuner/")} == {f"dataloader_tuner/{k}" for k in keys}
     assert logger.logged["dataloader_tuner/speedup"] > 1.0  # over the loader's own num_workers=0
+    assert logger.logged["dataloader_tuner/speedup"] <= logger.logged["dataloader_tuner/speedup_bound"]
+    assert logger.logged["dataloader_tuner/kept"] == 0.0
 
 
 class _Stream(IterableDataset):
