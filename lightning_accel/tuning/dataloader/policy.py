@@ -214,7 +214,7 @@ def pick(
         best_text = (
             ""
             if fastest.settings == own.settings or read is None
-            else f"; the fastest reading, {_describe(fastest.settings)}, {read.format()}x"
+            else f"; the fastest reading, {_describe(fastest.settings)}, {read.format(unit='x')}"
         )
         return Choice(
             trial=own, kept=True, reason=f"no setting measurably faster ({bound_text}{best_text}){budget_text}"
@@ -237,7 +237,7 @@ def pick(
         return Choice(
             trial=own,
             kept=True,
-            reason=f"no setting measurably faster ({_describe(chosen.settings)} read {measured.format()}x your "
+            reason=f"no setting measurably faster ({_describe(chosen.settings)} read {measured.format(unit='x')} your "
             f"settings, an interval that reaches 1; {bound_text}){budget_text}",
         )
     if over:
