@@ -51,8 +51,9 @@ class DataLoaderTuner(Callback):
     memory cgroup are skipped; a trial already slower than the best by more than `tolerance` is cut short.
 
     The choice: no setting can make a step faster than the loader's own settings by more than 1 / (1 - w), w their
-    share of step time spent waiting for data (its interval from the timed steps); each reading is capped there, so
-    two settings both read above it tie. Among the settings within `tolerance` of the fastest, the loader's own are
+    share of step time spent waiting for data (the high end of its interval: the range of their repeated runs, or a
+    bootstrap over the steps of a single run); each reading is capped there, so two settings both read above it
+    tie. Among the settings within `tolerance` of the fastest, the loader's own are
     kept; else the fewest workers, with `persistent_workers=True`; a setting other than theirs must be measurably
     faster than them (the paired interval of its runs over theirs above 1), or their settings are kept and the
     report line says "kept your settings: no setting measurably faster (...)". The speedup credited, logged and

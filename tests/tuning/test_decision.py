@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from lightning_accel.tuning.dataloader.cache import DecisionCache
-from lightning_accel.tuning.dataloader.decision import TunerDecision
+from lightning_accel.tuning.dataloader.decision import TunerDecision, loader_bound
 from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial
 
@@ -204,3 +204,20 @@ def test_an_entry_written_before_the_bound_reads_with_its_defaults() -> None:
         del entry[key]
     read = TunerDecision.from_dict(entry, fingerprint=KEY, max_workers=8)
     assert read is not None and read.baseline is None and read.bound is None and not read.kept and read.reason == ""
+
+
+def test_a_baseline_timed_several_times_bounds_by_the_spread_of_its_runs() -> None:
+    """Three runs of the loader's own settings waiting 8%, 10% and 12%, each with a wide interval over its few steps
+    (2%-40%): the bound's interval is the runs' range, 1/(1-0.08) to 1/(1-0.12), not 1/(1-0.40) (a run of the
+    real template claimed 1.78x that way, where its three runs waited 18-28%). Timed once, the run's own interval."""
+    own = LoaderSettings(num_workers=2, prefetch_factor=2)
+    runs = [
+        Trial(settings=own, steps=10, seconds=1.0, wait_s=share, samples_per_batch=8, wait_interval=(0.02, 0.4))
+        for share in (0.08, 0.10, 0.12)
+    ]
+    bound = loader_bound(runs, own)
+    assert bound is not None and bound.wait_share == pytest.approx(0.10)
+    assert (bound.wait_low, bound.wait_high) == pytest.approx((0.08, 0.12))
+    assert bound.high == pytest.approx(1 / 0.88)
+    single = loader_bound(runs[:1], own)
+    assert single is not None and single.wait_high == pytest.approx(0.4)  # its steps are all it has

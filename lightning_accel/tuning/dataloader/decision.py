@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_accel.measure import Interval, ratio
+from lightning_accel.measure import Interval, ratio, summarize
 from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial
 
@@ -38,14 +38,15 @@ class LoaderBound:
     A DataLoader setting changes how long the step waits for its batch, not the step itself: with the loader's own
     settings waiting a share `w` of step time, a setting that removes all of that wait makes the step at most
     `1 / (1 - w)` times faster. `w` is measured, so the bound carries its interval: `low` and `high` from the ends
-    of the share's interval. A measured speedup above `high` is noise or another job's load, not the loader's.
+    of the share's interval (`loader_bound`). A measured speedup above `high` is noise or another job's load, not
+    the loader's.
     """
 
     wait_share: float
     """The loader's own settings' share of step time spent waiting for data (their median run), 0..1."""
     wait_low: float
     wait_high: float
-    """The interval of `wait_share` over all their runs (`Trial.wait_low`, `Trial.wait_high`)."""
+    """The interval of `wait_share` (`loader_bound`: over their repeated runs, or over the steps of a single one)."""
 
     @staticmethod
     def _speedup(share: float) -> float:
@@ -89,16 +90,23 @@ def _median_of(runs: Sequence[Trial]) -> Trial | None:
 
 
 def loader_bound(trials: Sequence[Trial], original: LoaderSettings) -> LoaderBound | None:
-    """The bound the loader's own settings' runs set (`LoaderBound`): their median run's data-wait share, with the
-    lowest and highest ends of all their runs' intervals; None when they were not timed."""
+    """The bound the loader's own settings' runs set (`LoaderBound`), None when they were not timed.
+
+    The share is their median run's. Its interval: timed more than once (the search repeats a comparison within the
+    noise), the interval of the runs' shares by `measure.summarize` (their range for up to five), widened to the
+    median run's share with the median step (`Trial.loader_share`, which steps lengthened by another job do not
+    shrink); timed once, that run's own interval over its steps (`Trial.wait_low`, `Trial.wait_high`)."""
     runs = runs_of(trials, original)
     median = _median_of(runs)
     if median is None:
         return None
+    if len(runs) == 1:
+        return LoaderBound(wait_share=median.wait_share, wait_low=median.wait_low, wait_high=median.wait_high)
+    spread = summarize([r.wait_share for r in runs])
     return LoaderBound(
         wait_share=median.wait_share,
-        wait_low=min(r.wait_low for r in runs),
-        wait_high=max(r.wait_high for r in runs),
+        wait_low=min(spread.low, median.wait_share),
+        wait_high=max(spread.high, median.wait_share, median.loader_share),
     )
 
 
