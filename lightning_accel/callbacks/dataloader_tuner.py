@@ -52,16 +52,16 @@ class DataLoaderTuner(Callback):
 
     The choice: no setting can make a step faster than the loader's own settings by more than 1 / (1 - w), w their
     share of step time spent waiting for data (the high end of its interval: the range of their repeated runs, or a
-    bootstrap over the steps of a single run); each reading is capped there, so two settings both read above it
-    tie. Among the settings within `tolerance` of the fastest, the loader's own are
-    kept; else the fewest workers, with `persistent_workers=True`; a setting other than theirs must be measurably
-    faster than them (the paired interval of its runs over theirs above 1), or their settings are kept and the
-    report line says "kept your settings: no setting measurably faster (...)". The speedup credited, logged and
-    printed never exceeds the bound; a reading above it is named as noise or interference. The Trainer's train and
-    validation DataLoaders are replaced by ones built with the choice (left as built when kept); the user's code
-    does not change. If tuning fails (a trial, a reading, on any rank), the loaders stay as they were and the fit
-    goes on; under DDP, a failure of one rank that the others cannot learn of in a collective stops the run with an
-    error naming the rank, rather than leaving them waiting.
+    bootstrap over the steps of a single run); each reading is capped there, so two settings both read above it tie.
+    Among the settings within `tolerance` of the fastest, the loader's own are kept; else the fewest workers, with
+    `persistent_workers=True`; a setting other than theirs must be measurably faster than them (the paired interval
+    of its runs over theirs above 1), or their settings are kept and the report line says "kept your settings: no
+    setting measurably faster (...)". The speedup credited, logged and printed never exceeds the bound; a reading
+    above it is named as noise or interference. The Trainer's train and validation DataLoaders are replaced by ones
+    built with the choice (left as built when kept); the user's code does not change. If tuning fails (a trial, a
+    reading, on any rank), the loaders stay as they were and the fit goes on; under DDP, a failure of one rank that
+    the others cannot learn of in a collective stops the run with an error naming the rank, rather than leaving them
+    waiting.
 
     Under DDP every rank runs the same trial at the same time (its workers compete for the node's CPUs as they
     will), on the module itself, past the DDP wrapper (no gradient all-reduce is timed); the slowest rank's time
