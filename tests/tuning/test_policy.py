@@ -245,18 +245,18 @@ def _template_like(seed: int, busy: float = 0.0) -> Scripted:
 
 
 def test_the_same_machine_state_gives_the_same_decision_whatever_the_noise() -> None:
-    """Five runs of the same scripted machine, each with its own noise (seeds 0-4): the same decision in all five.
-    The rule the search used to end with (`choose`: the fewest workers within 5% of the fastest median) swings with
-    the noise over the very same trials; capping every reading at the bound and preferring the user's setting on a
-    tie does not."""
+    """Five runs of the same scripted machine, each with its own noise (seeds 0-4): the same decision in all five,
+    though the fastest setting as measured (its median) swings between 2 and 8 workers with the noise, as the real
+    template's runs swung: every reading is capped at the bound, a tie goes to the user's setting, and a change must
+    be measurably faster over repeated, interleaved rounds."""
     own, decisions, plain = _workers(2), [], set()
     for seed in range(5):
         trials = search(_template_like(seed), budget=2, original=own, **COMMON)
         decision = decide(trials, 0.05, fingerprint="k", facts={}, original=own, budget=2)
         decisions.append((decision.settings, decision.kept))
-        plain.add(choose(trials, 0.05).settings.num_workers)
+        plain.add(choose(trials, 0.0).settings.num_workers)
         assert decision.speedup is None or decision.speedup <= decision.bound + 1e-12
-    assert len(plain) > 1, plain  # the premise: the noise is enough to swing the old rule
+    assert len(plain) > 1, plain  # the premise: the noise is enough to swing the fastest as measured
     assert decisions == [(own, True)] * 5, decisions
 
 

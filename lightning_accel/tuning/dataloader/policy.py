@@ -351,8 +351,8 @@ def search(
     3. The other prefetch factors, then pinned memory (`pin_memory`, CUDA only), on the fastest count within the
        budget.
     4. When the cheapest setting within `tolerance` is not the fastest, and the two are not `clearly_apart`, that
-       comparison is repeated too; and when `pick` settles on a setting other than the loader's own and the two are
-       not `clearly_apart`, that one (the claim the decision makes).
+       comparison is repeated too; and the one the decision rests on (`settle`): the loader's own settings against
+       `pick`'s choice, or against the fastest other setting when `pick` keeps them.
 
     A comparison that is not `clearly_apart` (a trial under interference, or within the noise) is repeated
     interleaved, A B A B, `repeats` more rounds uncut (as long as time is left), and decided on medians (`ratio`);
@@ -420,6 +420,28 @@ def search(
     def fastest_within_budget() -> Trial | None:
         busy_share = loading_busy_share(trials)
         return choose([t for t in trials if not budget_note(t.settings, budget, busy_share)], 0.0)
+
+    def settle() -> None:
+        """Repeat, interleaved, the comparison the decision rests on: the loader's own settings against `pick`'s
+        choice, or, when `pick` keeps them, against the fastest other setting within the budget (a single cold or
+        loaded reading must not keep them either), unless the two are clearly apart or the
+        loader's own settings hardly wait (nothing can beat them); a rival of kept settings that was compared with
+        them interleaved already is not compared again."""
+        choice = pick(trials, tolerance, original=original, budget=budget)
+        own = next((t for t in medians(trials) if t.settings == original), None)
+        if choice is None or own is None or hardly_waits(own, tolerance):
+            return
+        busy_share = loading_busy_share(trials)
+        others = [
+            t for t in medians(trials) if t.settings != original and not budget_note(t.settings, budget, busy_share)
+        ]
+        rival = choice.trial if not choice.kept else max(others, key=lambda t: t.samples_per_s, default=None)
+        if rival is None or rival.settings == original or clearly_apart(own, rival, tolerance):
+            return
+        assert original is not None
+        if choice.kept and min(len(runs_of(trials, original)), len(runs_of(trials, rival.settings))) > repeats:
+            return  # the rival was compared interleaved already, and lost
+        compare(original, rival.settings)
 
     def explore() -> None:
         counts = [base(w) for w in worker_counts(budget)]
@@ -490,14 +512,6 @@ def search(
             compare(cheap.settings, fastest.settings)  # its repeats count in `choose`'s medians
 
     explore()
-    if original is not None and not out_of_time:  # the choice against the loader's own, on repeated timings
-        choice = pick(trials, tolerance, original=original, budget=budget)
-        own = next((t for t in medians(trials) if t.settings == original), None)
-        if (
-            choice is not None
-            and not choice.kept
-            and own is not None
-            and not clearly_apart(own, choice.trial, tolerance)
-        ):
-            compare(original, choice.trial.settings)
+    if original is not None and not out_of_time:  # the decision's claim, on repeated timings
+        settle()
     return trials
