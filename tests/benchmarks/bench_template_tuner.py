@@ -167,6 +167,14 @@ def main(args: argparse.Namespace) -> None:
                 print(f"run {index + 1}: {text}; load {load:.1f}", flush=True)
                 if args.lines:
                     print(f"        {record['line']}", flush=True)
+                if args.trials:
+                    for t in record["trials"]:
+                        print(
+                            f"        {t['num_workers']}w p{t['prefetch_factor']} {t['status']:>7} "
+                            f"{t['samples_per_s']:>9,.0f} samples/s, wait {100 * t['wait_share']:.0f}% "
+                            f"[{100 * t['wait_low']:.0f}%, {100 * t['wait_high']:.0f}%] {t['note']}",
+                            flush=True,
+                        )
         finally:
             stop_processes(busy)
     load_after = os.getloadavg()
@@ -194,4 +202,5 @@ if __name__ == "__main__":
     parser.add_argument("--busy", type=int, default=1, help="CPU-bound processes beside the runs")
     parser.add_argument("--max-tuning-time-s", type=float, default=60.0)
     parser.add_argument("--lines", action="store_true", help="print each run's DataLoaderTuner report line")
+    parser.add_argument("--trials", action="store_true", help="print each run's trials")
     main(parser.parse_args())

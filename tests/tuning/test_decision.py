@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from lightning_accel.tuning.dataloader.cache import DecisionCache
-from lightning_accel.tuning.dataloader.decision import TunerDecision, loader_bound
+from lightning_accel.tuning.dataloader.decision import TunerDecision, loader_bound, measured_speedup
 from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial
 
@@ -221,3 +221,22 @@ def test_a_baseline_timed_several_times_bounds_by_the_spread_of_its_runs() -> No
     assert bound.high == pytest.approx(1 / 0.88)
     single = loader_bound(runs[:1], own)
     assert single is not None and single.wait_high == pytest.approx(0.4)  # its steps are all it has
+
+
+def test_the_speedup_interval_pairs_runs_timed_side_by_side() -> None:
+    """The readings of a real template run beside a busy process (samples/s; a trial hit by the busy process reads
+    2-3x slower): 0 workers against the user's 2 in seven interleaved rounds, then 0 against 1 worker in three, then
+    2 against 0 in three. Paired round by round, 0 workers are faster in 9 of 10 rounds (interval above 1); paired by
+    position in each list (the 0-worker runs of the 1-worker rounds against later 2-worker runs), the interval
+    reached 0.92, and the run kept 2 workers."""
+    zero, two, one = _timed(0, 1.0).settings, _timed(2, 1.0).settings, _timed(1, 1.0).settings
+    sequence = [
+        (zero, 11536), (two, 8788), (zero, 11669), (two, 9035), (zero, 10111), (two, 5270), (zero, 15219),
+        (two, 9112), (zero, 13149), (two, 5076), (zero, 13861), (two, 5637), (zero, 16252), (two, 9574),
+        (one, 8260), (zero, 5236), (one, 5842), (zero, 4975), (one, 8508), (zero, 4775), (one, 8359),
+        (two, 3175), (zero, 10338), (two, 9511), (zero, 15639), (two, 10368), (zero, 4695),
+    ]  # fmt: skip
+    trials = [_timed(s.num_workers, rate) for s, rate in sequence]
+    speedup = measured_speedup(trials, zero, two)
+    assert speedup is not None and speedup.n == 10 and speedup.low > 1.0, speedup
+    assert speedup.median == pytest.approx(11536 / 8788)  # median run over median run

@@ -110,20 +110,42 @@ def loader_bound(trials: Sequence[Trial], original: LoaderSettings) -> LoaderBou
     )
 
 
+def _rounds(trials: Sequence[Trial], a: LoaderSettings, b: LoaderSettings) -> tuple[list[float], list[float]]:
+    """The rates of `a` and `b` from the runs timed one right after the other (an interleaved round, A B or B A):
+    both shared one stretch of the machine's load. Scanned in the order run, each run in at most one round."""
+    done = [t for t in trials if t.steps and t.status in ("done", "cut")]
+    tops: list[float] = []
+    bottoms: list[float] = []
+    index = 0
+    while index + 1 < len(done):
+        first, second = done[index], done[index + 1]
+        if {first.settings, second.settings} == {a, b}:
+            mine, own = (first, second) if first.settings == a else (second, first)
+            tops.append(mine.samples_per_s)
+            bottoms.append(own.samples_per_s)
+            index += 2
+        else:
+            index += 1
+    return tops, bottoms
+
+
 def measured_speedup(trials: Sequence[Trial], chosen: LoaderSettings, original: LoaderSettings) -> Interval | None:
     """`chosen`'s throughput over the loader's own settings `original`, as measured: the median run over the median
-    run (the point), with the interval of the runs' ratios paired in the order run (`measure.ratio`; repeats are run
-    interleaved, A B A B, so the k-th runs of both shared a stretch of the machine's load), widened to hold the
-    point. None when either was not timed."""
+    run (the point), with the interval of the ratios of the rounds in which the two ran one right after the other
+    (`_rounds`: a slow stretch of another job's load slows both of a round), by `measure.summarize`; every run over
+    every run when no round holds both. Widened to hold the point. None when either was not timed."""
     mine, own = _median_of(runs_of(trials, chosen)), _median_of(runs_of(trials, original))
     if mine is None or own is None or own.samples_per_s <= 0:
         return None
     point = mine.samples_per_s / own.samples_per_s
     if chosen == original:
         return Interval(1.0, 1.0, 1.0, 1, "single")
-    paired = ratio(
-        [t.samples_per_s for t in runs_of(trials, chosen)], [t.samples_per_s for t in runs_of(trials, original)]
-    )
+    tops, bottoms = _rounds(trials, chosen, original)
+    if tops:
+        paired = ratio(tops, bottoms)
+    else:  # never run side by side: every run over every run
+        rates = [t.samples_per_s for t in runs_of(trials, original) if t.samples_per_s > 0]
+        paired = summarize([m.samples_per_s / o for m in runs_of(trials, chosen) for o in rates] or [point])
     return Interval(point, min(paired.low, point), max(paired.high, point), paired.n, paired.method)
 
 
