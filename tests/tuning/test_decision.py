@@ -229,14 +229,11 @@ def test_the_speedup_interval_pairs_runs_timed_side_by_side() -> None:
     2 against 0 in three. Paired round by round, 0 workers are faster in 9 of 10 rounds (interval above 1); paired by
     position in each list (the 0-worker runs of the 1-worker rounds against later 2-worker runs), the interval
     reached 0.92, and the run kept 2 workers."""
-    zero, two, one = _timed(0, 1.0).settings, _timed(2, 1.0).settings, _timed(1, 1.0).settings
-    sequence = [
-        (zero, 11536), (two, 8788), (zero, 11669), (two, 9035), (zero, 10111), (two, 5270), (zero, 15219),
-        (two, 9112), (zero, 13149), (two, 5076), (zero, 13861), (two, 5637), (zero, 16252), (two, 9574),
-        (one, 8260), (zero, 5236), (one, 5842), (zero, 4975), (one, 8508), (zero, 4775), (one, 8359),
-        (two, 3175), (zero, 10338), (two, 9511), (zero, 15639), (two, 10368), (zero, 4695),
-    ]  # fmt: skip
-    trials = [_timed(s.num_workers, rate) for s, rate in sequence]
+    zero, two = _timed(0, 1.0).settings, _timed(2, 1.0).settings
+    workers = "02020202020202" + "1010101" + "202020"  # the order run
+    rates = [11536, 8788, 11669, 9035, 10111, 5270, 15219, 9112, 13149, 5076, 13861, 5637, 16252, 9574]
+    rates += [8260, 5236, 5842, 4975, 8508, 4775, 8359] + [3175, 10338, 9511, 15639, 10368, 4695]
+    trials = [_timed(int(w), rate) for w, rate in zip(workers, rates, strict=True)]
     speedup = measured_speedup(trials, zero, two)
     assert speedup is not None and speedup.n == 10 and speedup.low > 1.0, speedup
     assert speedup.median == pytest.approx(11536 / 8788)  # median run over median run
