@@ -39,21 +39,29 @@ class DataLoaderTuner(Callback):
     """Choose the train DataLoader's settings by timing real training steps at the start of the fit.
 
     At `on_fit_start` (before the sanity check) the train DataLoader is rebuilt with each candidate setting and the
-    model's own `training_step` and backward run on its batches, timing the wait for each batch and the step. The
-    optimizer never steps; buffers (BatchNorm statistics), gradients, torchmetrics states and the RNGs are put back and
-    `self.log` is muted, so the fit trains exactly as it would have. First without workers: when the step then waits for
-    data less than `tolerance` of its time, no worker can save more, and only the loader's own settings are timed after
-    it (for the speedup figure). Otherwise worker counts within the CPUs of this rank
-    (`lightning_accel.system.read_cpu_budget`: affinity, cgroup quota, divided among the node's processes); more, up to
-    `max_workers`, while the fastest count still waits for data (a loader that waits on I/O) and each doubling pays;
-    then `prefetch_factors` and, on CUDA, `pin_memory`. Settings whose batches in flight do not fit /dev/shm or the
-    memory cgroup are skipped; a trial already slower than the best by more than `tolerance` is cut short. The choice is
-    the fewest workers within `tolerance` of the fastest, with `persistent_workers=True` whenever it has workers (a
-    loader that is not persistent pays the table's startup time again every epoch). The Trainer's train and validation
-    DataLoaders are replaced by ones built with the choice; the user's code does not change. If tuning fails (a
-    trial, a reading, on any rank), the loaders stay as they were and the fit goes on; under DDP, a failure of one
-    rank that the others cannot learn of in a collective stops the run with an error naming the rank, rather than
-    leaving them waiting.
+    model's own `training_step` and backward run on its batches, timing the wait for each batch and the step. First
+    without workers, then the loader's own settings (timed in full: every claim is set against them). When the
+    first waits for data less than `tolerance` of its step, or the loader's own settings do, nothing can gain more,
+    and the search ends. Otherwise worker counts within the CPUs of this rank (`lightning_accel.system.
+    read_cpu_budget`: affinity, cgroup quota, divided among the node's processes); more, up to `max_workers`, while
+    the fastest count still waits for data (a loader that waits on I/O) and each doubling pays, but never more
+    workers busy loading than the budget holds (the share of its loading a worker keeps a CPU busy is measured
+    without workers: a loader that computes gets at most the budget, one that waits on storage more); then
+    `prefetch_factors` and, on CUDA, `pin_memory`. Settings whose batches in flight do not fit /dev/shm or the
+    memory cgroup are skipped; a trial already slower than the best by more than `tolerance` is cut short.
+
+    The choice: no setting can make a step faster than the loader's own settings by more than 1 / (1 - w), w their
+    share of step time spent waiting for data (the high end of its interval: the range of their repeated runs, or a
+    bootstrap over the steps of a single run); each reading is capped there, so two settings both read above it tie.
+    Among the settings within `tolerance` of the fastest, the loader's own are kept; else the fewest workers, with
+    `persistent_workers=True`; a setting other than theirs must be measurably faster than them (the paired interval
+    of its runs over theirs above 1), or their settings are kept and the report line says "kept your settings: no
+    setting measurably faster (...)". The speedup credited, logged and printed never exceeds the bound; a reading
+    above it is named as noise or interference. The Trainer's train and validation DataLoaders are replaced by ones
+    built with the choice (left as built when kept); the user's code does not change. If tuning fails (a trial, a
+    reading, on any rank), the loaders stay as they were and the fit goes on; under DDP, a failure of one rank that
+    the others cannot learn of in a collective stops the run with an error naming the rank, rather than leaving them
+    waiting.
 
     Under DDP every rank runs the same trial at the same time (its workers compete for the node's CPUs as they
     will), on the module itself, past the DDP wrapper (no gradient all-reduce is timed); the slowest rank's time
@@ -61,9 +69,24 @@ class DataLoaderTuner(Callback):
     `<cache_dir>/dataloader_tuner.json` under a fingerprint of the dataset (type, length), batch size, model,
     precision, hardware and world size, and kept in checkpoints; a fit that finds one skips tuning.
 
-    Python side effects of `training_step` (appending to a list, counting calls) happen in the trials too.
-    A loader with its own `generator` shuffles its first epoch differently than without the tuner (the same way
-    in every tuned or cached fit).
+    Keeps identical: the trained weights and optimizer state (the optimizer never steps in a trial), gradients,
+    buffers (BatchNorm statistics), parameters that do not train, torchmetrics states, train/eval mode, the module's
+    public attributes a step rebinds (`self.calls += 1`), the global RNG streams (torch, CUDA, numpy, random: the
+    shuffle and dropout draw as without the tuner), the values `self.log` records (muted in trials), and every other
+    DataLoader argument (dataset, sampler, batch size, collate_fn, worker_init_fn, timeout). When no setting
+    is measurably faster, all four settings and the loaders themselves, train and validation.
+
+    Changes on purpose: the train DataLoader's `num_workers`, `prefetch_factor`, `persistent_workers` (True with
+    workers) and, on CUDA, `pin_memory`; with `apply_to_val`, the validation DataLoaders' same four; torch's intra-op
+    threads when the thread plan is in force (workers and threads share one budget); up to `max_tuning_time_s` more
+    at the start of the fit, spent running `training_step` on real batches that `global_step` does not count.
+
+    Cannot serve: an `IterableDataset`, a DataLoader subclass, several train DataLoaders, `fast_dev_run` (the
+    loaders are left alone); manual optimization (the trials time the loading and the batch transfer only); a model
+    wrapped by FSDP1 or DeepSpeed (forward passes only); a loader with its own `generator` (its first epoch is
+    shuffled differently than without the tuner, the same way in every tuned fit); a sampler of the user's own
+    (state it keeps across iterations advances); a `training_step` that changes an object in place (a list it
+    appends to: what the trials added stays). Each is named in a warning before the first optimizer step.
 
     Args:
         max_tuning_time_s: wall-clock bound of tuning; the running trial stops at its next quarter.
@@ -71,7 +94,8 @@ class DataLoaderTuner(Callback):
         warmup_steps: untimed steps before timing (at least one per worker, so all have started).
         tolerance: a setting within this fraction of the fastest counts as fast as it; 0 takes the fastest as
             measured, however small the margin.
-        max_workers: the most workers tried on a loader that waits for data; None: 4 x this rank's CPUs.
+        max_workers: the most workers tried on a loader that waits for data (and keeps them mostly idle: busy
+            workers never exceed this rank's CPUs); None: 4 x this rank's CPUs.
         prefetch_factors: batches loaded ahead per worker to try; the first is used while counting workers.
         tune_pin_memory: also try `pin_memory=True` (CUDA only).
         apply_to_val: give the validation DataLoaders the same settings.
@@ -102,7 +126,11 @@ class DataLoaderTuner(Callback):
         `.../persistent_workers` (0 or 1): the settings chosen.
         `dataloader_tuner/samples_per_s`: training samples per second per rank with them, as measured.
         `dataloader_tuner/data_wait_share`: share of step time waiting for data with them (0..1).
-        `dataloader_tuner/speedup`: their throughput over that of the loader's own settings (x).
+        `dataloader_tuner/speedup`: their throughput over that of the loader's own settings, median over median,
+        never above `dataloader_tuner/speedup_bound` (x).
+        `dataloader_tuner/speedup_bound`: the most any setting could gain over the loader's own settings, 1 / (1 -
+        w) at the high end of w's interval, w their share of step time waiting for data (x).
+        `dataloader_tuner/kept`: 1 when the loader's own settings were kept (nothing measurably faster).
         `dataloader_tuner/tuning_time_s`: seconds spent tuning (s); `dataloader_tuner/trials`: settings timed.
         `dataloader_tuner/cache_hit`: 1 when the decision came from the cache or a checkpoint.
 
@@ -218,7 +246,7 @@ class DataLoaderTuner(Callback):
                     category=LightningAccelWarning,
                 )
             try:  # after the last collective: a failure here keeps this rank's loaders, the others go on
-                if self.decision is not None:
+                if self.decision is not None and not self._kept:
                     final = [loop_internals.rebuilt(dl, self.decision) for dl in train]
             except Exception as err:
                 self.decision = None
@@ -367,9 +395,14 @@ class DataLoaderTuner(Callback):
         if self.apply_to_val and not trainer.sanity_checking:  # first time, or reloaded
             self._reapply(trainer.fit_loop.epoch_loop.val_loop, reiterate=trainer.validating)
 
+    @property
+    def _kept(self) -> bool:
+        """Whether the decision keeps the loader's own settings: its loaders, train and validation, stay as built."""
+        return self.result is not None and self.result.kept
+
     def _reapply(self, loop: Any, reiterate: bool) -> None:
         loaders = _lightning.loop_loaders(loop, _FEATURE)
-        if self.decision is not None and not all(loop_internals.is_tuned(dl) for dl in loaders):
+        if self.decision is not None and not self._kept and not all(loop_internals.is_tuned(dl) for dl in loaders):
             rebuilt = [loop_internals.rebuilt(dl, self.decision) for dl in loaders]
             loop_internals.swap_loaders(loop, rebuilt, reiterate=reiterate)
 
@@ -409,18 +442,22 @@ class DataLoaderTuner(Callback):
                 if local_error
                 else "reading its facts failed on another rank"
             ) from local_error
-        known, bound = None, max(budget, self.max_workers or 4 * budget)  # the most workers a search tries
+        user = loader_settings(loader)
+        # the most workers a search tries, or the loader's own (a kept decision)
+        known, bound = None, max(budget, self.max_workers or 4 * budget, user.num_workers)
         if not (self.force or force) and self.use_cache:  # from a checkpoint, or the previous fit of this callback
             known = TunerDecision.from_dict(self._state, fingerprint=key, max_workers=bound)
             known = known if known is not None and known.confident else None  # never reuse one made under load
             if known is None and trainer.is_global_zero:
                 known = self._cached(key, bound)
         known = strategy.broadcast(known, src=0)
+        for caveat in loop_internals.caveats(loader, self.step_mode, trainer.strategy, trials=known is None):
+            rank_zero_warn(f"DataLoaderTuner: {caveat}.", category=LightningAccelWarning)
         if known is not None:
             self.cache_hit, self.result, self._state = True, known, known.as_dict()
             return known.settings
         shm_free = None if shm is None else shm.free_bytes // trainer.num_devices
-        self.trials, original = loop_internals.search_in_lockstep(
+        searched = loop_internals.search_in_lockstep(
             trainer,
             pl_module,
             loader,
@@ -437,8 +474,26 @@ class DataLoaderTuner(Callback):
             prefetch_factors=self.prefetch_factors,
             tune_pin_memory=self.tune_pin_memory,
         )
+        self.trials = searched.trials
+        if searched.changed:
+            names = ", ".join(f"`self.{name}`" for name in searched.changed)
+            rank_zero_warn(
+                f"DataLoaderTuner: the trial steps changed {names} in place (it holds more or fewer items than "
+                "before them), which cannot be put back: the fit starts with those changes. Keep such state out of "
+                "`training_step`, or remove the DataLoaderTuner.",
+                category=LightningAccelWarning,
+            )
         decision = strategy.broadcast(
-            policy.decide(self.trials, self.tolerance, fingerprint=key, facts=facts, original=original), src=0
+            policy.decide(
+                self.trials,
+                self.tolerance,
+                fingerprint=key,
+                facts=facts,
+                original=searched.original,
+                budget=searched.budget,
+                user=user,
+            ),
+            src=0,
         )
         if decision is None:
             rank_zero_warn(

@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.errors import LightningAccelWarning
@@ -47,6 +47,19 @@ class SleepyDataset(Dataset):
         return torch.full((FEATURES,), float(index % 7)), torch.tensor([float(index % 3)])
 
 
+class TensorItems(Dataset):
+    """Items made at once, with nothing to wait for (the loader's cost is then its `collate_fn`'s)."""
+
+    def __init__(self, length: int = 400) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((FEATURES,), float(index % 7)), torch.tensor([float(index % 3)])
+
+
 def spin(loops: int) -> int:
     """Pure-Python CPU work (~1 ms per 20,000 loops), holding the GIL."""
     acc = 0
@@ -68,6 +81,18 @@ class BusyDataset(SleepyDataset):
         return torch.full((FEATURES,), float((index + acc) % 7)), torch.tensor([float(index % 3)])
 
 
+class SlowCollate:
+    """Collates a batch after `delay_s` of waiting: a loader whose every batch costs the same, wherever it runs (a
+    step that sleeps `step_sleep_s` beside it sets the loader's data-wait share exactly)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __call__(self, items: list[Any]) -> Any:
+        time.sleep(self.delay_s)
+        return default_collate(items)
+
+
 class QuietProbe(InterferenceProbe):
     """Reports every window as quiet: tests about the search itself must not depend on what else the shared
     machine runs (the tests of interference use the real probe or a scripted one)."""
@@ -83,10 +108,10 @@ class Regression(pl.LightningModule):
     """A linear model behind BatchNorm; `step_loops` of pure-Python work per step stand for a heavy step on the CPU
     the workers share (a CPU-only machine)."""
 
-    def __init__(self, step_loops: int = 0) -> None:
+    def __init__(self, step_loops: int = 0, step_sleep_s: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.step_loops = step_loops
+        self.step_loops, self.step_sleep_s = step_loops, step_sleep_s
         self.layer = nn.Linear(FEATURES, 1)
         self.norm = nn.BatchNorm1d(FEATURES)  # trial steps update its running statistics: they must be put back
         self.steps_seen = 0
@@ -94,6 +119,8 @@ class Regression(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         spin(self.step_loops)
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)  # a step of known length that needs no CPU (a GPU's, say)
         loss = nn.functional.mse_loss(self.layer(self.norm(x)), y)
         self.log("train/loss", loss)
         return loss
@@ -209,10 +236,11 @@ def fit(
     step_loops: int = 0,
     model: Regression | None = None,
     ckpt_path: str | None = None,
+    loader: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[pl.Trainer, Regression]:
     """Fit `model` (a new `Regression`) on shuffled batches of `dataset` (and validate on `val`); warnings other than
-    ours muted."""
+    ours muted. `loader`: more arguments of the train DataLoader (`num_workers`, `collate_fn`, `generator`)."""
     model = Regression(step_loops) if model is None else model
     fitter = trainer(callbacks, root, **kwargs)
     val_loader = None if val is None else DataLoader(val, batch_size=batch_size)
@@ -220,7 +248,8 @@ def fit(
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", LightningAccelWarning)
         shuffle = not isinstance(dataset, IterableDataset)
-        fitter.fit(model, DataLoader(dataset, batch_size=batch_size, shuffle=shuffle), val_loader, ckpt_path=ckpt_path)
+        train = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **(loader or {}))
+        fitter.fit(model, train, val_loader, ckpt_path=ckpt_path)
     return fitter, model
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import pickle
+import random
 import subprocess
 import sys
 import time
@@ -26,7 +28,7 @@ from lightning_accel.errors import LightningAccelWarning
 from lightning_accel.measure import Interference
 from lightning_accel.system import ShmInfo
 from lightning_accel.tuning.dataloader.cache import DecisionCache
-from lightning_accel.tuning.dataloader.policy import memory_note
+from lightning_accel.tuning.dataloader.policy import BUDGET_NOTE, memory_note
 from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial, TrialError, rebuild_loader, run_trial
 
@@ -380,12 +382,16 @@ def test_table_is_printed_and_settings_are_logged(tmp_path: Path, capsys: pytest
         "samples_per_s",
         "data_wait_share",
         "speedup",
+        "speedup_bound",
+        "kept",
         "tuning_time_s",
         "trials",
         "cache_hit",
     )
     assert {k for k in logger.logged if k.startswith("dataloader_tuner/")} == {f"dataloader_tuner/{k}" for k in keys}
     assert logger.logged["dataloader_tuner/speedup"] > 1.0  # over the loader's own num_workers=0
+    assert logger.logged["dataloader_tuner/speedup"] <= logger.logged["dataloader_tuner/speedup_bound"]
+    assert logger.logged["dataloader_tuner/kept"] == 0.0
 
 
 class _Stream(IterableDataset):
@@ -663,3 +669,171 @@ def test_io_busy_benchmark_meets_the_criterion_in_most_runs() -> None:
 
     results = bench.io_busy(runs=4, max_tuning_time_s=30)
     assert sum(share >= 0.8 for _, share, _ in results) >= 3, results
+
+
+def _stretch_readings(monkeypatch: pytest.MonkeyPatch, factor: Callable[[LoaderSettings], float]) -> None:
+    """Every trial's reading (its time and its wait alike) multiplied by `factor(settings)`: noise, scripted."""
+    real = runner_module.run_trial
+
+    def stretched(make_loader: Any, step: Any, settings: LoaderSettings, **kwargs: Any) -> Trial:
+        trial = real(make_loader, step, settings, **kwargs)
+        scale = factor(settings)
+        trial.seconds, trial.wait_s, trial.step_s_median = (
+            trial.seconds * scale,
+            trial.wait_s * scale,
+            trial.step_s_median * scale,
+        )
+        return trial
+
+    monkeypatch.setattr(runner_module, "run_trial", stretched)
+
+
+def _tuner_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("DataLoaderTuner (")]
+
+
+def test_a_loader_waiting_10_percent_of_the_step_is_credited_no_more_than_1_11x(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The issue's scripted loader: each batch costs 2 ms to collate and the step sleeps 18 ms, so the loader's own
+    settings (0 workers) wait about 10% of step time and no setting can make a step more than about 1.11x faster.
+    Noise is scripted in: every reading with workers comes out 3x faster than it ran. The speedup logged stays
+    within the bound, and the report line names the excess as noise."""
+    _stretch_readings(monkeypatch, lambda s: 1 / 3 if s.num_workers else 1.0)
+    logger, tuner = _Metrics(), _tuner(use_cache=False)
+    with caplog.at_level(logging.INFO, logger=tuner_module.__name__):
+        cases.fit(
+            cases.TensorItems(400),
+            [tuner],
+            str(tmp_path),
+            max_steps=2,
+            logger=logger,
+            model=cases.Regression(step_sleep_s=0.018),
+            loader={"collate_fn": cases.SlowCollate(0.002)},
+        )
+    result = tuner.result
+    assert result is not None and result.baseline is not None, tuner.trials
+    # the premise: about 10% (more on a loaded machine, where each sleep overruns), so a bound of about 1.11x
+    assert 0.05 <= result.baseline.wait_share <= 0.2 and result.baseline.high <= 1.35, result.baseline
+    logged = logger.logged["dataloader_tuner/speedup"]
+    assert logged <= logger.logged["dataloader_tuner/speedup_bound"] == pytest.approx(result.baseline.high)
+    assert result.measured_speedup is not None and result.measured_speedup > result.baseline.high  # the noise got in
+    (line,) = _tuner_lines(caplog)
+    assert "the excess is noise or interference, not credited" in line, line
+
+
+def test_noise_alone_keeps_the_users_settings_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A scripted timing model where every setting runs alike (100 samples/s, 3% of the step waiting for data; 0
+    workers 80 and 20%) and only noise differs: each reading stretched by 0.6-1.4x (seeded), every trial flagged.
+    Readings 1.3x apart and more turn up, none is measurably faster, so the user's 2 workers stay: their loaders,
+    train and validation, are never rebuilt, and the line says so."""
+    rng = random.Random(0)
+
+    def reading(make_loader: Any, step: Any, settings: LoaderSettings, **kwargs: Any) -> Trial:
+        rate, wait = (100.0, 0.03) if settings.num_workers else (80.0, 0.2)
+        seconds = kwargs["steps"] * kwargs["samples_per_batch"] / rate * rng.uniform(0.6, 1.4)
+        return Trial(
+            settings=settings,
+            steps=kwargs["steps"],
+            seconds=seconds,
+            wait_s=wait * seconds,
+            samples_per_batch=kwargs["samples_per_batch"],
+        )
+
+    monkeypatch.setattr(runner_module, "run_trial", reading)
+    monkeypatch.setattr(runner_module, "InterferenceProbe", _FlaggingProbe)
+    tuner = _tuner(use_cache=False)
+    with caplog.at_level(logging.INFO, logger=tuner_module.__name__):
+        fitter, _ = cases.fit(
+            cases.TensorItems(400),
+            [tuner],
+            str(tmp_path),
+            max_steps=2,
+            val=cases.SleepyDataset(16, 0.0),
+            loader={"num_workers": 2},
+        )
+    assert tuner.result is not None and tuner.result.kept, (tuner.result, tuner.trials)
+    readings = [t.samples_per_s for t in tuner.trials if t.settings.num_workers]
+    assert max(readings) > 1.3 * min(readings)  # the premise: alike settings read 1.3x apart and more
+    assert tuner.decision == LoaderSettings(num_workers=2, prefetch_factor=2)  # exactly theirs: not persistent
+    for loader in (fitter.train_dataloader, fitter.val_dataloaders):
+        assert not hasattr(loader, "_lightning_accel_tuned")  # never rebuilt
+    assert fitter.val_dataloaders.num_workers == 0
+    (line,) = _tuner_lines(caplog)
+    assert "kept your settings: no setting measurably faster (" in line, line
+
+
+def test_a_loader_that_computes_gets_no_more_workers_than_the_cpu_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataset that spins in Python on the 2-CPU budget, every trial flagged (which sends the search doubling past
+    the budget) and readings with more workers scripted faster (the noise that made 8 workers look best on 2 CPUs):
+    no count above 2 is timed, the one it would have tried is noted as over the budget, and the decision's reason
+    says the budget bound the search. (The I/O-bound dataset still gets more workers than CPUs:
+    `test_io_bound_dataset_gets_more_workers_than_cpus`.)"""
+    monkeypatch.setattr(runner_module, "InterferenceProbe", _FlaggingProbe)
+    _stretch_readings(monkeypatch, lambda s: 1 / (1 + s.num_workers))
+    tuner = _tuner(use_cache=False, steps_per_trial=8)
+    cases.fit(cases.BusyDataset(400, loops=10_000), [tuner], str(tmp_path), max_steps=2)
+    assert max(tuner.trials, key=lambda t: t.samples_per_s).settings.num_workers == CPUS  # the premise: noise says 2
+    timed = [t.settings.num_workers for t in tuner.trials if t.status != "skipped"]
+    assert max(timed) <= CPUS and tuner.decision is not None and tuner.decision.num_workers <= CPUS, tuner.trials
+    over = [t for t in tuner.trials if t.status == "skipped" and t.note.startswith(BUDGET_NOTE)]
+    assert [t.settings.num_workers for t in over] == [2 * CPUS], tuner.trials
+    assert tuner.result is not None and "the CPU budget bound the search" in tuner.result.reason
+
+
+class _Counting(cases.Regression):
+    """Counts its steps in an int (rebound: put back after the trials) and a list (changed in place: named)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls, self.losses = 0, []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(float(loss))
+        return loss
+
+
+def test_state_the_trial_steps_change_is_put_back_or_named(tmp_path: Path) -> None:
+    data = cases.SleepyDataset(200, 0.0005)
+    tuner = _tuner(steps_per_trial=4, use_cache=False)
+    with pytest.warns(LightningAccelWarning, match=r"changed `self\.losses` in place"):
+        _, model = cases.fit(data, [tuner], str(tmp_path), max_steps=3, model=_Counting())
+    assert tuner.trials and model.calls == 3  # the trials' calls were undone
+    assert len(model.losses) > 3  # the list kept what the trials appended, as the warning says
+
+
+class _Manual(cases.Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+@pytest.mark.parametrize(
+    ("model", "loader", "message"),
+    [
+        (_Manual, {}, "manual optimization, so the trials time the loading"),
+        (cases.Regression, {"generator": torch.Generator().manual_seed(0)}, "has its own `generator`"),
+    ],
+    ids=["manual-optimization", "generator"],
+)
+def test_what_the_tuner_cannot_keep_identical_is_named_before_training(
+    tmp_path: Path, model: type[cases.Regression], loader: dict[str, Any], message: str
+) -> None:
+    tuner = _tuner(steps_per_trial=4, use_cache=False)
+    with pytest.warns(LightningAccelWarning, match=message):
+        cases.fit(cases.SleepyDataset(200, 0.0005), [tuner], str(tmp_path), max_steps=2, model=model(), loader=loader)
+    assert tuner.step_mode == ("data" if model is _Manual else "train")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from lightning_accel.tuning.dataloader.cache import DecisionCache
-from lightning_accel.tuning.dataloader.decision import TunerDecision
+from lightning_accel.tuning.dataloader.decision import TunerDecision, loader_bound, measured_speedup
 from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial
 
@@ -43,12 +43,30 @@ def test_round_trips_through_plain_types_json_and_pickle() -> None:
 def test_from_trials_takes_the_speedup_over_the_loaders_own_settings() -> None:
     own, chosen = LoaderSettings(), LoaderSettings(num_workers=2, prefetch_factor=2, persistent_workers=True)
     trials = [
-        Trial(settings=own, steps=10, seconds=2.0, samples_per_batch=8),
+        Trial(settings=own, steps=10, seconds=2.0, wait_s=1.6, samples_per_batch=8),  # 80% waiting: up to 5x
         Trial(settings=chosen, steps=10, seconds=0.5, wait_s=0.1, samples_per_batch=8),
     ]
     decision = TunerDecision.from_trials(KEY, {}, trials[1], trials, own)
     assert decision.settings == chosen and decision.speedup == pytest.approx(4.0)
-    assert decision.wait_share == pytest.approx(0.2) and decision.confident
+    assert decision.measured_speedup == pytest.approx(4.0) and decision.bound == pytest.approx(5.0)
+    assert decision.wait_share == pytest.approx(0.2) and decision.confident and not decision.kept
+
+
+def test_the_credited_speedup_never_exceeds_what_the_loader_s_own_data_wait_allows() -> None:
+    """The loader's own settings wait 10% of step time [8%, 12%]: removing all of it makes a step at most 1/(1-0.12)
+    = 1.136x faster. A setting measured 1.77x faster is credited 1.136x; the rest is noise, kept apart as
+    `measured_speedup`."""
+    own, chosen = LoaderSettings(num_workers=2, prefetch_factor=2), LoaderSettings(num_workers=8, prefetch_factor=2)
+    trials = [
+        Trial(settings=own, steps=10, seconds=1.77, wait_s=0.177, samples_per_batch=8, wait_interval=(0.08, 0.12)),
+        Trial(settings=chosen, steps=10, seconds=1.0, wait_s=0.01, samples_per_batch=8),
+    ]
+    decision = TunerDecision.from_trials(KEY, {}, trials[1], trials, own)
+    assert decision.measured_speedup == pytest.approx(1.77)
+    assert decision.bound == pytest.approx(1 / (1 - 0.12)) and decision.speedup == pytest.approx(1 / (1 - 0.12))
+    assert decision.speedup_high == pytest.approx(decision.bound)
+    assert decision.baseline is not None and decision.baseline.speedup == pytest.approx(1 / 0.9)
+    assert TunerDecision.from_dict(decision.as_dict(), fingerprint=KEY, max_workers=8) == decision
 
 
 @pytest.mark.parametrize(
@@ -76,6 +94,12 @@ def test_from_trials_takes_the_speedup_over_the_loaders_own_settings() -> None:
         {"samples_per_s": "fast"},
         {"wait_share": 1.5},
         {"speedup": 0.0},
+        {"measured_speedup": -1.0},
+        {"speedup_high": float("inf")},
+        {"baseline": [0.1, 0.05]},
+        {"baseline": [0.1, 0.05, 1.5]},
+        {"kept": "no"},
+        {"reason": 3},
         {"confident": "yes"},
         {"fingerprint": "another"},
         {"samples_per_s": None},
@@ -172,3 +196,44 @@ def test_the_table_is_reported_once(capsys: pytest.CaptureFixture[str]) -> None:
         out = capsys.readouterr().out
         assert out.count("train DataLoader settings timed on training steps") == 1, out
         assert "\x1b[" not in out
+
+
+def test_an_entry_written_before_the_bound_reads_with_its_defaults() -> None:
+    entry = _decision().as_dict()
+    for key in ("speedup_low", "speedup_high", "measured_speedup", "baseline", "kept", "reason"):
+        del entry[key]
+    read = TunerDecision.from_dict(entry, fingerprint=KEY, max_workers=8)
+    assert read is not None and read.baseline is None and read.bound is None and not read.kept and read.reason == ""
+
+
+def test_a_baseline_timed_several_times_bounds_by_the_spread_of_its_runs() -> None:
+    """Three runs of the loader's own settings waiting 8%, 10% and 12%, each with a wide interval over its few steps
+    (2%-40%): the bound's interval is the runs' range, 1/(1-0.08) to 1/(1-0.12), not 1/(1-0.40) (a run of the
+    real template claimed 1.78x that way, where its three runs waited 18-28%). Timed once, the run's own interval."""
+    own = LoaderSettings(num_workers=2, prefetch_factor=2)
+    runs = [
+        Trial(settings=own, steps=10, seconds=1.0, wait_s=share, samples_per_batch=8, wait_interval=(0.02, 0.4))
+        for share in (0.08, 0.10, 0.12)
+    ]
+    bound = loader_bound(runs, own)
+    assert bound is not None and bound.wait_share == pytest.approx(0.10)
+    assert (bound.wait_low, bound.wait_high) == pytest.approx((0.08, 0.12))
+    assert bound.high == pytest.approx(1 / 0.88)
+    single = loader_bound(runs[:1], own)
+    assert single is not None and single.wait_high == pytest.approx(0.4)  # its steps are all it has
+
+
+def test_the_speedup_interval_pairs_runs_timed_side_by_side() -> None:
+    """The readings of a real template run beside a busy process (samples/s; a trial hit by the busy process reads
+    2-3x slower): 0 workers against the user's 2 in seven interleaved rounds, then 0 against 1 worker in three, then
+    2 against 0 in three. Paired round by round, 0 workers are faster in 9 of 10 rounds (interval above 1); paired by
+    position in each list (the 0-worker runs of the 1-worker rounds against later 2-worker runs), the interval
+    reached 0.92, and the run kept 2 workers."""
+    zero, two = _timed(0, 1.0).settings, _timed(2, 1.0).settings
+    workers = "02020202020202" + "1010101" + "202020"  # the order run
+    rates = [11536, 8788, 11669, 9035, 10111, 5270, 15219, 9112, 13149, 5076, 13861, 5637, 16252, 9574]
+    rates += [8260, 5236, 5842, 4975, 8508, 4775, 8359] + [3175, 10338, 9511, 15639, 10368, 4695]
+    trials = [_timed(int(w), rate) for w, rate in zip(workers, rates, strict=True)]
+    speedup = measured_speedup(trials, zero, two)
+    assert speedup is not None and speedup.n == 10 and speedup.low > 1.0, speedup
+    assert speedup.median == pytest.approx(11536 / 8788)  # median run over median run

@@ -8,7 +8,7 @@ import copy
 import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -39,6 +39,7 @@ from lightning_accel.tuning.dataloader.timing import (
 from lightning_accel.tuning.dataloader.trial_runner import TrialRunner
 
 __all__ = [
+    "Searched",
     "StepMode",
     "facts",
     "is_tuned",
@@ -51,6 +52,7 @@ __all__ = [
     "search_in_lockstep",
     "stop_workers",
     "swap_loaders",
+    "caveats",
     "untouched",
     "untunable",
 ]
@@ -100,11 +102,27 @@ def _ignore(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _length(value: object) -> int | None:
+    try:
+        return len(value)  # type: ignore[arg-type]
+    except Exception:
+        return None
+
+
+def _public(module: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
+
+
 @contextlib.contextmanager
-def untouched(pl_module: pl.LightningModule) -> Iterator[None]:
+def untouched(pl_module: pl.LightningModule, changed: list[str] | None = None) -> Iterator[None]:
     """Put back what trial steps change in the module: buffers (BatchNorm statistics), parameters that do not train
-    (a momentum encoder or EMA updated in `training_step`), gradients, torchmetrics states, train/eval mode;
-    `self.log` and `self.log_dict` do nothing meanwhile. Trained parameters are never stepped."""
+    (a momentum encoder or EMA updated in `training_step`), gradients, torchmetrics states, train/eval mode, and its
+    public attributes (`self.calls += 1` and `self.cache = ...` are undone: each name is bound to what it held
+    before, and names the steps added are removed); `self.log` and `self.log_dict` do nothing meanwhile. Trained
+    parameters are never stepped.
+
+    An object the steps changed in place (a list a step appends to, found by its length) cannot be put back: the
+    attribute's name goes into `changed` (the DataLoaderTuner warns, naming it)."""
     buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
     buffers += [(p, p.detach().clone()) for p in pl_module.parameters() if not p.requires_grad]
     grads = [(p, p.grad) for p in pl_module.parameters()]
@@ -114,10 +132,12 @@ def untouched(pl_module: pl.LightningModule) -> Iterator[None]:
         if isinstance(m, Metric)
     ]
     modes = [(m, m.training) for m in pl_module.modules()]  # per module: a frozen part may stay in eval mode
+    public = {k: (v, _length(v)) for k, v in _public(pl_module).items()}
     with contextlib.ExitStack() as undo:
         for name in ("log", "log_dict"):
             undo.callback(patch_attribute(pl_module, name, _ignore, why="the DataLoaderTuner's trial steps"))
         undo.callback(_restore, modes, buffers, grads, metrics)
+        undo.callback(_restore_attributes, pl_module, public, changed)
         yield
 
 
@@ -134,6 +154,22 @@ def _restore(modes: list[Any], buffers: list[Any], grads: list[Any], metrics: li
         for name, value in states.items():
             setattr(metric, name, value)
         metric._update_count, metric._computed = count, computed
+
+
+def _restore_attributes(module: Any, saved: dict[str, tuple[Any, int | None]], changed: list[str] | None) -> None:
+    """Bind `module`'s public attributes to what they held when `saved`, drop the ones added since; name in `changed`
+    those whose object changed length in place."""
+    now = _public(module)
+    for name in now.keys() - saved.keys():
+        delattr(module, name)
+    for name, (value, length) in saved.items():
+        if now.get(name, _MISSING) is not value:
+            setattr(module, name, value)
+        elif _length(value) != length and changed is not None:
+            changed.append(name)
+
+
+_MISSING = object()
 
 
 def rank_sync(device: torch.device) -> Callable[[Sequence[float]], list[float]]:
@@ -216,6 +252,46 @@ def untunable(trainer: pl.Trainer, loaders: list[Any]) -> str:
     return ""
 
 
+_KNOWN_SAMPLERS = ("torch.", "lightning.", "lightning_fabric.", "pytorch_lightning.")
+
+
+def caveats(loader: DataLoader, step_mode: str, strategy: object, trials: bool = True) -> list[str]:
+    """What the tuner cannot keep identical for this loader and module, one sentence each (it warns with them):
+    a loader with its own `generator` (its first epoch's order, whenever the tuner swaps the loader); with
+    `trials`, also a sampler of the user's own (its state) and a step mode other than "train" (what they time)."""
+    found = []
+    owners = (loader, loader.sampler, loader.batch_sampler, getattr(loader.batch_sampler, "sampler", None))
+    if any(isinstance(getattr(owner, "generator", None), torch.Generator) for owner in owners):
+        found.append(
+            "your train DataLoader (or its sampler) has its own `generator`: its first epoch is shuffled differently "
+            "than without the tuner (the same order in every tuned or cached fit); seed the global RNG "
+            "(`L.seed_everything`) instead to keep an untuned fit's order"
+        )
+    if not trials:
+        return found
+    own = [
+        type(s).__qualname__
+        for s in (loader.sampler, loader.batch_sampler)
+        if s is not None and not type(s).__module__.startswith(_KNOWN_SAMPLERS)
+    ]
+    if own:
+        found.append(
+            f"your sampler `{own[0]}` is iterated by the trials: any state it keeps across iterations (other than "
+            "a torch.Generator, which is put back) has advanced when the fit's first epoch starts"
+        )
+    if step_mode == "data":
+        found.append(
+            "the LightningModule uses manual optimization, so the trials time the loading and the batch transfer "
+            "only, not `training_step`: the choice favours loading, and its speedup is one of loading alone"
+        )
+    elif step_mode == "forward":
+        found.append(
+            f"the model is wrapped by {type(strategy).__name__}, so the trials time forward passes without backward: "
+            "steps read shorter than in training, and the choice may take more workers than training needs"
+        )
+    return found
+
+
 def facts(trainer: pl.Trainer, loader: Any, batch_size: int | None, cpus: int) -> dict[str, Any]:
     """What a decision depends on (the fingerprint's contents): data, batch, model, precision, hardware, world."""
 
@@ -276,6 +352,20 @@ def share_threads(
     return timed
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Searched:
+    """What `search_in_lockstep` found, the same on every rank but `changed`."""
+
+    trials: list[Trial]
+    original: LoaderSettings
+    """The loader's own settings, as a trial runs them (persistent with workers: persistence only matters between
+    epochs)."""
+    budget: int
+    """Rank zero's CPU budget per rank, the one every rank searched with."""
+    changed: tuple[str, ...] = ()
+    """Public attributes of the module the trial steps changed and that could not be put back (`untouched`)."""
+
+
 def search_in_lockstep(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
@@ -293,8 +383,8 @@ def search_in_lockstep(
     tolerance: float,
     prefetch_factors: Sequence[int],
     tune_pin_memory: bool,
-) -> tuple[list[Trial], LoaderSettings]:
-    """Run `policy.search` on every rank at once, (its trials, the loader's own settings as a trial runs them).
+) -> Searched:
+    """Run `policy.search` on every rank at once.
 
     Rank zero's budget, settings and free memory are broadcast, so every rank runs the same search; the batch size in
     bytes is the largest rank's, the loader's length the shortest's; trials leave the module as it was (`untouched`).
@@ -332,7 +422,8 @@ def search_in_lockstep(
         sync=sync,
         pids=same_host_pids(),
     )
-    with untouched(pl_module):
+    changed: list[str] = []
+    with untouched(pl_module, changed):
         trials = policy.search(
             share_threads(measure, ranks=trainer.num_devices),
             budget=budget,
@@ -343,4 +434,4 @@ def search_in_lockstep(
             pin_memory=tune_pin_memory and isinstance(trainer.accelerator, CUDAAccelerator),
             guard=lambda s: policy.memory_note(s, batch_bytes, shm_free, memory_free, worker_bytes),
         )
-    return trials, original
+    return Searched(trials=trials, original=original, budget=budget, changed=tuple(changed))

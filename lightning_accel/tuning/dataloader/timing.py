@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ __all__ = [
     "loader_settings",
     "rebuild_loader",
     "run_trial",
+    "share_interval",
+    "thread_busy_s",
     "trial_window",
 ]
 
@@ -57,6 +60,13 @@ class Trial:
     flag: str = ""
     """Why the trial was measured under interference (another process took our CPUs, steal), "" when quiet."""
     note: str = ""
+    wait_interval: tuple[float, float] | None = None
+    """95% interval of `wait_share` (`share_interval` over the timed steps, in blocks of one round of workers; the
+    widest of the ranks'); None: not measured (taken as `wait_share` itself)."""
+    load_busy_s: float = 0.0
+    """Without workers: the seconds the main thread spent running or runnable (waiting for a CPU) while it loaded
+    the timed batches itself (`thread_busy_s`); over `wait_s`, the share of loading that keeps a CPU busy
+    (`load_busy_share`). 0 with workers (they load elsewhere)."""
 
     @property
     def s_per_step(self) -> float:
@@ -81,6 +91,27 @@ class Trial:
         compute = self.steps * self.step_s_median if self.step_s_median > 0 else self.seconds - self.wait_s
         return self.wait_s / (self.wait_s + compute) if self.wait_s + compute > 0 else 0.0
 
+    @property
+    def wait_low(self) -> float:
+        """The low end of the data-wait share's interval (0..1)."""
+        return min(self.wait_interval[0], self.wait_share) if self.wait_interval else self.wait_share
+
+    @property
+    def wait_high(self) -> float:
+        """The high end of the data-wait share's interval, never below `loader_share` (the share with the median
+        step, which a few steps lengthened by another job do not shrink) (0..1)."""
+        high = max(self.wait_interval[1], self.wait_share) if self.wait_interval else self.wait_share
+        return max(high, self.loader_share)
+
+    @property
+    def load_busy_share(self) -> float | None:
+        """Without workers, the share of the loading time the loading kept a CPU busy (0..1): near 1 for a loader
+        that computes (decodes, augments, indexes tensors), near 0 for one that waits on storage or the network;
+        None with workers or without a wait to measure."""
+        if self.settings.num_workers or self.wait_s <= 0 or self.steps == 0:
+            return None
+        return min(1.0, max(0.0, self.load_busy_s / self.wait_s))
+
     def as_dict(self) -> dict[str, Any]:
         return {
             **self.settings.as_dict(),
@@ -94,6 +125,9 @@ class Trial:
             "step_s_median": self.step_s_median,
             "flag": self.flag,
             "note": self.note,
+            "wait_low": self.wait_low,
+            "wait_high": self.wait_high,
+            "load_busy_s": self.load_busy_s,
         }
 
 
@@ -201,6 +235,53 @@ def _stop_if_signalled(signum: float) -> None:
         raise SignalExit(int(signum))
 
 
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def thread_busy_s() -> float:
+    """Seconds the calling thread has run or waited runnable for a CPU: Linux's `/proc/thread-self/schedstat` (on-CPU
+    plus run-queue time), else its CPU time (`time.thread_time`, which misses the run-queue wait).
+
+    Over a stretch of loading, its change is how much of that stretch the loading kept (or wanted) a CPU, whatever
+    else runs beside it: a read from disk or the network sleeps and counts nothing, a decode counts fully even while
+    another job holds the CPU it waits for."""
+    try:
+        with open(_SCHEDSTAT, "rb") as stat:
+            on_cpu, runnable = stat.read().split()[:2]
+        return (int(on_cpu) + int(runnable)) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time()
+
+
+def share_interval(
+    waits: Sequence[float], steps: Sequence[float], block: int = 1, resamples: int = 1000, seed: int = 0
+) -> tuple[float, float]:
+    """95% interval of `sum(waits) / sum(steps)` (the share of step time spent waiting for data), by a percentile
+    bootstrap over blocks of `block` consecutive steps (workers deliver in rounds: the waits of one round belong
+    together); fixed seed, so the same steps give the same interval. With fewer than two blocks: the share itself.
+
+    Args:
+        waits: each timed step's wait for its batch (s).
+        steps: each timed step's whole time, wait included (s).
+        block: steps per block (the number of workers; 1 without).
+    """
+    size = max(1, block)
+    blocks = [(sum(waits[i : i + size]), sum(steps[i : i + size])) for i in range(0, len(steps), size)]
+    total = sum(t for _, t in blocks)
+    share = sum(w for w, _ in blocks) / total if total > 0 else 0.0
+    if len(blocks) < 2:
+        return share, share
+    rng = random.Random(seed)
+    shares = []
+    for _ in range(resamples):
+        drawn = rng.choices(blocks, k=len(blocks))
+        spent = sum(t for _, t in drawn)
+        shares.append(sum(w for w, _ in drawn) / spent if spent > 0 else 0.0)
+    shares.sort()
+    low, high = shares[int(0.025 * (resamples - 1))], shares[math.ceil(0.975 * (resamples - 1))]
+    return min(low, share), max(high, share)
+
+
 def trial_window(workers: int, warmup_steps: int, steps_per_trial: int, batches: int) -> tuple[int, int]:
     """(warm-up, timed) steps of a trial with `workers` on a loader of `batches` batches.
 
@@ -225,13 +306,15 @@ def run_trial(
     deadline: float = float("inf"),
     sync: Sync = list,
     clock: Callable[[], float] = time.perf_counter,
+    busy_clock: Callable[[], float] = thread_busy_s,
 ) -> Trial:
     """Time `steps` training steps on batches of a loader built with `settings`, after `warmup` untimed ones.
 
     Every rank calls this with the same arguments. Ranks compare notes (`sync`) at the start and every quarter of the
     timed steps (at least as many steps as workers: workers deliver in rounds), so all of them stop at the same step:
     when the time per step already exceeds `cut_s_per_step` (status "cut"), when `deadline` (a `clock()` value) has
-    passed on any rank ("time"), or when a rank failed.
+    passed on any rank ("time"), or when a rank failed. Each step's wait and time are kept for the interval of the
+    data-wait share (`share_interval`); without workers, the main thread's busy time while loading (`busy_clock`).
 
     Raises:
         TrialError: on every rank, when building, iterating or stepping failed on any rank.
@@ -247,6 +330,9 @@ def run_trial(
     timed = wait = 0.0
     done, exhausted, check = 0, False, max(1, steps // 4, settings.num_workers)
     computes: list[float] = []
+    waits: list[float] = []
+    busy = 0.0
+    measure_busy = settings.num_workers == 0  # with workers the loading runs in their processes
     try:
         start = clock()
         try:
@@ -263,13 +349,16 @@ def run_trial(
         for index in range(steps):
             if error is None and not exhausted:
                 try:
+                    b0 = busy_clock() if measure_busy else 0.0
                     t0 = clock()
                     batch = next(iterator)
                     t1 = clock()
+                    busy += busy_clock() - b0 if measure_busy else 0.0
                     step(batch, warmup + index)
                     t2 = clock()
                     timed, wait, done = timed + t2 - t0, wait + t1 - t0, done + 1
                     computes.append(t2 - t1)
+                    waits.append(t1 - t0)
                 except StopIteration:
                     exhausted = True
                 except Exception as err:
@@ -293,8 +382,20 @@ def run_trial(
         except Exception as err:  # reported to every rank by the collective below, like a failed step
             error = error or err
     median = sorted(computes)[len(computes) // 2] if computes else 0.0
-    seconds, wait_s, startup_s, fewest, step_s, failed, signalled = sync(
-        [timed, wait, trial.startup_s, -done, median, float(error is not None), float(pending_signal())]
+    low, high = share_interval(waits, [w + c for w, c in zip(waits, computes, strict=True)], settings.num_workers)
+    seconds, wait_s, startup_s, fewest, step_s, lowest, highest, busy_s, failed, signalled = sync(
+        [
+            timed,
+            wait,
+            trial.startup_s,
+            -done,
+            median,
+            -low,
+            high,
+            busy,
+            float(error is not None),
+            float(pending_signal()),
+        ]
     )
     _stop_if_signalled(signalled)  # every rank together: a stop signal on any of them ends the trials
     if failed:
@@ -304,7 +405,8 @@ def run_trial(
             else f"DataLoader trial {settings} failed on another rank"
         ) from error
     trial.steps, trial.seconds, trial.wait_s, trial.startup_s = int(-fewest), seconds, wait_s, startup_s
-    trial.step_s_median = step_s
+    trial.step_s_median, trial.load_busy_s = step_s, busy_s
+    trial.wait_interval = (-lowest, highest) if trial.steps else None
     if trial.steps == 0 and trial.status == "done":
         trial.status, trial.note = "time", "no batch was timed"
     return trial

@@ -21,6 +21,7 @@ __all__ = [
     "publish",
     "rich_table",
     "shown_on_a_stream",
+    "speedup_text",
     "table_rows",
     "table_text",
 ]
@@ -79,6 +80,8 @@ def decision_metrics(
         "samples_per_s": decision.samples_per_s,
         "data_wait_share": decision.wait_share,
         "speedup": decision.speedup or math.nan,
+        "speedup_bound": decision.bound or math.nan,
+        "kept": decision.kept,
         "tuning_time_s": tuning_time_s,
         "trials": sum(t.status != "skipped" for t in trials),
         "cache_hit": cache_hit,
@@ -86,11 +89,33 @@ def decision_metrics(
     return {f"dataloader_tuner/{key}": float(value) for key, value in metrics.items()}
 
 
+def speedup_text(result: TunerDecision) -> str:
+    """The speedup a decision claims over the loader's own settings, with its interval and the bound their data wait
+    sets (`decision.LoaderBound`); a measured speedup above the bound is named as noise, not credited."""
+    if result.speedup is None:
+        return "the loader's own settings were not timed"
+    low, high = result.speedup_low or result.speedup, result.speedup_high or result.speedup
+    text = f"{result.speedup:.2f}x [{low:.2f}, {high:.2f}] the loader's own settings"
+    if result.baseline is None:
+        return text
+    measured = result.measured_speedup
+    if measured is not None and measured > result.baseline.high * (1 + 1e-9):
+        return (
+            f"{text}: the most their data wait allows ({result.baseline.describe()}); measured {measured:.2f}x, the "
+            "excess is noise or interference, not credited"
+        )
+    return f"{text}; they spent {result.baseline.describe()}"
+
+
 def decision_line(result: TunerDecision, original: LoaderSettings, source: str) -> str:
     """One line: where the decision came from (`source`, and why it is not cached), what changed from the loader's
-    own settings `original`, and the throughput measured with it."""
+    own settings `original` or that they were kept and why, the throughput measured with it and the speedup it
+    claims (`speedup_text`)."""
     if not result.confident:
         source += f"; not cached: {result.note}"
+    rate = f"{result.samples_per_s:,.1f} samples/s per rank"
+    if result.kept:
+        return f"DataLoaderTuner ({source}): kept your settings: {result.reason}; {rate}."
     changed = (
         ", ".join(
             f"{k} {getattr(original, k)} -> {v}"
@@ -99,10 +124,8 @@ def decision_line(result: TunerDecision, original: LoaderSettings, source: str) 
         )
         or "no change"
     )
-    return (
-        f"DataLoaderTuner ({source}): {changed}; {result.samples_per_s:,.1f} samples/s per rank "
-        f"({result.speedup or float('nan'):.2f}x the loader's own settings)."
-    )
+    why = f"; {result.reason}" if result.reason else ""
+    return f"DataLoaderTuner ({source}): {changed}{why}; {rate} ({speedup_text(result)})."
 
 
 def publish(
@@ -122,7 +145,7 @@ def publish(
     log file and console under Hydra); with `print_table`, also with rich on the console where no logging handler
     shows `log`'s INFO on a terminal stream (a plain script), so the table never appears twice. The
     `dataloader_tuner/...` metrics go to every logger of `loggers`."""
-    chosen = next((t for t in medians(trials) if t.settings == result.settings), None)
+    chosen = next((t for t in medians(trials) if t.settings.cost == result.settings.cost), None)
     rows = table_rows(trials, chosen)
     source = "cache" if cache_hit else f"{len(trials)} trials in {tuning_time_s:.1f} s"
     line = decision_line(result, original, source)
