@@ -79,7 +79,9 @@ class DataLoaderTuner(Callback):
     Changes on purpose: the train DataLoader's `num_workers`, `prefetch_factor`, `persistent_workers` (True with
     workers) and, on CUDA, `pin_memory`; with `apply_to_val`, the validation DataLoaders' same four; torch's intra-op
     threads when the thread plan is in force (workers and threads share one budget); up to `max_tuning_time_s` more
-    at the start of the fit, spent running `training_step` on real batches that `global_step` does not count.
+    at the start of the fit, spent running `training_step` on real batches that `global_step` does not count. A
+    dataset that draws random numbers itself (augmentation in `__getitem__`) draws them in the workers chosen, from
+    their seeds, as any DataLoader with workers does.
 
     Cannot serve: an `IterableDataset`, a DataLoader subclass, several train DataLoaders, `fast_dev_run` (the
     loaders are left alone); manual optimization (the trials time the loading and the batch transfer only); a model
@@ -181,6 +183,7 @@ class DataLoaderTuner(Callback):
         self.retuned = False
         """True when a reused decision failed its verification and the loader was tuned again."""
         self._live: LiveWait | None = None
+        self._threads_before: int | None = None
         self.trials: list[Trial] = []
         """The trials of the last tuning, in the order run (empty after a cache hit)."""
         self.decision: LoaderSettings | None = None
@@ -278,6 +281,8 @@ class DataLoaderTuner(Callback):
                     f"DataLoaderTuner: {self.decision.num_workers} worker(s) share the CPU budget with "
                     f"{threads} intra-op thread(s) per rank (was {torch.get_num_threads()})"
                 )
+                if self._threads_before is None:  # put back at teardown, as the Trainer found it
+                    self._threads_before = torch.get_num_threads()
                 torch.set_num_threads(threads)
             self._report(trainer, loader_settings(train[0]))
             if self.cache_hit and self.verify_steps:  # reused: checked on the live loop's first steps
@@ -324,6 +329,12 @@ class DataLoaderTuner(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._live is not None and self._verification_failed(trainer, final=True):  # no epoch start came
             self._forget(trainer, "it failed its verification and the fit ended before the next epoch")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._threads_before is not None:  # the thread plan's share ends with the fit, as the workers do
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     def _verification_failed(self, trainer: pl.Trainer, final: bool) -> bool:
         """Whether the reused decision failed its check on any rank (`verification.verdict`); every rank calls this at

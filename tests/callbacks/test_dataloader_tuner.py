@@ -354,6 +354,22 @@ def test_trials_share_the_cpu_budget_with_the_thread_plan(monkeypatch: pytest.Mo
     assert torch.get_num_threads() == before
 
 
+
+class _ThreadsSeen(cases.pl.Callback):
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        self.threads = torch.get_num_threads()
+
+
+def test_the_thread_plans_share_ends_with_the_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The intra-op threads the plan gives the chosen workers hold while the fit trains; torch's count is put back
+    at teardown, so what runs after the fit (a test, an evaluation in the same process) has the threads it had."""
+    monkeypatch.setattr(tuner_module, "planned_intra_op", lambda workers, ranks: 1)
+    torch.set_num_threads(2)
+    seen, tuner = _ThreadsSeen(), _tuner(steps_per_trial=4, use_cache=False)
+    cases.fit(cases.SleepyDataset(64, 0.0005), [tuner, seen], str(tmp_path), max_steps=4)
+    assert tuner.decision is not None
+    assert seen.threads == 1 and torch.get_num_threads() == 2
+
 class _Metrics(Logger):
     def __init__(self) -> None:
         super().__init__()

@@ -27,6 +27,7 @@ __all__ = [
     "frozen_rng",
     "loader_settings",
     "rebuild_loader",
+    "SeedKeepingDataLoader",
     "run_trial",
     "share_interval",
     "thread_busy_s",
@@ -146,10 +147,28 @@ def loader_settings(loader: DataLoader) -> LoaderSettings:
     )
 
 
+class SeedKeepingDataLoader(DataLoader):
+    """A DataLoader whose persistent workers leave the process's random stream as non-persistent ones would.
+
+    A fresh iterator (every epoch without persistent workers) draws its workers' base seed from the loader's
+    generator, or the global torch RNG; a persistent one is reused and draws nothing. This loader draws that number
+    again on every reuse, so the shuffle and dropout of later epochs draw what they would with the loader's own
+    settings. Built by `rebuild_loader` where it turns a loader's workers persistent; the same arguments as
+    DataLoader, so Lightning re-creates it (to add a DistributedSampler) as it re-creates a DataLoader.
+    """
+
+    def __iter__(self) -> Any:
+        if self._iterator is not None and self.persistent_workers and self.num_workers > 0:
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # what a fresh iterator draws
+        return super().__iter__()
+
+
 def rebuild_loader(loader: DataLoader, settings: LoaderSettings, stall_timeout_s: float = 0.0) -> DataLoader:
     """A new DataLoader over the same dataset, sampler, batching and collation, with `settings`.
 
     The sampler (or batch sampler) object is shared, not copied, so a `DistributedSampler` keeps its rank's shard.
+    Workers made persistent where `loader`'s were not come in a `SeedKeepingDataLoader`, which draws from the random
+    streams as `loader` would.
     `stall_timeout_s`: with workers, the longest wait for one batch when the loader sets no `timeout` itself (a
     stalled worker raises instead of blocking this rank and, in its collectives, every other); 0: no limit.
 
@@ -157,7 +176,7 @@ def rebuild_loader(loader: DataLoader, settings: LoaderSettings, stall_timeout_s
         TypeError: for a DataLoader subclass or an `IterableDataset`, whose workers each replay the whole stream
             unless the dataset shards itself: neither is rebuilt.
     """
-    if type(loader) is not DataLoader:
+    if type(loader) not in (DataLoader, SeedKeepingDataLoader):
         raise TypeError(f"{type(loader).__name__} is a DataLoader subclass; only torch's DataLoader is rebuilt.")
     if isinstance(loader.dataset, IterableDataset):
         raise TypeError("an IterableDataset changes meaning with num_workers (each worker replays it); not rebuilt.")
@@ -176,13 +195,15 @@ def rebuild_loader(loader: DataLoader, settings: LoaderSettings, stall_timeout_s
     }
     if hasattr(loader, "in_order"):
         common["in_order"] = loader.in_order
+    was_persistent = loader.persistent_workers and loader.num_workers > 0
+    kind = SeedKeepingDataLoader if common["persistent_workers"] and not was_persistent else DataLoader
     if loader.batch_size is not None:  # DataLoader made the BatchSampler from batch_size, sampler and drop_last
-        return DataLoader(
+        return kind(
             loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler, drop_last=loader.drop_last, **common
         )
     if loader.batch_sampler is not None:
-        return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler, **common)
-    return DataLoader(loader.dataset, batch_size=None, sampler=loader.sampler, **common)
+        return kind(loader.dataset, batch_sampler=loader.batch_sampler, **common)
+    return kind(loader.dataset, batch_size=None, sampler=loader.sampler, **common)
 
 
 def batch_nbytes(batch: Any) -> int:
