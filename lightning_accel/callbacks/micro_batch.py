@@ -68,14 +68,14 @@ class MicroBatchFinder(Callback):
 
     Changes on purpose:
         A batch split into pieces of k runs `training_step` once per piece, with the batch's `batch_idx`: steps x
-        ceil(batch / k) calls, and not one more. Whatever a step does besides its loss (a counter, an environment
-        step, a Python random draw) happens once per piece, and a warning at the first split batch, before its
-        optimizer step, names the module's attributes that its first two pieces changed; random draws (dropout
-        masks) are drawn per piece, from the same distribution. On-step logs show the last piece's values; on-epoch
-        means are weighted by each piece's samples. The backward hooks (`on_before_backward`, `on_after_backward`) run once per batch, after
-        its pieces, with the batch's loss. An out-of-memory error runs the batch's pieces again at half the size
-        (the pieces before the error run twice). Under DDP the gradient all-reduce runs once after the backward,
-        buffers are broadcast once per optimizer step, and a DDP communication hook is not used (a warning says so).
+        ceil(batch / k) calls, and not one more. Whatever a step does besides its loss (a counter, an environment step,
+        a Python random draw) happens once per piece, and a warning at the first split batch, before its optimizer step,
+        names the module's attributes that its first two pieces changed; random draws (dropout masks) are drawn per
+        piece, from the same distribution. On-step logs show the last piece's values; on-epoch means are weighted by
+        each piece's samples. The backward hooks (`on_before_backward`, `on_after_backward`) run once per batch, after
+        its pieces, with the batch's loss. An out-of-memory error runs the batch's pieces again at half the size (the
+        pieces before the error run twice). Under DDP the gradient all-reduce runs once after the backward, buffers are
+        broadcast once per optimizer step, and a DDP communication hook is not used (a warning says so).
 
     Cannot serve:
         Manual optimization, a `training_step` that takes `dataloader_iter`, a strategy other than one device or DDP,

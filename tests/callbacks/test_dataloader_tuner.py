@@ -354,7 +354,6 @@ def test_trials_share_the_cpu_budget_with_the_thread_plan(monkeypatch: pytest.Mo
     assert torch.get_num_threads() == before
 
 
-
 class _ThreadsSeen(cases.pl.Callback):
     def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
         self.threads = torch.get_num_threads()
@@ -369,6 +368,7 @@ def test_the_thread_plans_share_ends_with_the_fit(tmp_path: Path, monkeypatch: p
     cases.fit(cases.SleepyDataset(64, 0.0005), [tuner, seen], str(tmp_path), max_steps=4)
     assert tuner.decision is not None
     assert seen.threads == 1 and torch.get_num_threads() == 2
+
 
 class _Metrics(Logger):
     def __init__(self) -> None:
