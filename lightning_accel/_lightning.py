@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "hyperparameter_attribute_prefix",
     "HYDRA_LAUNCHER_MODULES",
     "SUPPORTED_LIGHTNING",
     "LightningInternalsError",
@@ -298,6 +299,12 @@ def load_distributed_checkpoint(path: Any) -> dict[str, Any]:
     from lightning.fabric.utilities import load
 
     return _get(load, "_load_distributed_checkpoint", "consolidating a distributed checkpoint")(path)
+
+
+def hyperparameter_attribute_prefix() -> str:
+    """The prefix of the attributes `save_hyperparameters` sets on a LightningModule (`_hparams`, `_hparams_initial`,
+    `_hparams_name`): the module's configuration, not state a step changes."""
+    return "_hparams"
 
 
 # -- RNG ------------------------------------------------------------------------------------------------------------

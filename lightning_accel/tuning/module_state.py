@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_accel import _lightning
+
 __all__ = ["Snapshot", "changed", "fingerprint"]
 
 _DEPTH = 2  # plain objects (an agent, its buffer) are summarised this many levels down
@@ -49,9 +51,9 @@ def _is_metric(module: nn.Module) -> bool:
 
 def _own_attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
     """(name, value) of what `module` holds itself: not parameters, buffers, submodules or internals."""
-    internal = _internal_names()
+    internal, hparams = _internal_names(), _lightning.hyperparameter_attribute_prefix()
     for name, value in vars(module).items():
-        if name in internal or name.startswith(("_hparams", "__")) or isinstance(value, nn.Module):
+        if name in internal or name.startswith((hparams, "__")) or isinstance(value, nn.Module):
             continue
         if callable(value) and not isinstance(value, (torch.Tensor, nn.Module)) and not hasattr(value, "__dict__"):
             continue  # functions and builtins: code, not state
