@@ -51,6 +51,7 @@ def test_workers_made_persistent_draw_from_the_random_streams_as_the_users_loade
     persistent = LoaderSettings(num_workers=1, prefetch_factor=2, persistent_workers=True)
     rebuilt = rebuild_loader(users, persistent)
     assert isinstance(rebuilt, SeedKeepingDataLoader)
+    assert isinstance(rebuild_loader(rebuilt, persistent), SeedKeepingDataLoader)  # tuned again: still the user's
     plain = DataLoader(range(12), batch_size=4, shuffle=True, num_workers=1, persistent_workers=True)
     expected = _epochs(users, 3)
     got = _epochs(rebuilt, 3)

@@ -158,7 +158,7 @@ class SeedKeepingDataLoader(DataLoader):
     """
 
     def __iter__(self) -> Any:
-        if self._iterator is not None and self.persistent_workers and self.num_workers > 0:
+        if self._iterator is not None:  # set only for persistent workers, from their first epoch on
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # what a fresh iterator draws
         return super().__iter__()
 
@@ -195,7 +195,8 @@ def rebuild_loader(loader: DataLoader, settings: LoaderSettings, stall_timeout_s
     }
     if hasattr(loader, "in_order"):
         common["in_order"] = loader.in_order
-    was_persistent = loader.persistent_workers and loader.num_workers > 0
+    # a SeedKeepingDataLoader stands for a loader whose workers were not persistent: rebuilt, it keeps drawing as it
+    was_persistent = type(loader) is DataLoader and loader.persistent_workers and loader.num_workers > 0
     kind = SeedKeepingDataLoader if common["persistent_workers"] and not was_persistent else DataLoader
     if loader.batch_size is not None:  # DataLoader made the BatchSampler from batch_size, sampler and drop_last
         return kind(
