@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import os
+import re
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["TEMP_SUFFIX", "PathLike", "atomic_path", "atomic_write", "remove_stale_temporaries"]
+__all__ = [
+    "TEMP_SUFFIX",
+    "PathLike",
+    "atomic_path",
+    "atomic_write",
+    "owned_by_me",
+    "remove_stale_temporaries",
+    "temporary_target",
+]
 
 PathLike = str | os.PathLike
 """A file path as users give it: a string or a path object."""
 
 TEMP_SUFFIX = ".tmp"
-"""The suffix of the temporary files `atomic_path` writes (hidden names: `.<prefix>.<id>.tmp`)."""
+"""The suffix of the temporary files `atomic_path` writes (hidden names: `.<prefix>.accel-<id>.tmp`)."""
+_TEMP_MARK = "accel-"
+_TEMP_NAME = re.compile(rf"\.(?P<target>.+)\.{_TEMP_MARK}[a-z0-9_]{{8}}{re.escape(TEMP_SUFFIX)}")
+"""`atomic_path`'s temporary names: `mkstemp` draws the 8-character id from `[a-z0-9_]`."""
 
 
 @contextmanager
@@ -26,14 +39,15 @@ def atomic_path(
 
     Args:
         path: the file to write.
-        prefix: the temporary name's stem (default: the target's name); hidden either way (`.<prefix>.<id>.tmp`).
+        prefix: the temporary name's stem (default: the target's name); hidden either way
+            (`.<prefix>.accel-<id>.tmp`, the only names `remove_stale_temporaries` removes).
         fsync: flush the file and its directory entry to disk (checkpoints: a power loss keeps one of the two).
         mode: the file's permissions (default: what a plain `open` gives under the process's umask, not the private
             0o600 of a temporary file).
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{prefix or target.name}.", suffix=TEMP_SUFFIX)
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{prefix or target.name}.{_TEMP_MARK}", suffix=TEMP_SUFFIX)
     os.close(fd)
     tmp = Path(name)
     try:
@@ -95,13 +109,36 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes, *, mode: int |
     return target
 
 
+def temporary_target(name: str) -> str | None:
+    """The name of the file that a temporary of `atomic_path` named `name` was to become
+    (`.last.ckpt.accel-k2x9q0ab.tmp` -> `last.ckpt`, with the default prefix), or None where `name` is not such a
+    temporary: a user's `.draft.tmp` or `.notes.backup01.tmp` is not."""
+    match = _TEMP_NAME.fullmatch(name)
+    return None if match is None else match.group("target")
+
+
+def owned_by_me(info: os.stat_result) -> bool:
+    """`info` (an `lstat`) is a regular file of this process's user: the only kind of file this package removes."""
+    return stat.S_ISREG(info.st_mode) and (not hasattr(os, "getuid") or info.st_uid == os.getuid())
+
+
 def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
-    """Remove the hidden `.*.tmp` files that writes killed midway left in `directory` (not its sub-folders). Call it
+    """Remove the temporary files that writes killed midway left in `directory` (not its sub-folders): only regular
+    files of this user named as `atomic_path` names them (`temporary_target`), never another hidden `.tmp` file. Call it
     when nothing of this run writes there yet; returns what it removed."""
     folder = Path(directory)
-    if not folder.is_dir():
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:  # missing, not a directory, unreadable: nothing of ours to remove
         return []
-    stale = [p for p in folder.glob(f".*{TEMP_SUFFIX}") if p.is_file()]
-    for leftover in stale:
-        leftover.unlink(missing_ok=True)
+    stale = []
+    for entry in entries:
+        if temporary_target(entry.name) is None:
+            continue
+        try:
+            if owned_by_me(entry.stat(follow_symlinks=False)):
+                os.unlink(entry.path)
+                stale.append(Path(entry.path))
+        except OSError:  # removed meanwhile, or not ours to remove
+            continue
     return stale

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import lightning_accel
-from lightning_accel.files import atomic_path, atomic_write
+from lightning_accel.files import atomic_path, atomic_write, remove_stale_temporaries, temporary_target
 from lightning_accel.telemetry.heartbeat import write_json_atomic
 
 
@@ -54,3 +54,31 @@ def test_no_other_module_makes_its_own_temporary_files_to_rename() -> None:
         if path.name != "files.py" and "mkstemp(" in path.read_text(encoding="utf-8")
     ]
     assert own == []
+
+
+def test_a_temporary_is_named_so_it_is_known_for_ours(tmp_path: Path) -> None:
+    with atomic_path(tmp_path / "last.ckpt") as tmp:
+        assert temporary_target(tmp.name) == "last.ckpt" and tmp.name.startswith(".last.ckpt.accel-")
+        tmp.write_text("x")
+    for name in (".draft.tmp", ".notes.backup01.tmp", ".last.ckpt.abcd1234.tmp", "last.ckpt.accel-abcd1234.tmp"):
+        assert temporary_target(name) is None, name
+
+
+def test_only_our_own_temporaries_are_removed(tmp_path: Path) -> None:
+    """A hidden `.tmp` file of the user's beside our outputs (same suffix, same owner) was removed with ours."""
+    ours = tmp_path / ".bench.csv.accel-k2x9q0ab.tmp"
+    ours.write_text("half")
+    theirs = {
+        ".draft.tmp": "a user's draft",
+        ".notes.backup01.tmp": "eight characters after a dot",
+        ".bench.csv.abcd1234.tmp": "an earlier release's name: left for the user",
+        "bench.csv.accel-abcd1234.tmp": "not hidden: not one of ours",
+    }
+    for name, text in theirs.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / ".link.accel-abcd1234.tmp").symlink_to(tmp_path / ".draft.tmp")  # not a regular file
+    (tmp_path / ".dir.accel-abcd1234.tmp").mkdir()
+    assert remove_stale_temporaries(tmp_path) == [ours]
+    assert {name: (tmp_path / name).read_text() for name in theirs} == theirs
+    assert (tmp_path / ".link.accel-abcd1234.tmp").is_symlink() and (tmp_path / ".dir.accel-abcd1234.tmp").is_dir()
+    assert remove_stale_temporaries(tmp_path / "missing") == []

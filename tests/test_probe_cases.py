@@ -255,7 +255,10 @@ def test_what_killed_saves_left_is_removed_at_the_next_start(trained: Path, tmp_
 
     run = tmp_path / "run"
     shutil.copytree(trained.parent.parent, run)
-    leftovers = [run / "checkpoints" / ".last.ckpt.abc123.tmp", run / "checkpoints" / ".last.ckpt.saving-1a2b3c4d"]
+    leftovers = [
+        run / "checkpoints" / ".last.ckpt.accel-abc12345.tmp",
+        run / "checkpoints" / ".last.ckpt.saving-1a2b3c4d",
+    ]
     leftovers[0].write_bytes(b"half a checkpoint")
     leftovers[1].mkdir()
     done = _train([*SMOKE, "ckpt_path=last", "trainer.max_steps=12", "test=false", f"hydra.run.dir={run}"], tmp_path)
@@ -456,7 +459,7 @@ def test_unit_an_unwritable_checkpoint_dir_and_leftovers(tmp_path: Path) -> None
         check_checkpoint_dir(OmegaConf.create({"callbacks": {"model_checkpoint": {"dirpath": str(tmp_path / "file")}}}))
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    (folder / ".last.ckpt.x1.tmp").write_bytes(b"half")
+    (folder / ".last.ckpt.accel-x1x1x1x1.tmp").write_bytes(b"half")
     (folder / ".last.ckpt.saving-1234abcd").mkdir()
     (folder / "last.ckpt").write_bytes(b"kept")
     check_checkpoint_dir(OmegaConf.create({"callbacks": {"model_checkpoint": {"dirpath": str(folder)}}}))

@@ -67,7 +67,9 @@ class DataLoaderTuner(Callback):
     will), on the module itself, past the DDP wrapper (no gradient all-reduce is timed); the slowest rank's time
     counts, rank zero decides and every rank adopts the decision. Decisions are cached in
     `<cache_dir>/dataloader_tuner.json` under a fingerprint of the dataset (type, length), batch size, model,
-    precision, hardware and world size, and kept in checkpoints; a fit that finds one skips tuning.
+    precision, hardware and world size, and kept in checkpoints; a fit that finds one skips tuning. A file at that
+    path that is not a decision cache (no `schema` of this package) is never written over: the tuner warns and tunes
+    without a cache.
 
     Keeps identical: the trained weights and optimizer state (the optimizer never steps in a trial), gradients,
     buffers (BatchNorm statistics), parameters that do not train, torchmetrics states, train/eval mode, the module's

@@ -103,8 +103,8 @@ class GPUMonitor(Callback):
             (anyone who reaches the port reads the metrics).
         prometheus_textfile_dir: write `accel_<run>.<host>.<node>.prom` here for node_exporter's textfile collector
             every `publish_interval_s`, removed at exit; None: none.
-        prometheus_file_sd_dir: write `<run>.<host>.<node>.json`, a Prometheus `file_sd` target of the `/metrics`
-            server, here while the fit runs (needs `prometheus_port`); None: none.
+        prometheus_file_sd_dir: write `<run>.<host>.<node>.target.json`, a Prometheus `file_sd` target of the
+            `/metrics` server, here while the fit runs (needs `prometheus_port`); None: none.
 
     Raises:
         ValueError: for a non-positive `interval_s`, an unknown reading, a bad threshold or device index, a bad

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -151,10 +152,45 @@ def _serve(args: argparse.Namespace, state: DashState) -> int:
     return 0
 
 
+def _runs_dir_problem(runs_dir: Path, given_by: str | None) -> str | None:
+    """Why accel-dash cannot read `runs_dir`, named with the option it came from (`given_by`; None: the default,
+    which may not exist before the first job publishes), or None."""
+    source = f" ({given_by})" if given_by else ""
+    fix = "pass the directory the jobs publish into (their `callbacks.gpu_monitor.runs_dir` or `$ACCEL_RUNS_DIR`)"
+    try:
+        entries = os.scandir(runs_dir)
+    except FileNotFoundError:
+        if given_by is None:
+            return None  # nothing published yet: the page says so, and shows the jobs once they start
+        return f"the runs directory {runs_dir}{source} does not exist; {fix}"
+    except NotADirectoryError:
+        return f"the runs directory {runs_dir}{source} is not a directory; {fix}"
+    except OSError as err:
+        return (
+            f"the runs directory {runs_dir}{source} cannot be read ({err.strerror or err}); {fix}, or one you can read"
+        )
+    entries.close()
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point of `accel-dash` (also `python -m lightning_accel.dash`); returns the exit code."""
+    """Console entry point of `accel-dash` (also `python -m lightning_accel.dash`); returns the exit code: 0, 2 for a
+    bad option, 130 for Ctrl-C (said in one line, without a traceback)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("accel-dash: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     runs_dir = (args.runs_dir or default_runs_dir()).expanduser()
+    given_by = "`--runs-dir`" if args.runs_dir else "`$ACCEL_RUNS_DIR`" if os.environ.get("ACCEL_RUNS_DIR") else None
+    problem = _runs_dir_problem(runs_dir, given_by)
+    if problem is not None:
+        print(f"accel-dash: error: {problem}.", file=sys.stderr)
+        return 2
     cards = None
     if not args.no_host_gpus:
         from lightning_accel.telemetry.host_gpus import HostGPUs

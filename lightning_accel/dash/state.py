@@ -16,14 +16,19 @@ from lightning_accel.telemetry.heartbeat import (
     DEFAULT_KEEP_S,
     DEFAULT_STALE_AFTER_S,
     STATUSES,
+    ReadCache,
     lead_signal,
     read_heartbeats,
 )
 
-__all__ = ["SCHEMA", "DashState", "card_line", "page_dict", "page_json", "text_report"]
+__all__ = ["MAX_JOBS", "MAX_PAGE_BYTES", "SCHEMA", "DashState", "card_line", "page_dict", "page_json", "text_report"]
 
 SCHEMA = "lightning_accel.dash/1"
 """`schema` of the page data (`/api/state`, `--json`)."""
+MAX_JOBS = 256
+"""Jobs on one page at most: running first, then stale, finished and failed; the rest are counted in a note."""
+MAX_PAGE_BYTES = 16 * 2**20
+"""Heartbeat text on one page at most (64 jobs x 8 GPUs with ten minutes of history take about 1.6 MiB)."""
 _ORDER = {status: position for position, status in enumerate(STATUSES)}
 
 
@@ -38,6 +43,8 @@ class DashState:
         keep_s: stale, finished and failed jobs are listed this long after their last heartbeat.
         min_age_s: requests closer together than this get the same data (several open pages cost one read).
         host: this machine's name, as jobs write it.
+        max_jobs: jobs shown at most; the rest are counted in a note.
+        max_bytes: heartbeat text shown at most; the jobs past it are counted in the same note.
     """
 
     def __init__(
@@ -49,11 +56,14 @@ class DashState:
         keep_s: float = DEFAULT_KEEP_S,
         min_age_s: float = 1.0,
         host: str | None = None,
+        max_jobs: int = MAX_JOBS,
+        max_bytes: int = MAX_PAGE_BYTES,
     ) -> None:
         self.runs_dir, self.stale_after_s, self.keep_s, self.min_age_s = runs_dir, stale_after_s, keep_s, min_age_s
+        self.max_jobs, self.max_bytes = max_jobs, max_bytes
         self.host = host or socket.gethostname()
         self._host_cards, self._host_cards_problem = host_cards, host_cards_problem
-        self._cache: dict[str, Any] = {}
+        self._cache: ReadCache = {}
         self._lock = threading.Lock()
         self._last: tuple[float, str] | None = None
 
@@ -70,12 +80,23 @@ class DashState:
     def build(self, now: float | None = None) -> dict[str, Any]:
         """`{"schema", "generated", "host", "runs_dir", "stale_after_s", "hosts": [{"host", "jobs", "cards"}],
         "notes", "cards_problem"}`: `jobs` are `telemetry.heartbeat.Job`s (a heartbeat, its status now and its file),
-        running jobs first; `cards` (this host's only) are the cards no running or stale job of ours holds, with their
-        processes. `page_json` and `page_dict` turn it into the page's JSON.
+        running jobs first, at most `max_jobs` of them and `max_bytes` of heartbeats; `cards` (this host's only) are the
+        cards no running or stale job of ours holds, with their processes. `page_json` and `page_dict` turn it into
+        the page's JSON.
         """
         now = time.time() if now is None else now
         jobs, notes = read_heartbeats(self.runs_dir, now, self.stale_after_s, self.keep_s, self._cache)
         jobs.sort(key=lambda job: (_ORDER[job.status], -job.heartbeat["started"], job.file))
+        size = 0
+        for shown, job in enumerate(jobs):
+            size += len(job.text)
+            if shown == self.max_jobs or size > self.max_bytes:
+                notes.append(
+                    f"{len(jobs) - shown:,} more jobs are not shown: a page holds at most {self.max_jobs} jobs and "
+                    f"{self.max_bytes / 2**20:.0f} MiB of heartbeats (running jobs come first)"
+                )
+                del jobs[shown:]
+                break
         hosts: dict[str, dict[str, Any]] = {self.host: {"host": self.host, "jobs": [], "cards": []}}
         for job in jobs:
             host = job.heartbeat["host"]

@@ -1,11 +1,14 @@
 """Heartbeats: the small JSON file each node of a running job publishes into a runs directory, and how it is read
 back (validated, with its status); no Lightning imports.
 
-One file per (run, host, node): `<run id>.<host>.<node rank>.json`, replaced atomically every few seconds while the job
-trains and marked `finished` or `failed` when it ends. A job that stops writing (SIGKILL, a dead node) reads as `stale`
-once its last heartbeat is older than the stale timeout. Readers never trust a file: a symlink, a file that is not
-regular, over `MAX_BYTES`, not JSON, of another schema or with a field of the wrong type is skipped with a note, and
-the rest are still read.
+One file per (run, host, node): `<run id>.<host>.<node rank>.json`, holding `"schema": "lightning_accel.heartbeat/1"`,
+replaced atomically every few seconds while the job trains and marked `finished` or `failed` when it ends. A job that
+stops writing (SIGKILL, a dead node) reads as `stale` once its file has not changed for the stale timeout, by the
+file's modification time as the reader sees it (never by the clock of the host that wrote it). Readers never trust a
+file: one named like a heartbeat that is a symlink, not regular, over `MAX_BYTES`, not JSON, of another schema or with
+a field of the wrong type is skipped with a note (the first `MAX_NOTES`, then a count), other `.json` files are
+counted in one note, and the rest are still read. Pruning removes only this user's regular files that carry both the
+name and the schema (and the temporaries of their atomic writes): a `results.json` beside them is never touched.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_accel.files import atomic_write
+from lightning_accel.files import atomic_write, owned_by_me, temporary_target
 
 __all__ = [
     "DEFAULT_KEEP_S",
@@ -31,15 +34,18 @@ __all__ = [
     "HISTORY_S",
     "HISTORY_STEP_S",
     "MAX_BYTES",
+    "MAX_NOTES",
     "SCHEMA",
     "STATUSES",
     "HeartbeatError",
     "History",
     "Job",
+    "ReadCache",
     "check_heartbeat",
     "current_user",
     "default_runs_dir",
     "heartbeat_path",
+    "is_heartbeat_name",
     "lead_signal",
     "load_heartbeat",
     "prune_heartbeats",
@@ -72,7 +78,12 @@ DEFAULT_STALE_AFTER_S = 30.0
 """A running job whose heartbeat is older than this (and than 3 of its own intervals) reads as stale."""
 DEFAULT_KEEP_S = 3600.0
 """Finished, failed and stale jobs are listed for this long after their last heartbeat."""
+MAX_NOTES = 20
+"""Files skipped with a note of their own per read; the rest are counted in one more note."""
 _MAX_TEXT = 2000  # characters of any one string shown (a command line may be long)
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*\.[A-Za-z0-9_-][A-Za-z0-9._-]*\.[0-9]+\.json")
+"""A heartbeat's file name: `heartbeat_path`'s `<run id>.<host>.<node rank>.json`, each part as `safe_component` makes
+it (no leading dot)."""
 
 
 class HeartbeatError(ValueError):
@@ -114,6 +125,11 @@ def heartbeat_path(runs_dir: str | os.PathLike[str], run_id: str, host: str, nod
     return path
 
 
+def is_heartbeat_name(name: str) -> bool:
+    """`name` is a file name `heartbeat_path` can give (`<run id>.<host>.<node rank>.json`)."""
+    return _NAME.fullmatch(name) is not None
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write `data` as JSON next to `path` and rename it over `path`: a reader sees the old file or the new one, never
     a torn one. A symlink at `path` is replaced, not followed. NaN and infinities are refused (not JSON).
@@ -146,6 +162,19 @@ def load_heartbeat(path: Path, max_bytes: int = MAX_BYTES) -> tuple[dict[str, An
     Raises:
         HeartbeatError: as `read_heartbeat`.
     """
+    data, text = _read_json(path, max_bytes)
+    checked = check_heartbeat(data)
+    if checked != data:  # keys dropped or strings cut: pass on only what was checked
+        text = json.dumps(checked, allow_nan=False, separators=(",", ":"))
+    return checked, text
+
+
+def _read_json(path: Path, max_bytes: int) -> tuple[Any, str]:
+    """The JSON value a regular file of at most `max_bytes` holds, and its text; a symlink is not followed.
+
+    Raises:
+        HeartbeatError: a symlink or other non-regular file, over `max_bytes`, unreadable or not JSON.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as err:
@@ -164,15 +193,11 @@ def load_heartbeat(path: Path, max_bytes: int = MAX_BYTES) -> tuple[dict[str, An
         raise HeartbeatError(f"is over the limit of {max_bytes} bytes")
     try:
         text = raw.decode("utf-8")
-        data = json.loads(text, parse_constant=_no_constants)
+        return json.loads(text, parse_constant=_no_constants), text
     except HeartbeatError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise HeartbeatError(f"is not valid JSON (truncated or corrupt: {str(err)[:120]})") from None
-    checked = check_heartbeat(data)
-    if checked != data:  # keys dropped or strings cut: pass on only what was checked
-        text = json.dumps(checked, allow_nan=False, separators=(",", ":"))
-    return checked, text
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,13 +212,19 @@ class Job:
     """The checked heartbeat (`status` as the job wrote it)."""
     text: str
     """`heartbeat` as JSON."""
+    age_s: float = 0.0
+    """Seconds since the file last changed, by the reader's clock (what `status` was judged by; the heartbeat's own
+    `updated` is the writer's clock, which may be off)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"file": self.file, "status": self.status, "heartbeat": self.heartbeat}
+        return {"file": self.file, "status": self.status, "age_s": round(self.age_s, 1), "heartbeat": self.heartbeat}
 
     def as_json(self) -> str:
         """`as_dict()` as JSON, reusing `text` (a page of 64 jobs x 8 GPUs is mostly their heartbeats)."""
-        return f'{{"file":{json.dumps(self.file)},"status":{json.dumps(self.status)},"heartbeat":{self.text}}}'
+        return (
+            f'{{"file":{json.dumps(self.file)},"status":{json.dumps(self.status)},'
+            f'"age_s":{json.dumps(round(self.age_s, 1))},"heartbeat":{self.text}}}'
+        )
 
 
 # The shape of a heartbeat: a key -> a spec. A spec is a type (or a tuple of types), `_opt(spec)` (that or null),
@@ -333,14 +364,20 @@ def check_heartbeat(data: Any) -> dict[str, Any]:
     return checked
 
 
-def status_of(heartbeat: Mapping[str, Any], now: float, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> str:
-    """`stale` for a running job whose last heartbeat is older than `stale_after_s` and than three of its own
-    intervals; else the status it wrote."""
+def status_of(heartbeat: Mapping[str, Any], age_s: float, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> str:
+    """`stale` for a running job whose file has not changed for `age_s` seconds, more than `stale_after_s` and than
+    three of its own intervals; else the status it wrote. `age_s` is the reader's (`read_heartbeats`: by the file's
+    modification time), never `now - heartbeat["updated"]`: the writer's clock may be off by any amount."""
     status = str(heartbeat["status"])
     timeout = max(stale_after_s, 3.0 * float(heartbeat.get("interval_s", 0.0)))
-    if status == "running" and now - float(heartbeat["updated"]) > timeout:
+    if status == "running" and age_s > timeout:
         return "stale"
     return status
+
+
+ReadCache = dict[str, tuple[tuple[int, int, int], dict[str, Any] | None, str, float]]
+"""What `read_heartbeats` keeps between calls: file -> (its inode, size and mtime, the heartbeat or None where it was
+skipped, its text or why it was skipped, when the reader first saw this version of it)."""
 
 
 def read_heartbeats(
@@ -348,13 +385,16 @@ def read_heartbeats(
     now: float | None = None,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
     keep_s: float = DEFAULT_KEEP_S,
-    cache: dict[str, tuple[tuple[int, int, int], dict[str, Any], str]] | None = None,
+    cache: ReadCache | None = None,
 ) -> tuple[list[Job], list[str]]:
     """The heartbeats of `runs_dir` worth showing, each with its status now, and notes on the files skipped.
 
-    Running jobs are always shown; stale, finished and failed ones for `keep_s` after their last heartbeat (files last
-    changed before that are not even opened). `cache` (path -> (inode, size, mtime), the heartbeat and its text) saves
-    parsing files that did not change since the last call.
+    Only files named like heartbeats (`is_heartbeat_name`) are opened; other `.json` files are counted in one note.
+    A heartbeat's age is taken from its file's modification time (a time in the future counts from when this reader
+    first saw that version of the file), never from the `updated` its writer stamped. Running jobs are always shown;
+    stale, finished and failed ones for `keep_s` after their file last changed (files last changed before that are
+    not even opened). The first `MAX_NOTES` files skipped get a note each, the rest one note with their count.
+    `cache` (kept by the caller between calls) saves reading files that did not change since the last call.
     """
     now = time.time() if now is None else now
     directory = Path(runs_dir)
@@ -363,12 +403,17 @@ def read_heartbeats(
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
     except FileNotFoundError:
-        return [], []
+        return [], [f"the runs directory {directory} does not exist (yet): no job has published into it"]
     except OSError as err:
         return [], [f"the runs directory {directory} cannot be read ({err.strerror or err})"]
     seen = set()
+    others: list[str] = []
+    skipped = 0
     for entry in entries:
         if entry.name.startswith(".") or not entry.name.endswith(".json"):
+            continue
+        if not is_heartbeat_name(entry.name):
+            others.append(entry.name)
             continue
         try:
             info = entry.stat(follow_symlinks=False)
@@ -380,19 +425,33 @@ def read_heartbeats(
         seen.add(entry.path)
         cached = cache.get(entry.path) if cache is not None else None
         if cached is not None and cached[0] == key:
-            heartbeat, text = cached[1], cached[2]
+            heartbeat, text, first_seen = cached[1], cached[2], cached[3]
         else:
+            first_seen = now
             try:
                 heartbeat, text = load_heartbeat(Path(entry.path))
             except HeartbeatError as err:
-                notes.append(f"skipped {entry.name}: it {err}")
-                continue
+                heartbeat, text = None, str(err)
             if cache is not None:
-                cache[entry.path] = (key, heartbeat, text)
-        status = status_of(heartbeat, now, stale_after_s)
-        if status != "running" and now - float(heartbeat["updated"]) > keep_s:
+                cache[entry.path] = (key, heartbeat, text, first_seen)
+        if heartbeat is None:
+            skipped += 1
+            if skipped <= MAX_NOTES:
+                notes.append(f"skipped {entry.name}: it {text}")
             continue
-        jobs.append(Job(entry.name, status, heartbeat, text))
+        age_s = max(0.0, now - min(info.st_mtime, first_seen))
+        status = status_of(heartbeat, age_s, stale_after_s)
+        if status != "running" and age_s > keep_s:
+            continue
+        jobs.append(Job(entry.name, status, heartbeat, text, age_s))
+    if skipped > MAX_NOTES:
+        notes.append(f"skipped {skipped - MAX_NOTES:,} more files named like heartbeats (not shown one by one)")
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        notes.append(
+            f"ignored {len(others):,} .json file{'s' if len(others) > 1 else ''} not named like a heartbeat "
+            f"(<run id>.<host>.<node rank>.json): {shown}"
+        )
     if cache is not None:
         for path in set(cache) - seen:
             del cache[path]
@@ -400,8 +459,14 @@ def read_heartbeats(
 
 
 def prune_heartbeats(runs_dir: str | os.PathLike[str], older_than_s: float, now: float | None = None) -> int:
-    """Remove this user's heartbeat files (and leftover temporary files) last changed more than `older_than_s` ago;
-    other users' files and symlinks are left alone. Returns how many were removed; never raises."""
+    """Remove this user's heartbeats last changed more than `older_than_s` ago, and the temporaries their atomic
+    writes left; returns how many files were removed; never raises.
+
+    A file is removed only when it is a regular file of this user, named like a heartbeat, and holds this schema with
+    the run id, host and node rank its name was made from; or when it is a temporary of `atomic_path` (its exact hidden
+    name) for such a name. Anything else is left alone, whatever its suffix, age or owner: another user's files,
+    symlinks, a `results.json` or a `draft.tmp`.
+    """
     now = time.time() if now is None else now
     removed = 0
     try:
@@ -409,16 +474,35 @@ def prune_heartbeats(runs_dir: str | os.PathLike[str], older_than_s: float, now:
     except OSError:
         return 0
     for entry in entries:
-        if not (entry.name.endswith(".json") or entry.name.endswith(".tmp")):
+        target = temporary_target(entry.name)
+        if not is_heartbeat_name(entry.name if target is None else target):
             continue
         try:
             info = entry.stat(follow_symlinks=False)
-            if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and now - info.st_mtime > older_than_s:
-                os.unlink(entry.path)
-                removed += 1
+            if not owned_by_me(info) or now - info.st_mtime <= older_than_s:
+                continue
+            if target is None and not _holds_own_name(Path(entry.path)):
+                continue
+            os.unlink(entry.path)
+            removed += 1
         except OSError:
             continue
     return removed
+
+
+def _holds_own_name(path: Path) -> bool:
+    """The file holds a heartbeat of this schema whose run id, host and node rank give its name (what any version of
+    this package wrote; the other fields are not checked, so old heartbeats are recognised too)."""
+    try:
+        data = _read_json(path, MAX_BYTES)[0]
+    except HeartbeatError:
+        return False
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        return False
+    run_id, host, node_rank = data.get("run_id"), data.get("host"), data.get("node_rank")
+    if not (isinstance(run_id, str) and isinstance(host, str) and isinstance(node_rank, int)):
+        return False
+    return heartbeat_path(path.parent, run_id, host, node_rank).name == path.name
 
 
 def lead_signal(latest: Mapping[str, float | None]) -> tuple[str, float | None]:

@@ -22,6 +22,7 @@ __all__ = [
     "GPU_LABELS",
     "PROMETHEUS_METRICS",
     "RUN_LABELS",
+    "TARGET_SCHEMA",
     "Exporter",
     "PromMetric",
     "metric_families",
@@ -30,6 +31,9 @@ __all__ = [
 
 GPU_LABELS = ("host", "gpu", "uuid", "rank", "run_id")
 RUN_LABELS = ("host", "rank", "run_id")
+TARGET_SCHEMA = "lightning_accel.target/1"
+"""The marker a `file_sd` target file carries, as the value of its `__lightning_accel_schema` label (Prometheus drops
+labels that start with `__` after relabeling: no series carries it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,11 +277,12 @@ class Exporter:
 
 
 def write_file_sd(directory: Path, stem: str, target: str) -> Path:
-    """`<directory>/<stem>.json`, a Prometheus `file_sd` target list holding `target` (`host:port`), written
-    atomically; returns its path. It carries no labels: the series carry their own, and a target label would rename
-    them (`exported_host`)."""
+    """`<directory>/<stem>.target.json`, a Prometheus `file_sd` target list holding `target` (`host:port`), written
+    atomically; returns its path. Its only label is the schema marker `__lightning_accel_schema` (`TARGET_SCHEMA`),
+    which Prometheus drops after relabeling: the series carry their own labels, and a target label would rename them
+    (`exported_host`). The `.target.json` ending keeps it apart from a heartbeat of the same stem in one directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{stem}.json"
-    write_json_atomic(path, [{"targets": [target], "labels": {}}])
+    path = directory / f"{stem}.target.json"
+    write_json_atomic(path, [{"targets": [target], "labels": {"__lightning_accel_schema": TARGET_SCHEMA}}])
     return path

@@ -27,6 +27,7 @@ from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.errors import LightningAccelWarning
 from lightning_accel.measure import Interference
 from lightning_accel.system import ShmInfo
+from lightning_accel.tuning.dataloader.cache import SCHEMA as CACHE_SCHEMA
 from lightning_accel.tuning.dataloader.cache import DecisionCache
 from lightning_accel.tuning.dataloader.policy import BUDGET_NOTE, memory_note
 from lightning_accel.tuning.dataloader.settings import LoaderSettings
@@ -177,17 +178,30 @@ def test_cache_hit_skips_tuning_and_force_tunes_again(tmp_path: Path, monkeypatc
     "text",
     ['{"entries": ["a list"]}', "[1, 2]", "not json", '{"entries": {"KEY": {"settings": {"num_threads": 3}}}}'],
 )
-def test_a_cache_of_another_shape_is_a_miss(tmp_path: Path, text: str) -> None:
-    """Rank zero alone reads the cache while the other ranks wait for it: no file it finds may raise there."""
+def test_a_file_of_another_shape_is_a_miss_and_left_as_it_was(tmp_path: Path, text: str) -> None:
+    """Rank zero alone reads the cache while the other ranks wait for it: no file it finds may raise there. A file
+    that is not a decision cache (no `schema` of ours) is someone else's: it was replaced by the first decision, and
+    is now left as it was, with a warning naming it."""
     cache = tmp_path / "cache" / "dataloader_tuner.json"
     cache.parent.mkdir()
     cache.write_text(text)
+    with pytest.warns(LightningAccelWarning, match="decision cache is not used: .*dataloader_tuner.json"):
+        assert DecisionCache(cache).get("KEY", max_workers=8) is None
+        tuner = _tuner(steps_per_trial=4, cache_dir=cache.parent)
+        cases.fit(cases.SleepyDataset(200, 0.001), [tuner], str(tmp_path), max_steps=2)
+    assert tuner.trials and not tuner.cache_hit and tuner.decision is not None
+    assert cache.read_text() == text
+
+
+def test_a_cache_of_ours_with_entries_of_another_shape_is_a_miss_and_rewritten(tmp_path: Path) -> None:
+    cache = tmp_path / "cache" / "dataloader_tuner.json"
+    cache.parent.mkdir()
+    cache.write_text(json.dumps({"schema": CACHE_SCHEMA, "entries": ["a list"]}))
     assert DecisionCache(cache).get("KEY", max_workers=8) is None
     tuner = _tuner(steps_per_trial=4, cache_dir=cache.parent)
     cases.fit(cases.SleepyDataset(200, 0.001), [tuner], str(tmp_path), max_steps=2)
     assert tuner.trials and not tuner.cache_hit and tuner.decision is not None
-    entries = json.loads(cache.read_text())["entries"]  # rewritten, with the new decision
-    (entry,) = (entry for key, entry in entries.items() if key != "KEY")
+    (entry,) = json.loads(cache.read_text())["entries"].values()  # rewritten, with the new decision
     assert entry["settings"] == tuner.decision.as_dict()
 
 

@@ -253,3 +253,37 @@ def test_the_docstring_names_every_exported_metric_and_the_configs_every_option(
     for name in ("monitor.yaml", "gpu_monitor.yaml"):  # every option overridable without a `+`
         node = OmegaConf.to_container(OmegaConf.load(conf / name)["gpu_monitor"])
         assert set(node) - {"_target_"} == options, name
+
+
+def test_a_fit_prunes_its_old_heartbeats_and_leaves_the_users_files(tmp_path: Path) -> None:
+    """A week-old `results.json`, `config.json` or `draft.tmp` in the runs directory was deleted by one training run;
+    a real fit now removes its own old heartbeat and nothing else (same suffix, same age, same owner)."""
+    import json
+    import os
+    import time
+
+    from lightning_accel.telemetry.heartbeat import SCHEMA, heartbeat_path, write_json_atomic
+
+    runs = tmp_path / "runs"
+    old = heartbeat_path(runs, "old", "node-a", 0)
+    write_json_atomic(old, {"schema": SCHEMA, "run_id": "old", "host": "node-a", "node_rank": 0, "status": "finished"})
+    planted = {
+        "results.json": b'{"accuracy": 0.91}',
+        "config.json": b'{"lr": 0.0003}',
+        "draft.tmp": b"half a thought",
+        ".draft.tmp": b"hidden",
+        "run.host.0.json": b'{"step": 1}',
+        "copy.node-a.0.json": json.dumps(
+            {"schema": SCHEMA, "run_id": "old", "host": "node-a", "node_rank": 0}
+        ).encode(),
+    }
+    week_ago = time.time() - 10 * 86400
+    for name, data in planted.items():
+        (runs / name).write_bytes(data)
+    for path in [old, *(runs / name for name in planted)]:
+        os.utime(path, (week_ago, week_ago))
+    monitor = GPUMonitor(log_metrics=False, runs_dir=runs, run_name="now")
+    _, warned, raised = fit(monitor, tmp_path, max_steps=4)
+    assert raised is None and warned == [] and not old.exists()
+    assert {name: (runs / name).read_bytes() for name in planted} == planted
+    assert sorted(p.name for p in runs.iterdir()) == sorted([*planted, monitor.heartbeat_file.name])

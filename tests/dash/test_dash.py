@@ -86,7 +86,9 @@ def publish(
         "history": {"t": [now - 10, now], "samples_per_s": [31.0, 32.0]},
     }
     runs.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(heartbeat_path(runs, run_id, host, 0), data)
+    path = heartbeat_path(runs, run_id, host, 0)
+    write_json_atomic(path, data)
+    os.utime(path, (now - age_s, now - age_s))  # readers go by the file's time, not by `updated`
 
 
 def host_card(uuid: str, index: int = 0, processes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -107,7 +109,7 @@ def test_jobs_are_grouped_by_host_and_free_cards_leave_out_the_held_ones(tmp_pat
     publish(runs, "done", "here", status="finished", age_s=5, uuids=("GPU-3",))  # ended: its card is free again
     publish(runs, "far", "zeta", uuids=("GPU-1",))  # another machine's GPU-1 is another card
     publish(runs, "near", "alpha")
-    (runs / "broken.json").write_text("{")
+    (runs / "broken.here.0.json").write_text("{")
     cards = [host_card(f"GPU-{i}", i) for i in (1, 2, 3, 4)]
     state = DashState(runs, host_cards=lambda: cards, host="here").build()
     assert [h["host"] for h in state["hosts"]] == ["here", "alpha", "zeta"]
@@ -119,7 +121,7 @@ def test_jobs_are_grouped_by_host_and_free_cards_leave_out_the_held_ones(tmp_pat
     ]
     assert [c["uuid"] for c in here["cards"]] == ["GPU-3", "GPU-4"] and state["hosts"][1]["cards"] == []
     assert state["notes"] == [
-        "skipped broken.json: it is not valid JSON (truncated or corrupt: Expecting property "
+        "skipped broken.here.0.json: it is not valid JSON (truncated or corrupt: Expecting property "
         "name enclosed in double quotes: line 1 column 2 (char 1))"
     ]
     assert json.loads(page_json(state)) == json.loads(json.dumps(page_dict(state), allow_nan=False))  # strict JSON
@@ -328,3 +330,80 @@ def test_a_missing_tool_skips_with_a_reason_and_fails_under_ci(monkeypatch: pyte
     with pytest.raises(pytest.fail.Exception, match=f"{REQUIRE_ENV}=1 requires it"):
         tool("no-such-browser")
     assert tool("python3")  # found: its path
+
+
+# --- bad runs directories, a flood of junk, Ctrl-C -------------------------------------------------------------------
+
+
+def _dash(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "lightning_accel.dash", "--no-host-gpus", "--json", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=clean_env(**(env or {})))
+
+
+def test_a_runs_dir_that_is_missing_or_a_file_is_an_error_naming_it(tmp_path: Path) -> None:
+    typo = tmp_path / "runz"
+    done = _dash(["--runs-dir", str(typo)])
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"accel-dash: error: the runs directory {typo} (`--runs-dir`) does not exist")
+    (tmp_path / "file").write_text("x")
+    done = _dash(["--runs-dir", str(tmp_path / "file")])
+    assert done.returncode == 2 and "(`--runs-dir`) is not a directory" in done.stderr
+    done = _dash([], env={"ACCEL_RUNS_DIR": str(typo)})
+    assert done.returncode == 2 and f"{typo} (`$ACCEL_RUNS_DIR`) does not exist" in done.stderr
+
+
+def test_the_default_runs_dir_before_any_job_published_is_a_note_not_an_error(tmp_path: Path) -> None:
+    done = _dash([], env={"XDG_CACHE_HOME": str(tmp_path), "ACCEL_RUNS_DIR": ""})
+    assert done.returncode == 0, done.stderr
+    missing = tmp_path / "lightning_accel" / "runs"
+    assert json.loads(done.stdout)["notes"] == [
+        f"the runs directory {missing} does not exist (yet): no job has published into it"
+    ]
+
+
+def test_a_flood_of_junk_files_gives_one_note_with_a_count_and_a_bounded_page(tmp_path: Path) -> None:
+    """20,000 junk files made 20,000 notes (3.1 MB) on every refresh; now 5,000 junk `.json` files and 200 broken
+    files named like heartbeats give the good job, a few notes, and a page of a few kilobytes."""
+    runs = tmp_path / "runs"
+    publish(runs, "good", "here")
+    for i in range(5000):
+        (runs / f"junk-{i:05d}.json").write_text('{"not": "a heartbeat"}')
+    for i in range(200):
+        (runs / f"broken-{i:03d}.here.0.json").write_text("{")
+    state = DashState(runs, host="here")
+    payload = state.get()
+    assert len(payload) < 20_000, len(payload)
+    page = json.loads(payload)
+    assert [job["heartbeat"]["run_id"] for job in page["hosts"][0]["jobs"]] == ["good"]
+    notes = page["notes"]
+    assert len(notes) == 22  # 20 broken files one by one, one count of the rest, one count of the junk
+    assert notes[-2] == "skipped 180 more files named like heartbeats (not shown one by one)"
+    assert (
+        notes[-1].startswith("ignored 5,000 .json files not named like a heartbeat") and "junk-00000.json" in notes[-1]
+    )
+
+
+def test_the_page_holds_a_bounded_number_of_jobs_running_first(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    for i in range(4):
+        publish(runs, f"ended-{i}", "here", status="finished")
+    publish(runs, "live", "here")
+    page = page_dict(DashState(runs, host="here", max_jobs=3).build())
+    assert [job["heartbeat"]["run_id"] for job in page["hosts"][0]["jobs"]][0] == "live"
+    assert len(page["hosts"][0]["jobs"]) == 3 and page["notes"] == [
+        "2 more jobs are not shown: a page holds at most 3 jobs and 16 MiB of heartbeats (running jobs come first)"
+    ]
+    page = page_dict(DashState(runs, host="here", max_bytes=1000).build())  # one heartbeat here is about 900 bytes
+    assert [job["heartbeat"]["run_id"] for job in page["hosts"][0]["jobs"]] == ["live"]
+    assert page["notes"][0].startswith("4 more jobs are not shown")
+
+
+def test_ctrl_c_stops_the_page_with_130_and_no_traceback(tmp_path: Path) -> None:
+    import signal
+
+    with dash_server(["--runs-dir", str(tmp_path), "--no-host-gpus"]) as (url, proc):
+        assert _get(url + "/api/state")[0] == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    assert "Traceback" not in proc.stderr_text and "KeyboardInterrupt" not in proc.stderr_text
+    assert "accel-dash: interrupted (Ctrl-C)" in proc.stderr_text

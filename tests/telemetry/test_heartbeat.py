@@ -75,8 +75,11 @@ def heartbeat(run_id: str = "run-1", **changes: Any) -> dict[str, Any]:
 
 
 def write(directory: Path, data: Any, name: str | None = None) -> Path:
+    """`data` as a heartbeat file, last changed when its `updated` says (readers go by the file's time)."""
     path = directory / (name or f"{data['run_id']}.node-a.0.json")
     path.write_text(json.dumps(data))
+    if isinstance(data, dict) and isinstance(data.get("updated"), float):
+        os.utime(path, (data["updated"], data["updated"]))
     return path
 
 
@@ -170,12 +173,38 @@ def test_bad_files_are_skipped_with_a_note_and_the_rest_still_read(tmp_path: Pat
 
 
 def test_status_stale_after_the_timeout_and_never_for_ended_jobs() -> None:
-    running = heartbeat(updated=NOW - 31)
-    assert status_of(running, NOW, stale_after_s=30) == "stale"
-    assert status_of(running, NOW, stale_after_s=40) == "running"
-    assert status_of(heartbeat(updated=NOW - 31, interval_s=20.0), NOW, 30) == "running"  # 3 of its own intervals
-    assert status_of(heartbeat(updated=NOW - 10_000, status="finished"), NOW, 30) == "finished"
-    assert status_of(heartbeat(updated=NOW + 60), NOW, 30) == "running"  # another host's clock ahead: not stale
+    running = heartbeat()
+    assert status_of(running, 31.0, stale_after_s=30) == "stale"
+    assert status_of(running, 31.0, stale_after_s=40) == "running"
+    assert status_of(heartbeat(interval_s=20.0), 31.0, 30) == "running"  # 3 of its own intervals
+    assert status_of(heartbeat(status="finished"), 10_000.0, 30) == "finished"
+
+
+@pytest.mark.parametrize("clock_off_s", [1e6, -1e6, 3600.0])
+def test_staleness_goes_by_the_files_time_not_the_writers_clock(tmp_path: Path, clock_off_s: float) -> None:
+    """A host whose clock is off by days (either way) or an hour: its heartbeat's `updated` says nothing about when
+    the file last changed; a dead job (file untouched for 10 minutes) is stale and a live one is running."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for run_id, changed in (("dead", NOW - 600), ("live", NOW - 1)):
+        path = write(runs, heartbeat(run_id, updated=NOW + clock_off_s, started=NOW + clock_off_s - 100))
+        os.utime(path, (changed, changed))
+    jobs, notes = read_heartbeats(runs, now=NOW, stale_after_s=30, keep_s=3600)
+    assert {job.heartbeat["run_id"]: job.status for job in jobs} == {"dead": "stale", "live": "running"}
+    assert {job.heartbeat["run_id"]: round(job.age_s) for job in jobs} == {"dead": 600, "live": 1} and notes == []
+    assert json.loads(jobs[0].as_json())["age_s"] == round(jobs[0].age_s, 1)
+
+
+def test_a_file_time_in_the_future_counts_from_when_the_reader_first_saw_it(tmp_path: Path) -> None:
+    """`touch -d tomorrow` on a dead job's heartbeat does not keep it running until tomorrow: its age counts from the
+    reader's first sight of that version of the file."""
+    path = write(tmp_path, heartbeat("future"))
+    os.utime(path, (NOW + 86400, NOW + 86400))
+    cache: dict = {}
+    [job] = read_heartbeats(tmp_path, now=NOW, cache=cache)[0]
+    assert (job.status, job.age_s) == ("running", 0.0)
+    [job] = read_heartbeats(tmp_path, now=NOW + 100, stale_after_s=30, cache=cache)[0]
+    assert (job.status, job.age_s) == ("stale", 100.0)
 
 
 def test_ended_and_stale_jobs_are_listed_for_the_keep_window(tmp_path: Path) -> None:
@@ -218,23 +247,77 @@ def test_the_cache_reparses_only_changed_files(tmp_path: Path, monkeypatch: pyte
 
 
 def test_an_unreadable_or_missing_runs_dir(tmp_path: Path) -> None:
-    assert read_heartbeats(tmp_path / "none", now=NOW) == ([], [])
+    assert read_heartbeats(tmp_path / "none", now=NOW) == (
+        [],
+        [f"the runs directory {tmp_path / 'none'} does not exist (yet): no job has published into it"],
+    )
     (tmp_path / "file").write_text("x")
     jobs, notes = read_heartbeats(tmp_path / "file", now=NOW)
     assert jobs == [] and "cannot be read" in notes[0]
 
 
-def test_prune_removes_only_this_users_old_files(tmp_path: Path) -> None:
-    old, new = write(tmp_path, heartbeat("old"), "old.json"), write(tmp_path, heartbeat("new"), "new.json")
-    other = tmp_path / "other.txt"
-    other.write_text("x")
-    link = tmp_path / "link.json"
+def _aged(*paths: Path, days: float = 10) -> None:
+    for path in paths:
+        os.utime(path, (NOW - days * 86400, NOW - days * 86400), follow_symlinks=False)
+
+
+def look_alikes(directory: Path) -> dict[str, bytes]:
+    """Files a user may keep beside heartbeats, each like one in a way (suffix, hidden name, name pattern, schema), all
+    aged ten days: a prune must leave every one as it was."""
+    beat = json.dumps(heartbeat("lookalike")).encode()
+    files = {
+        "results.json": b'{"accuracy": 0.91}',
+        "config.json": b'{"lr": 0.0003}',
+        "draft.tmp": b"half a thought",
+        ".draft.tmp": b"hidden draft",
+        ".notes.backup01.tmp": b"eight characters after a dot",
+        f".results.json.{'abcd1234'}.tmp": b"an earlier version's temporary name, or a user's",
+        ".results.json.accel-abcd1234.tmp": b"our temporary name for a file that is not a heartbeat",
+        "run.host.0.json": b'{"step": 1}',  # named like a heartbeat, no schema
+        "copy.node-a.0.json": beat,  # a heartbeat's content under a name it does not give: a user's copy
+        "notes.node-a.0.json": b"[not json",
+    }
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    _aged(*(directory / name for name in files))
+    return files
+
+
+def test_prune_removes_only_this_users_old_heartbeats_and_their_temporaries(tmp_path: Path) -> None:
+    old = heartbeat_path(tmp_path, "old", "node-a", 0)
+    write_json_atomic(old, heartbeat("old"))
+    older = write(tmp_path, {"schema": SCHEMA, "run_id": "v0", "host": "node-a", "node_rank": 0})  # another shape
+    leftover = tmp_path / f".{old.name}.accel-x1y2z3w4.tmp"  # a write killed midway
+    leftover.write_text('{"schema": ')
+    new = heartbeat_path(tmp_path, "new", "node-a", 0)
+    write_json_atomic(new, heartbeat("new"))
+    link = tmp_path / "link.node-a.0.json"
     link.symlink_to(old)
-    for path in (old, other):
-        os.utime(path, (NOW - 10 * 86400, NOW - 10 * 86400))
-    os.utime(new, (NOW, NOW))
-    assert prune_heartbeats(tmp_path, 7 * 86400, now=NOW) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "new.json", "other.txt"]
+    _aged(old, older, leftover, link)
+    planted = look_alikes(tmp_path)
+    assert prune_heartbeats(tmp_path, 7 * 86400, now=NOW) == 3
+    assert not old.exists() and not older.exists() and not leftover.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*planted, new.name, link.name])
+    assert {name: (tmp_path / name).read_bytes() for name in planted} == planted  # intact, every byte
+
+
+def test_a_real_run_prunes_old_heartbeats_and_leaves_look_alikes(tmp_path: Path) -> None:
+    """A real publisher (a training run's) starts in a runs directory of ten-day-old files: it removes the old
+    heartbeat and nothing else."""
+    from lightning_accel.telemetry.publisher import JobInfo, PublishSettings, RunPublisher
+
+    old = heartbeat_path(tmp_path, "old", "node-a", 0)
+    write_json_atomic(old, heartbeat("old"))
+    _aged(old)
+    planted = look_alikes(tmp_path)
+    job = JobInfo(run_id="now", name="tiny", host="node-a", user="ada", pid=os.getpid(), command="pytest")
+    publisher = RunPublisher(PublishSettings(runs_dir=tmp_path, interval_s=0.05), job)
+    publisher.start()
+    time.sleep(0.3)
+    publisher.finish("finished")
+    assert not old.exists() and read_heartbeat(tmp_path / "now.node-a.0.json")["status"] == "finished"
+    assert {name: (tmp_path / name).read_bytes() for name in planted} == planted
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*planted, "now.node-a.0.json"])
 
 
 def test_history_down_samples_to_its_step_and_span() -> None:
@@ -268,5 +351,6 @@ def test_a_job_passes_its_text_on_as_read_unless_checking_changed_it(tmp_path: P
     assert json.loads(jobs["clean"].as_json()) == {
         "file": "clean.node-a.0.json",
         "status": "running",
+        "age_s": 0.0,
         "heartbeat": jobs["clean"].heartbeat,
     }

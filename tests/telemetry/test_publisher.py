@@ -134,9 +134,11 @@ def test_metrics_target_and_textfile_live_while_the_job_runs(tmp_path: Path) -> 
     publisher = RunPublisher(settings, job(run_id="../../escape"))
     publisher.start(threaded=False)
     [target] = list((tmp_path / "targets").iterdir())
-    assert target.name == "_._.._escape.node-a.0.json"  # inside the directory, whatever the run id
+    assert target.name == "_._.._escape.node-a.0.target.json"  # inside the directory, whatever the run id
     port = int(publisher.metrics_url.rsplit(":", 1)[1].split("/")[0])
-    assert json.loads(target.read_text()) == [{"targets": [f"127.0.0.1:{port}"], "labels": {}}]
+    assert json.loads(target.read_text()) == [
+        {"targets": [f"127.0.0.1:{port}"], "labels": {"__lightning_accel_schema": "lightning_accel.target/1"}}
+    ]
     with urllib.request.urlopen(publisher.metrics_url, timeout=10) as response:
         served = response.read().decode()
     assert 'accel_run_info{host="node-a",name="tiny",rank="0",run_id="../../escape",user="ada"} 1.0' in served

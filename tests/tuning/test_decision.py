@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from lightning_accel.tuning.dataloader.cache import DecisionCache
+from lightning_accel.errors import LightningAccelWarning
+from lightning_accel.tuning.dataloader.cache import SCHEMA, DecisionCache
 from lightning_accel.tuning.dataloader.decision import TunerDecision, loader_bound, measured_speedup
 from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial
@@ -237,3 +238,32 @@ def test_the_speedup_interval_pairs_runs_timed_side_by_side() -> None:
     speedup = measured_speedup(trials, zero, two)
     assert speedup is not None and speedup.n == 10 and speedup.low > 1.0, speedup
     assert speedup.median == pytest.approx(11536 / 8788)  # median run over median run
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [b'{"accuracy": 0.91}', b"not json at all", b'{"version": 2, "entries": {}}', b"[1, 2, 3]"],
+    ids=["another-json", "not-json", "another-version", "a-list"],
+)
+def test_a_file_at_the_cache_path_that_is_not_a_cache_is_never_written_over(tmp_path: Path, foreign: bytes) -> None:
+    """A `dataloader_tuner.json` the user keeps for something else counted as an empty cache, and the first decision
+    replaced it; now it is left as it was, with a warning naming it."""
+    path = tmp_path / "dataloader_tuner.json"
+    path.write_bytes(foreign)
+    cache = DecisionCache(path)
+    with pytest.warns(LightningAccelWarning, match="is not a DataLoaderTuner decision cache|does not hold JSON"):
+        cache.put(_decision())
+        assert cache.get(KEY, max_workers=8) is None
+        cache.remove(KEY)
+    assert path.read_bytes() == foreign
+
+
+def test_the_cache_carries_its_schema_and_reads_what_earlier_releases_wrote(tmp_path: Path) -> None:
+    path = tmp_path / "dataloader_tuner.json"
+    path.write_text(json.dumps({"version": 1, "entries": {KEY: _decision().as_dict()}}))  # an earlier release's
+    cache = DecisionCache(path)
+    assert cache.get(KEY, max_workers=8) == _decision()
+    cache.remove(KEY)
+    cache.put(_decision())
+    assert json.loads(path.read_text())["schema"] == SCHEMA == "lightning_accel.dataloader_tuner_cache/1"
+    assert cache.get(KEY, max_workers=8) == _decision()

@@ -99,8 +99,9 @@
     return card;
   }
 
-  // One job: `entry` is {file, status (now), heartbeat (what the job wrote)}.
-  function jobArticle(entry, now) {
+  // One job: `entry` is {file, status (now), age_s (since its file changed, by accel-dash's clock), heartbeat (what
+  // the job wrote; its `updated` is the job's clock, which may be off)}.
+  function jobArticle(entry) {
     const job = entry.heartbeat;
     const status = entry.status;
     const article = el("article", "job");
@@ -112,7 +113,7 @@
     head.append(el("span", "badge " + status, status), el("span", "job-name", job.name),
       el("span", "muted run-id", job.run_id),
       el("span", "muted", `${job.user} · pid ${job.pid} · node ${job.node_rank + 1} of ${job.num_nodes}`),
-      el("span", "muted", `updated ${ago(now - job.updated)}`));
+      el("span", "muted", `updated ${ago(entry.age_s)}`));
     article.append(head);
     const facts = el("div", "facts");
     const fact = (label, value, className) => {
@@ -183,7 +184,7 @@
       const section = el("section", "host");
       section.dataset.host = host.host;
       section.append(el("h2", "", `host ${host.host}`));
-      for (const entry of host.jobs) section.append(jobArticle(entry, now));
+      for (const entry of host.jobs) section.append(jobArticle(entry));
       if (!host.jobs.length) section.append(el("p", "muted", "no job of ours on this host"));
       if (host.cards.length) {
         section.append(el("h3", "", "cards no job of ours holds"));
