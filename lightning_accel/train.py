@@ -10,6 +10,7 @@ if __name__ == "__main__":
 
     set_early_environment(sys.argv[1:])
 
+import errno
 import hashlib
 import logging
 import time
@@ -35,7 +36,14 @@ from lightning_accel.checks import (
     worker_killed_error,
 )
 from lightning_accel.compose import config_paths, instantiate_datamodule, split_data_config
-from lightning_accel.errors import ConfigError, LightningAccelWarning, NothingLearnedError, WorkerKilledError
+from lightning_accel.errors import (
+    ConfigError,
+    LightningAccelWarning,
+    NothingLearnedError,
+    RunFailedError,
+    WorkerKilledError,
+    describe_os_error,
+)
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.precision import apply_float32_matmul_precision
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
@@ -202,7 +210,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     try:
         with config_paths(cfg):
             summary = _fit_and_test(cfg, trainer, model, datamodule, stats, plan.shape, started, run_dir)
-    except (ConfigError, NothingLearnedError):
+    except (ConfigError, NothingLearnedError, RunFailedError):
         raise
     except Exception as err:  # name the rank: under DDP the other ranks only see a closed connection
         killed = worker_killed_error(err, trainer, oom_kills_before=oom_before)
@@ -212,13 +220,17 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
         named = trainer_setting_error(err, cfg, trainer)
         if named is not None:
             raise named from None
-        if isinstance(err, FileNotFoundError) and not Path(run_dir).exists():
+        if isinstance(err, OSError) and err.errno == errno.ENOENT and not Path(run_dir).exists():
             raise NothingLearnedError(
                 f"the run directory {run_dir} was removed while the run was going (at global "
                 f"step {trainer.global_step}: {err}); its checkpoints and logs went with it. "
                 "Start the run again in a directory that stays."
             ) from None
-        message = f"rank {trainer.global_rank} failed at global step {trainer.global_step}: {type(err).__name__}: {err}"
+        where = f"rank {trainer.global_rank} failed at global step {trainer.global_step}"
+        if isinstance(err, OSError):  # a full disk, a read-only directory: named, no traceback
+            log.error("%s: %s", where, describe_os_error(err))
+            raise RunFailedError(f"{where}: {describe_os_error(err)}") from err
+        message = f"{where}: {type(err).__name__}: {err}"
         log.error(message)
         print(f"accel-train: error: {message}", file=sys.stderr, flush=True)
         raise
@@ -307,8 +319,11 @@ def _hydra_main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (NothingLearnedError, WorkerKilledError) as err:
+    except (NothingLearnedError, WorkerKilledError, RunFailedError) as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except OSError as err:  # outside the fit: building the run, writing its summary
+        print(f"accel-train: error: {describe_os_error(err)}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
