@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, RunFailedError
 from lightning_accel.precision import FLOAT32_MATMUL_PRECISIONS, MODEL_PARALLEL_REFUSED, PRECISION_CHOICES
 from lightning_accel.run_plan import RunShape, accumulation_callbacks, count_devices, run_shape, target_class
 
@@ -23,10 +23,12 @@ __all__ = [
     "check_ckpt_path",
     "check_combinations",
     "check_config",
+    "check_hpc_checkpoint",
     "check_loader_memory",
     "check_master_port",
     "oom_kills",
     "trainer_setting_error",
+    "training_step_error",
     "worker_killed_error",
 ]
 
@@ -505,6 +507,55 @@ def check_ckpt_path(cfg: DictConfig) -> str | None:
     return str(file)
 
 
+def check_hpc_checkpoint(cfg: DictConfig) -> str | None:
+    """The HPC checkpoint Lightning resumes from by itself, checked before launch like any `ckpt_path`: under SLURM
+    with `ckpt_path=null` (or `ckpt_path=hpc`) Lightning loads the newest `hpc_ckpt_<n>.ckpt` in the run directory
+    (`trainer.default_root_dir`), which a requeued job finds there.
+
+    Returns:
+        The HPC checkpoint Lightning will load, or None.
+
+    Raises:
+        ConfigError: naming the file, that it holds objects torch's `weights_only` load refuses (or is no checkpoint
+            at all), and the fix.
+    """
+    import pickle
+
+    import torch
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from lightning_accel.strategies.dcp_checks import refused_object
+
+    asked = cfg.get("ckpt_path")
+    if not cfg.get("fit", True) or not (asked == "hpc" or (asked is None and SLURMEnvironment.detect())):
+        return None
+    root = OmegaConf.select(cfg, "trainer.default_root_dir", default=None)
+    folder = Path(str(root)) if root is not None and "://" not in str(root) else None
+    versions = [] if folder is None or not folder.is_dir() else list(folder.glob("hpc_ckpt_*.ckpt"))
+    numbered = [(int(p.stem.rsplit("_", 1)[1]), p) for p in versions if p.stem.rsplit("_", 1)[1].isdigit()]
+    if not numbered:
+        return None
+    hpc = max(numbered)[1]
+    resumed = f"which Lightning resumes from by itself under SLURM (`ckpt_path={asked or 'null'}`)"
+    try:
+        torch.load(hpc, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise ConfigError(
+            f"the HPC checkpoint {hpc}, {resumed}, holds objects that torch's `weights_only` load refuses "
+            f"({refused_object(err)}): loading it could run code, so it is not loaded. If this job did not save it, "
+            f"or you do not trust it, move it out of {hpc.parent} (the job then starts afresh, or resumes with "
+            "`ckpt_path=last`); if you made it and trust it, load it once with `torch.load(path, weights_only=False)` "
+            "and save its tensors and plain values again."
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # truncated, or not torch's archive
+        raise ConfigError(
+            f"the HPC checkpoint {hpc}, {resumed}, is not a readable torch checkpoint ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else 'no detail'}); move it out of {hpc.parent} (the job then "
+            "starts afresh, or resumes with `ckpt_path=last`)."
+        ) from None
+    return str(hpc)
+
+
 def check_checkpoint_dir(cfg: DictConfig) -> None:
     """The checkpoint directory can be written, before anything trains (a read-only one failed at the first save,
     after training); what killed saves left in it is removed.
@@ -749,3 +800,27 @@ def worker_killed_error(
     )
     step = getattr(trainer, "global_step", "?")
     return WorkerKilledError(f"DataLoader worker (pid {pids}) was {cause}, at global step {step}; {kept}. Fix: {fix}.")
+
+
+def training_step_error(err: BaseException, cfg: DictConfig, trainer: Any) -> RunFailedError | None:
+    """Lightning's refusal of what the model's `training_step` returned (a dict without 'loss', a list, a string),
+    named: the model, what it returned, and what automatic optimization needs. None for any other error."""
+    from lightning_accel import _lightning
+
+    refused = _lightning.training_step_output_refused(err)
+    if refused is None:
+        return None
+    kept, output = refused
+    if not kept:
+        returned = "a dict without 'loss', or something that is neither a Tensor, a dict nor None"
+    elif isinstance(output, Mapping):
+        returned = f"a dict with the keys {sorted(map(str, output))} and no 'loss' (or 'loss' set to None)"
+    else:
+        returned = f"a {type(output).__name__} ({_show(output)[:80]}), which is neither a Tensor, a dict nor None"
+    target = OmegaConf.select(cfg, "model._target_", default=None)
+    model = f"`model._target_={target}`" if target else "the model"
+    return RunFailedError(
+        f"{model}: `training_step` returned {returned}, at global step {trainer.global_step}. Lightning's automatic "
+        "optimization needs the loss to backpropagate: return the loss tensor, a dict holding it under 'loss' "
+        "(`{'loss': loss, ...}`; the other keys reach `on_train_batch_end`), or None to skip the batch."
+    )

@@ -29,10 +29,12 @@ from lightning_accel.checks import (
     check_checkpoint_dir,
     check_checkpoint_fits,
     check_ckpt_path,
+    check_hpc_checkpoint,
     check_loader_memory,
     check_master_port,
     oom_kills,
     trainer_setting_error,
+    training_step_error,
     worker_killed_error,
 )
 from lightning_accel.compose import config_paths, instantiate_datamodule, split_data_config
@@ -147,6 +149,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
             "`lightning_accel.strategies.consolidate_checkpoint(path, out)` and pass `out`."
         )
     check_checkpoint_dir(cfg)
+    check_hpc_checkpoint(cfg)
     if (shape.distributed or (shape.world_size or 1) > 1) and shape.num_nodes == 1:
         check_master_port()
     data = cast("dict[str, Any]", OmegaConf.to_container(cfg.data, resolve=True))  # the data group: a mapping
@@ -220,6 +223,10 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
         named = trainer_setting_error(err, cfg, trainer)
         if named is not None:
             raise named from None
+        refused = training_step_error(err, cfg, trainer)
+        if refused is not None:
+            log.error(str(refused))
+            raise refused from None
         if isinstance(err, OSError) and err.errno == errno.ENOENT and not Path(run_dir).exists():
             raise NothingLearnedError(
                 f"the run directory {run_dir} was removed while the run was going (at global "

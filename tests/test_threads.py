@@ -144,7 +144,7 @@ def test_pinned_ranks_each_take_their_own_slice_and_the_undo_restores_it(monkeyp
     assert os.sched_getaffinity(0) == before and env == {}
 
 
-# --- pinning that cannot happen is said, never a traceback (issue 37) -------------------------------------------------
+# --- pinning that cannot happen is said, never a traceback -------------------------------------------------
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")

@@ -127,7 +127,7 @@ def test_a_kill_between_the_fallback_renames_is_recovered(tmp_path: Path, monkey
     assert not checkpoint_io.recover_directory(last)  # nothing to do when it is there
 
 
-# --- a full disk named: the file, the errno in words, and the checkpoint that still stands (issue 37) -----------------
+# --- a full disk named: the file, the errno in words, and the checkpoint that still stands -----------------
 
 
 class _FillingFile:
