@@ -49,6 +49,7 @@ from lightning_accel.errors import (
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.precision import apply_float32_matmul_precision
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
+from lightning_accel.signals import exit_on_signals
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
 from lightning_accel.threads import apply_thread_plan, describe_plan
 
@@ -335,7 +336,14 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """Console entry point of `accel-train` (also `python -m lightning_accel.train`)."""
+    """Console entry point of `accel-train` (also `python -m lightning_accel.train`).
+
+    Exit codes: 0 trained (and tested); 1 the run failed, named (an OS failure on a file, a run that learned nothing,
+    a killed DataLoader worker, a `training_step` whose output cannot be trained on); 2 a setting refused before
+    launch; 128 + N after signal N (130 SIGINT, 143 SIGTERM): a second signal during the stop still exits so once the
+    checkpoint is written, a third at once.
+    """
+    exit_on_signals()  # kept to the process's end (a stop unwinding): a signal no callback holds exits 128 + N
     try:
         check_output_root(sys.argv[1:])  # Hydra creates the run directory before `run` can check anything
     except ConfigError as err:
