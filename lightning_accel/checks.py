@@ -18,6 +18,7 @@ from lightning_accel.precision import FLOAT32_MATMUL_PRECISIONS, MODEL_PARALLEL_
 from lightning_accel.run_plan import RunShape, accumulation_callbacks, count_devices, run_shape, target_class
 
 __all__ = [
+    "OUTPUT_DIR_KEYS",
     "check_checkpoint_dir",
     "check_checkpoint_fits",
     "check_ckpt_path",
@@ -25,6 +26,7 @@ __all__ = [
     "check_config",
     "check_hpc_checkpoint",
     "check_loader_memory",
+    "check_output_dirs",
     "check_master_port",
     "oom_kills",
     "trainer_setting_error",
@@ -561,27 +563,63 @@ def check_checkpoint_dir(cfg: DictConfig) -> None:
     after training); what killed saves left in it is removed.
 
     Raises:
-        ConfigError: naming `callbacks.model_checkpoint.dirpath` and the error.
+        ConfigError: naming `callbacks.model_checkpoint.dirpath`, the path and what the OS said.
     """
-    import tempfile
-
+    from lightning_accel.files import directory_write_error
     from lightning_accel.strategies.checkpoint_io import remove_stale_temporaries
 
     dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
     if dirpath is None or "://" in str(dirpath) or not cfg.get("fit", True):
         return
-    try:
-        Path(str(dirpath)).mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=str(dirpath), prefix=".accel-write-check-"):
-            pass
-    except OSError as err:
+    problem = directory_write_error(str(dirpath))
+    if problem is not None:
         raise ConfigError(
-            f"`callbacks.model_checkpoint.dirpath={dirpath}` cannot be written ({err.strerror or err}); "
-            "make it writable or point it elsewhere."
-        ) from None
+            f"`callbacks.model_checkpoint.dirpath={dirpath}` cannot be written: {problem}; make it writable or "
+            "point it elsewhere."
+        )
     removed = remove_stale_temporaries(str(dirpath))
     if removed:
         log.info("removed what killed saves left in %s: %s", dirpath, ", ".join(p.name for p in removed))
+
+
+OUTPUT_DIR_KEYS = (
+    "dirpath",
+    "save_dir",
+    "report_dir",
+    "runs_dir",
+    "cache_dir",
+    "prometheus_textfile_dir",
+    "prometheus_file_sd_dir",
+)
+"""The settings of a callback or logger that name a directory it writes into (checked before launch)."""
+
+
+def check_output_dirs(cfg: DictConfig) -> None:
+    """Every directory a callback or logger of the run writes into, where the config names one (`logger.csv.save_dir`,
+    `callbacks.gpu_monitor.report_dir`, `callbacks.nonfinite.dirpath`, ...), can be created and written, before
+    launch: a logger's failed at the first step with a traceback; the others lost their output silently or late
+    (a NaN checkpoint, a report at the end of the run). Nothing is created.
+
+    Raises:
+        ConfigError: naming the setting, the path in the way and what the OS said (`Read-only file system (EROFS)`).
+    """
+    from lightning_accel.files import directory_write_error
+
+    for group in ("callbacks", "logger"):
+        nodes = cfg.get(group) or {}
+        for name, node in nodes.items() if isinstance(nodes, (DictConfig, Mapping)) else ():
+            if not isinstance(node, (DictConfig, Mapping)) or (group, name) == ("callbacks", "model_checkpoint"):
+                continue  # `check_checkpoint_dir` checks that one when the run fits
+            for key in OUTPUT_DIR_KEYS:
+                value = node.get(key)
+                if not isinstance(value, str) or not value or "://" in value:
+                    continue
+                problem = directory_write_error(value)
+                if problem is not None:
+                    raise ConfigError(
+                        f"`{group}.{name}.{key}={value}` cannot be written: {problem}; point it at a writable "
+                        "directory."
+                    )
 
 
 def check_checkpoint_fits(model: Any, path: str | None) -> None:

@@ -32,6 +32,7 @@ from lightning_accel.checks import (
     check_hpc_checkpoint,
     check_loader_memory,
     check_master_port,
+    check_output_dirs,
     oom_kills,
     trainer_setting_error,
     training_step_error,
@@ -150,6 +151,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
             "`lightning_accel.strategies.consolidate_checkpoint(path, out)` and pass `out`."
         )
     check_checkpoint_dir(cfg)
+    check_output_dirs(cfg)
     check_hpc_checkpoint(cfg)
     if (shape.distributed or (shape.world_size or 1) > 1) and shape.num_nodes == 1:
         check_master_port()
