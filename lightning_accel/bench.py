@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         "holds 1.0 reads 'no clear difference', and a stage measured while other processes took the CPUs is "
         "flagged. Writes bench.md, bench.csv, bench.json and "
         "bench.png into --out. Exit code: 0 when every stage that ran kept quality, 1 when one failed quality "
-        "or crashed, 2 for a usage error, 130 after Ctrl-C (the outputs then hold the runs that finished).",
+        "or crashed or a file could not be written (named: the file, the errno in words), 2 for a usage error (an "
+        "--out that cannot be written is refused before any stage), 130 after Ctrl-C (the outputs then hold the runs "
+        "that finished).",
         epilog="Trailing Hydra overrides apply to every stage: accel-bench --quick model=classifier "
         "trainer.accelerator=cpu",
     )

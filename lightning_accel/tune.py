@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         "measured beside the baseline with accel-bench's rounds, intervals and interference checks, and win only "
         "when they pass the quality gate and their throughput interval clears the incumbent's. The pick is "
         "confirmed by a longer run and written as <config-dir>/preset/tuned_<name>.yaml, with tune.md, tune.json "
-        "and tune.png in --out. Exit code: 0 with a pick, 1 when even the baseline failed, 2 for a usage error, "
-        "130 after Ctrl-C (the best so far is written).",
+        "and tune.png in --out. Exit code: 0 with a pick, 1 when even the baseline failed or a file could not be "
+        "written (named: the file, the errno in words), 2 for a usage error (an --out or --config-dir that cannot be "
+        "written is refused before the search), 130 after Ctrl-C (the best so far is written).",
         epilog="Trailing Hydra overrides are the run to tune: accel-tune --time-budget 600 model=classifier",
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of the run to tune")

@@ -120,10 +120,11 @@ def read_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A read-only directory holding an empty directory `sub` and a checkpoint `last.ckpt`: a tmpfs mounted read-only
     where this process may mount one (root ignores permissions), else a directory without write permission."""
     folder = tmp_path_factory.mktemp("read-only")
-    mount = shutil.which("mount")
+    mount = shutil.which("mount") or "mount"
     as_root = os.geteuid() == 0
     if as_root and not (
-        mount and subprocess.run([mount, "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)]).returncode == 0
+        shutil.which(mount)
+        and subprocess.run([mount, "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)]).returncode == 0
     ):
         pytest.skip("root may write anywhere, and cannot mount a read-only file system here")
     (folder / "sub").mkdir()

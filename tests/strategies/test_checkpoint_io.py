@@ -166,7 +166,7 @@ def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
         and os.geteuid() == 0
         and (
             subprocess.run(
-                [mount, "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True
+                [str(mount), "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True
             ).returncode
             == 0
         )
