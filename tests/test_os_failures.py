@@ -319,6 +319,27 @@ def test_accel_doctor_root(tmp_path, read_only, capsys, kind: str) -> None:
     assert doctor.main(argv, env={}) in (0, 1)  # an empty tree: every fact unknown, judged as such
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_gpu_check_out(tmp_path, read_only, monkeypatch, capsys, kind: str) -> None:
+    """A read-only `--out` failed after every part had run (minutes of GPU time), with a traceback."""
+    from lightning_accel import gpu_check
+
+    def parts(*args: object, **kwargs: object) -> None:
+        raise _Called
+
+    monkeypatch.setattr(gpu_check, "run_checks", parts)
+    path = _path(kind, tmp_path, read_only)
+    if kind in ("directory", "missing"):
+        with pytest.raises(_Called):
+            gpu_check.main(["--out", str(path), "--parts", "doctor"])
+        return
+    with pytest.raises(SystemExit) as usage:
+        gpu_check.main(["--out", str(path), "--parts", "doctor"])
+    err = capsys.readouterr().err
+    assert usage.value.code == 2 and f"--out {path} cannot be written: " in err, err
+    _refused_as(kind, err)
+
+
 def test_the_exit_codes_from_the_command_line(tmp_path, read_only) -> None:
     """Two subprocess runs for the exit code and the absent traceback: `accel-tune --config-dir <a file>` and
     `accel-train logger.csv.save_dir=<read-only>`."""
