@@ -110,7 +110,8 @@ class StopOnSignal(Callback):
         and no accumulation window is cut.
     Changes on purpose: on SIGTERM/SIGINT the fit ends at the next window boundary with `last.ckpt` and exits 128 + N
         (Lightning's own handler exits 0 and may hang DDP ranks); a second signal meanwhile is said and still exits
-        128 + N once the checkpoint is written, a third ends the process at once.
+        128 + N once the checkpoint is written, a third ends the process at once (rank 0 kills the child ranks it
+        started).
     Cannot serve: without a `ModelCheckpoint` in the Trainer nothing can be saved: `save_checkpoint=True` then warns
         at the start of the fit, and the signal still stops it.
 
