@@ -66,6 +66,7 @@ __all__ = [
     "trainer_callbacks",
     "trainer_fast_dev_run",
     "trainer_log_every_n_steps",
+    "training_step_output_refused",
     "zero_grad_now",
 ]
 
@@ -104,6 +105,27 @@ def _get(obj: Any, name: str, feature: str) -> Any:
     if not hasattr(obj, name):
         raise _missing(obj, name, feature)
     return getattr(obj, name)
+
+
+def training_step_output_refused(err: BaseException) -> tuple[bool, Any] | None:
+    """Whether `err` is Lightning's refusal of what `training_step` returned under automatic optimization (a dict
+    without 'loss', or neither a Tensor, a dict nor None): None when it is not; else `(True, output)` where the
+    traceback still holds the output (the argument of `ClosureResult.from_training_step_output`, where Lightning
+    raises), `(False, None)` where it does not."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    text = str(err)
+    if not isinstance(err, MisconfigurationException) or not (
+        "`training_step` must return" in text or "'loss' key needs to be present" in text
+    ):
+        return None
+    trace = err.__traceback__
+    while trace is not None:
+        frame = trace.tb_frame
+        if frame.f_code.co_name == "from_training_step_output" and "training_step_output" in frame.f_locals:
+            return True, frame.f_locals["training_step_output"]
+        trace = trace.tb_next
+    return False, None
 
 
 def _patch(obj: Any, name: str, value: Any, feature: str) -> Callable[[], None]:

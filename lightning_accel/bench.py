@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import math
-import os
 import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, describe_os_error
 
 if TYPE_CHECKING:
     from lightning_accel.benchmark.stage_plan import BenchSettings
@@ -45,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         "holds 1.0 reads 'no clear difference', and a stage measured while other processes took the CPUs is "
         "flagged. Writes bench.md, bench.csv, bench.json and "
         "bench.png into --out. Exit code: 0 when every stage that ran kept quality, 1 when one failed quality "
-        "or crashed, 2 for a usage error, 130 after Ctrl-C (the outputs then hold the runs that finished).",
+        "or crashed or a file could not be written (named: the file, the errno in words), 2 for a usage error (an "
+        "--out that cannot be written is refused before any stage), 130 after Ctrl-C (the outputs then hold the runs "
+        "that finished).",
         epilog="Trailing Hydra overrides apply to every stage: accel-bench --quick model=classifier "
         "trainer.accelerator=cpu",
     )
@@ -244,13 +245,16 @@ def check_profile(profile: str | None, flag: str = "--profile") -> None:
 
 
 def _check_writable(out: Path) -> None:
-    """`--out` can be created and written, before any stage runs."""
-    probe = out
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    if probe.exists() and (not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK)):
-        what = "is a file" if not probe.is_dir() else "is not writable by this user"
-        raise ConfigError(f"`--out={out}` cannot be written: {probe} {what}; pass a writable directory.")
+    """`--out` can be created and written, before any stage runs.
+
+    Raises:
+        ConfigError: naming `--out`, the path in the way and what the OS said.
+    """
+    from lightning_accel.files import directory_write_error
+
+    problem = directory_write_error(out)
+    if problem is not None:
+        raise ConfigError(f"`--out={out}` cannot be written: {problem}; pass a writable directory.")
 
 
 def print_plan(ladder: Sequence[str], overrides: Sequence[str], settings: BenchSettings, out: Path) -> None:
@@ -340,6 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"accel-bench: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a disk that filled between stages: named, no traceback
+        print(f"accel-bench: error: {describe_os_error(err)}", file=sys.stderr)
+        return 1
     if run.interrupted:
         return 128 + received[0] if received else 130
     bad = [r for r in run.results if r.status == "failed" or r.quality == "FAIL"]

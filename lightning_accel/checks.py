@@ -13,20 +13,24 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, RunFailedError
 from lightning_accel.precision import FLOAT32_MATMUL_PRECISIONS, MODEL_PARALLEL_REFUSED, PRECISION_CHOICES
 from lightning_accel.run_plan import RunShape, accumulation_callbacks, count_devices, run_shape, target_class
 
 __all__ = [
+    "OUTPUT_DIR_KEYS",
     "check_checkpoint_dir",
     "check_checkpoint_fits",
     "check_ckpt_path",
     "check_combinations",
     "check_config",
+    "check_hpc_checkpoint",
     "check_loader_memory",
+    "check_output_dirs",
     "check_master_port",
     "oom_kills",
     "trainer_setting_error",
+    "training_step_error",
     "worker_killed_error",
 ]
 
@@ -505,32 +509,117 @@ def check_ckpt_path(cfg: DictConfig) -> str | None:
     return str(file)
 
 
+def check_hpc_checkpoint(cfg: DictConfig) -> str | None:
+    """The HPC checkpoint Lightning resumes from by itself, checked before launch like any `ckpt_path`: under SLURM
+    with `ckpt_path=null` (or `ckpt_path=hpc`) Lightning loads the newest `hpc_ckpt_<n>.ckpt` in the run directory
+    (`trainer.default_root_dir`), which a requeued job finds there.
+
+    Returns:
+        The HPC checkpoint Lightning will load, or None.
+
+    Raises:
+        ConfigError: naming the file, that it holds objects torch's `weights_only` load refuses (or is no checkpoint
+            at all), and the fix.
+    """
+    import pickle
+
+    import torch
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from lightning_accel.strategies.dcp_checks import refused_object
+
+    asked = cfg.get("ckpt_path")
+    if not cfg.get("fit", True) or not (asked == "hpc" or (asked is None and SLURMEnvironment.detect())):
+        return None
+    root = OmegaConf.select(cfg, "trainer.default_root_dir", default=None)
+    folder = Path(str(root)) if root is not None and "://" not in str(root) else None
+    versions = [] if folder is None or not folder.is_dir() else list(folder.glob("hpc_ckpt_*.ckpt"))
+    numbered = [(int(p.stem.rsplit("_", 1)[1]), p) for p in versions if p.stem.rsplit("_", 1)[1].isdigit()]
+    if not numbered:
+        return None
+    hpc = max(numbered)[1]
+    resumed = f"which Lightning resumes from by itself under SLURM (`ckpt_path={asked or 'null'}`)"
+    try:
+        torch.load(hpc, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise ConfigError(
+            f"the HPC checkpoint {hpc}, {resumed}, holds objects that torch's `weights_only` load refuses "
+            f"({refused_object(err)}): loading it could run code, so it is not loaded. If this job did not save it, "
+            f"or you do not trust it, move it out of {hpc.parent} (the job then starts afresh, or resumes with "
+            "`ckpt_path=last`); if you made it and trust it, load it once with `torch.load(path, weights_only=False)` "
+            "and save its tensors and plain values again."
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as err:  # truncated, or not torch's archive
+        raise ConfigError(
+            f"the HPC checkpoint {hpc}, {resumed}, is not a readable torch checkpoint ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else 'no detail'}); move it out of {hpc.parent} (the job then "
+            "starts afresh, or resumes with `ckpt_path=last`)."
+        ) from None
+    return str(hpc)
+
+
 def check_checkpoint_dir(cfg: DictConfig) -> None:
     """The checkpoint directory can be written, before anything trains (a read-only one failed at the first save,
     after training); what killed saves left in it is removed.
 
     Raises:
-        ConfigError: naming `callbacks.model_checkpoint.dirpath` and the error.
+        ConfigError: naming `callbacks.model_checkpoint.dirpath`, the path and what the OS said.
     """
-    import tempfile
-
+    from lightning_accel.files import directory_write_error
     from lightning_accel.strategies.checkpoint_io import remove_stale_temporaries
 
     dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
     if dirpath is None or "://" in str(dirpath) or not cfg.get("fit", True):
         return
-    try:
-        Path(str(dirpath)).mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=str(dirpath), prefix=".accel-write-check-"):
-            pass
-    except OSError as err:
+    problem = directory_write_error(str(dirpath))
+    if problem is not None:
         raise ConfigError(
-            f"`callbacks.model_checkpoint.dirpath={dirpath}` cannot be written ({err.strerror or err}); "
-            "make it writable or point it elsewhere."
-        ) from None
+            f"`callbacks.model_checkpoint.dirpath={dirpath}` cannot be written: {problem}; make it writable or "
+            "point it elsewhere."
+        )
     removed = remove_stale_temporaries(str(dirpath))
     if removed:
         log.info("removed what killed saves left in %s: %s", dirpath, ", ".join(p.name for p in removed))
+
+
+OUTPUT_DIR_KEYS = (
+    "dirpath",
+    "save_dir",
+    "report_dir",
+    "runs_dir",
+    "cache_dir",
+    "prometheus_textfile_dir",
+    "prometheus_file_sd_dir",
+)
+"""The settings of a callback or logger that name a directory it writes into (checked before launch)."""
+
+
+def check_output_dirs(cfg: DictConfig) -> None:
+    """Every directory a callback or logger of the run writes into, where the config names one (`logger.csv.save_dir`,
+    `callbacks.gpu_monitor.report_dir`, `callbacks.nonfinite.dirpath`, ...), can be created and written, before
+    launch: a logger's failed at the first step with a traceback; the others lost their output silently or late
+    (a NaN checkpoint, a report at the end of the run). Nothing is created.
+
+    Raises:
+        ConfigError: naming the setting, the path in the way and what the OS said (`Read-only file system (EROFS)`).
+    """
+    from lightning_accel.files import directory_write_error
+
+    for group in ("callbacks", "logger"):
+        nodes = cfg.get(group) or {}
+        for name, node in nodes.items() if isinstance(nodes, (DictConfig, Mapping)) else ():
+            if not isinstance(node, (DictConfig, Mapping)) or (group, name) == ("callbacks", "model_checkpoint"):
+                continue  # `check_checkpoint_dir` checks that one when the run fits
+            for key in OUTPUT_DIR_KEYS:
+                value = node.get(key)
+                if not isinstance(value, str) or not value or "://" in value:
+                    continue
+                problem = directory_write_error(value)
+                if problem is not None:
+                    raise ConfigError(
+                        f"`{group}.{name}.{key}={value}` cannot be written: {problem}; point it at a writable "
+                        "directory."
+                    )
 
 
 def check_checkpoint_fits(model: Any, path: str | None) -> None:
@@ -749,3 +838,27 @@ def worker_killed_error(
     )
     step = getattr(trainer, "global_step", "?")
     return WorkerKilledError(f"DataLoader worker (pid {pids}) was {cause}, at global step {step}; {kept}. Fix: {fix}.")
+
+
+def training_step_error(err: BaseException, cfg: DictConfig, trainer: Any) -> RunFailedError | None:
+    """Lightning's refusal of what the model's `training_step` returned (a dict without 'loss', a list, a string),
+    named: the model, what it returned, and what automatic optimization needs. None for any other error."""
+    from lightning_accel import _lightning
+
+    refused = _lightning.training_step_output_refused(err)
+    if refused is None:
+        return None
+    kept, output = refused
+    if not kept:
+        returned = "a dict without 'loss', or something that is neither a Tensor, a dict nor None"
+    elif isinstance(output, Mapping):
+        returned = f"a dict with the keys {sorted(map(str, output))} and no 'loss' (or 'loss' set to None)"
+    else:
+        returned = f"a {type(output).__name__} ({_show(output)[:80]}), which is neither a Tensor, a dict nor None"
+    target = OmegaConf.select(cfg, "model._target_", default=None)
+    model = f"`model._target_={target}`" if target else "the model"
+    return RunFailedError(
+        f"{model}: `training_step` returned {returned}, at global step {trainer.global_step}. Lightning's automatic "
+        "optimization needs the loss to backpropagate: return the loss tensor, a dict holding it under 'loss' "
+        "(`{'loss': loss, ...}`; the other keys reach `on_train_batch_end`), or None to skip the batch."
+    )

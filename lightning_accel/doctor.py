@@ -132,6 +132,7 @@ def _facts_rows(facts: SystemFacts) -> list[tuple[str, str]]:
     ports = ", ".join(f"{p.device}:{p.port} {p.state} {p.link_layer}" for p in facts.infiniband)
     rows.append(("InfiniBand", ports or "none"))
     rows.append(("NCCL env", " ".join(f"{k}={v}" for k, v in facts.nccl_env.items()) or "none set"))
+    rows += [("unreadable", problem) for problem in facts.unreadable]
     return rows
 
 

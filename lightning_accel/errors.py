@@ -8,17 +8,23 @@ where the value came from, rewrites the message with `err.at("trainer.strategy")
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 
 __all__ = [
     "ConfigError",
     "ConfigTypeError",
+    "FileOperationError",
     "LightningAccelError",
     "LightningAccelWarning",
     "NonFiniteLossError",
     "NothingLearnedError",
     "PreflightError",
+    "RunFailedError",
     "WorkerKilledError",
+    "describe_os_error",
+    "os_error_words",
 ]
 
 
@@ -80,3 +86,55 @@ class WorkerKilledError(LightningAccelError):
 class NothingLearnedError(LightningAccelError):
     """A run that ended without a result to keep: every `training_step` returned None, the loss it ended on is
     NaN/inf, or its run directory was removed under it. accel-train exits 1 with the message (no traceback)."""
+
+
+def os_error_words(err: OSError) -> str:
+    """What the operating system said, in words and by name: `No space left on device (ENOSPC)`."""
+    number = err.errno
+    words = err.strerror or (os.strerror(number) if number else str(err))
+    name = errno.errorcode.get(number) if isinstance(number, int) else None
+    return f"{words} ({name})" if name else words
+
+
+class FileOperationError(LightningAccelError, OSError):
+    """An operating-system failure on a file, named: `cannot <operation> <file>: <the OS's words> (<ERRNO>)`, then
+    what still stands where that is known (`; /run/checkpoints/last.ckpt of step 40 still stands`).
+
+    An `OSError` with the original's `errno` and `strerror` and the file as `filename`, so `except OSError` and
+    `err.errno == errno.ENOSPC` keep working; the original is its `__cause__`.
+
+    Args:
+        operation: what was being done, as a verb phrase (`write checkpoint`, `create directory`).
+        path: the file or directory it was done to.
+        err: the operating system's error.
+        detail: what still stands, or the fix, added after a semicolon.
+    """
+
+    def __init__(self, operation: str, path: str | os.PathLike[str], err: OSError, detail: str = "") -> None:
+        super().__init__(err.errno, err.strerror or str(err), os.fspath(path))
+        self.operation = operation
+        self.detail = detail
+        self.__cause__ = err
+
+    def __str__(self) -> str:
+        text = f"cannot {self.operation} {self.filename}: {os_error_words(self)}"
+        return f"{text}; {self.detail}" if self.detail else text
+
+    def __reduce__(self) -> tuple[object, ...]:
+        plain = OSError(self.errno, self.strerror)
+        return (type(self), (self.operation, self.filename, plain, self.detail))
+
+
+def describe_os_error(err: OSError) -> str:
+    """An OS failure named: a `FileOperationError` as it says itself; any other `OSError` by its words, errno and
+    file(s) (`No space left on device (ENOSPC): /run/metrics.csv`)."""
+    if isinstance(err, FileOperationError):
+        return str(err)
+    files = [str(name) for name in (err.filename, getattr(err, "filename2", None)) if name is not None]
+    return os_error_words(err) + (f": {' -> '.join(files)}" if files else "")
+
+
+class RunFailedError(LightningAccelError):
+    """A run that failed while running for a reason the message names (an OS failure on a file: a full disk, a
+    read-only directory; a `training_step` whose output Lightning cannot train on), with the rank and the step.
+    accel-train exits 1 with the message (no traceback)."""

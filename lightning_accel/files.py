@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -10,11 +11,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from lightning_accel.errors import FileOperationError
+
 __all__ = [
     "TEMP_SUFFIX",
     "PathLike",
     "atomic_path",
     "atomic_write",
+    "directory_write_error",
     "owned_by_me",
     "remove_stale_temporaries",
     "temporary_target",
@@ -32,7 +36,12 @@ _TEMP_NAME = re.compile(rf"\.(?P<target>.+)\.{_TEMP_MARK}[a-z0-9_]{{8}}{re.escap
 
 @contextmanager
 def atomic_path(
-    path: str | os.PathLike[str], *, prefix: str | None = None, fsync: bool = False, mode: int | None = None
+    path: str | os.PathLike[str],
+    *,
+    prefix: str | None = None,
+    fsync: bool = False,
+    mode: int | None = None,
+    what: str = "",
 ) -> Iterator[Path]:
     """A temporary path beside `path` to write to; renamed over `path` when the block ends without an error, removed
     when it does not (a full disk, a signal), so a reader sees the old file or the new one, never a part.
@@ -44,10 +53,29 @@ def atomic_path(
         fsync: flush the file and its directory entry to disk (checkpoints: a power loss keeps one of the two).
         mode: the file's permissions (default: what a plain `open` gives under the process's umask, not the private
             0o600 of a temporary file).
+        what: the kind of file, for the error (`checkpoint`: "cannot write checkpoint ...").
+
+    Raises:
+        FileOperationError: an OS failure (a full disk, a read-only directory, a file where a directory belongs, a
+            directory where the file belongs, permission denied), naming `path`, the operation and the errno in
+            words; `path` is as it was.
     """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{prefix or target.name}.{_TEMP_MARK}", suffix=TEMP_SUFFIX)
+    operation = f"write {what}".rstrip()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        blocked = _file_in_the_way(target.parent)
+        detail = f"{blocked} is a file, not a directory" if blocked is not None else ""
+        raise FileOperationError("create directory", err.filename or target.parent, err, detail) from err
+    if target.is_dir():  # os.replace would say so only after the whole file was written
+        raise FileOperationError(operation, target, IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR)))
+    try:
+        fd, name = tempfile.mkstemp(
+            dir=target.parent, prefix=f".{prefix or target.name}.{_TEMP_MARK}", suffix=TEMP_SUFFIX
+        )
+    except OSError as err:
+        raise FileOperationError(operation, target, err) from err
     os.close(fd)
     tmp = Path(name)
     try:
@@ -57,11 +85,49 @@ def atomic_path(
             with tmp.open("rb+") as handle:
                 os.fsync(handle.fileno())
         os.replace(tmp, target)
+    except FileOperationError:
+        tmp.unlink(missing_ok=True)
+        raise
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise FileOperationError(operation, target, err) from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if fsync:
         _fsync_directory(target.parent)
+
+
+def _file_in_the_way(folder: Path) -> Path | None:
+    """The nearest existing path at or above `folder` when it is not a directory (a file where one belongs)."""
+    probe = folder
+    while not os.path.lexists(probe) and probe.parent != probe:
+        probe = probe.parent
+    return probe if os.path.lexists(probe) and not probe.is_dir() else None
+
+
+def directory_write_error(path: str | os.PathLike[str]) -> FileOperationError | None:
+    """Why files cannot be created in the directory `path` (created later, with its parents, by whoever writes
+    there), or None when they can: a file where it or a parent belongs, a read-only file system, permission denied.
+
+    Creates nothing that stays: the nearest existing directory is probed with a hidden temporary file, removed at
+    once. Call it before the work whose results go there, so a bad path costs nothing.
+    """
+    target = Path(path)
+    blocked = _file_in_the_way(target)
+    if blocked is not None:
+        number = errno.EEXIST if blocked == target else errno.ENOTDIR
+        in_the_way = OSError(number, os.strerror(number))
+        return FileOperationError("create directory", target, in_the_way, f"{blocked} is a file, not a directory")
+    probe = target
+    while not os.path.lexists(probe) and probe.parent != probe:
+        probe = probe.parent
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".accel-write-check-"):
+            pass
+    except OSError as err:
+        return FileOperationError("write into directory", probe, err)
+    return None
 
 
 def _read_umask() -> int:

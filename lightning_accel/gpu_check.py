@@ -56,6 +56,8 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
+from lightning_accel.files import directory_write_error
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import Strategy
@@ -915,8 +917,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.timeout_scale > 0 and math.isfinite(args.timeout_scale)):
         parser.error(f"--timeout-scale must be a finite number > 0, got {args.timeout_scale}")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out} is a file; pass a folder (the report is {args.out}/gpu_check.md)")
+    problem = directory_write_error(args.out)  # before the parts run, not after minutes of GPU time
+    if problem is not None:
+        parser.error(f"--out {args.out} cannot be written: {problem}; pass a writable folder")
     root = str(Path(__file__).resolve().parent.parent)  # `examples` sits beside the package in a checkout
     if root not in sys.path:
         sys.path.insert(0, root)

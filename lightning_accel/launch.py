@@ -15,7 +15,6 @@ import os
 import secrets
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from omegaconf import OmegaConf
 
 from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError
+from lightning_accel.files import directory_write_error
 from lightning_accel.system.host import MAX_RUN_ID, external_run_id
 
 if TYPE_CHECKING:
@@ -241,17 +241,12 @@ def check_output_root(argv: Sequence[str], env: Mapping[str, str] | None = None)
                 "ACCEL_LOG_DIR) at a writable directory."
             )
         return
-    root = value
-    try:
-        os.makedirs(root, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".accel-write-check-"):
-            pass
-    except OSError as err:
-        shown = f"{key}={value}" if key != "ACCEL_LOG_DIR" else f"ACCEL_LOG_DIR={value}"
+    problem = directory_write_error(value)
+    if problem is not None:
         raise ConfigError(
-            f"`{shown}`: runs cannot be written under {root!r} ({err.strerror or err}); point "
-            "`paths.log_dir` (or ACCEL_LOG_DIR) at a writable directory."
-        ) from None
+            f"`{key}={value}`: runs cannot be written under {value!r}: {problem}; point `paths.log_dir` (or "
+            "ACCEL_LOG_DIR) at a writable directory."
+        )
 
 
 def log_root(env: Mapping[str, str] | None = None) -> str:

@@ -9,6 +9,8 @@ workers inherit the environment. This module imports no torch at the top.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import logging
 import os
 import sys
@@ -121,7 +123,7 @@ def thread_plan_for(cfg: DictConfig, shape: RunShape, env: Mapping[str, str] | N
     data = cfg.get("data") or {}
     workers = data.get("num_workers", 0)
     inherited = env.get(CPUS_ENV) if CPUS_ENV in ours else None  # a launched rank's mask is its parent's slice
-    return read_thread_plan(
+    plan = read_thread_plan(
         affinity=parse_cpu_list(inherited) if inherited else None,
         ranks=_ranks(shape),
         num_workers=workers if isinstance(workers, int) and workers > 0 else 0,
@@ -131,6 +133,9 @@ def thread_plan_for(cfg: DictConfig, shape: RunShape, env: Mapping[str, str] | N
         wait_policy=None if policy is None else str(policy).upper(),
         pin=bool(section.get("pin", False)),
     )
+    if plan.unpinned:  # the setting by its config path
+        plan = dataclasses.replace(plan, unpinned=plan.unpinned.replace("`pin=True`", "`threads.pin=true`"))
+    return plan
 
 
 def _pin(plan: ThreadPlan, env: MutableMapping[str, str]) -> set[int] | None:
@@ -138,19 +143,43 @@ def _pin(plan: ThreadPlan, env: MutableMapping[str, str]) -> set[int] | None:
     returns the affinity before, or None when nothing was pinned.
 
     A launched rank inherits the launching rank's (pinned) affinity: the sets and the CPUs they were cut from travel
-    in `ACCEL_CPU_SETS` and `ACCEL_CPUS`, so every rank pins to its own slice and plans from the whole budget."""
-    sets = plan.cpu_sets
-    if CPU_SETS_ENV in _planned(env) and env.get(CPU_SETS_ENV):
-        sets = tuple(parse_cpu_list(part) for part in env[CPU_SETS_ENV].split(";"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    if not sets or local_rank >= len(sets) or not hasattr(os, "sched_setaffinity"):
+    in `ACCEL_CPU_SETS` and `ACCEL_CPUS`, so every rank pins to its own slice and plans from the whole budget. Sets
+    that cannot be used (a stale or forged `ACCEL_CPU_SETS` inherited from a parent, CPUs the OS refuses) leave
+    the rank unpinned, with a warning that says why: never an error."""
+    if not hasattr(os, "sched_setaffinity"):
         return None
-    before = set(os.sched_getaffinity(0))
-    if CPU_SETS_ENV not in env:  # the launching rank: its ranks read these
-        env[CPU_SETS_ENV] = ";".join(format_cpu_list(cpus) for cpus in sets)
-        env[CPUS_ENV] = format_cpu_list(before)
-        _mark(env, _planned(env) | {CPU_SETS_ENV, CPUS_ENV})
-    os.sched_setaffinity(0, sets[local_rank])
+    sets = plan.cpu_sets
+    inherited = CPU_SETS_ENV in _planned(env) and bool(env.get(CPU_SETS_ENV))
+    if inherited:
+        sets = tuple(parse_cpu_list(part) for part in env[CPU_SETS_ENV].split(";"))
+    raw_rank = os.environ.get("LOCAL_RANK", "0") or "0"
+    local_rank = int(raw_rank) if raw_rank.isdigit() else 0
+    if not sets or local_rank >= len(sets):
+        return None
+    try:
+        before = set(os.sched_getaffinity(0))
+        if inherited:
+            whole = set(parse_cpu_list(env.get(CPUS_ENV, ""))) or before
+            if not sets[local_rank] or not set(sets[local_rank]) <= whole:
+                raise OSError(errno.EINVAL, f"rank {local_rank}'s set is not within the CPUs {format_cpu_list(whole)}")
+        if CPU_SETS_ENV not in env:  # the launching rank: its ranks read these
+            env[CPU_SETS_ENV] = ";".join(format_cpu_list(cpus) for cpus in sets)
+            env[CPUS_ENV] = format_cpu_list(before)
+            _mark(env, _planned(env) | {CPU_SETS_ENV, CPUS_ENV})
+        os.sched_setaffinity(0, sets[local_rank])
+    except OSError as err:
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        from lightning_accel.errors import LightningAccelWarning
+
+        source = f"{CPU_SETS_ENV}={env[CPU_SETS_ENV]!r}" if inherited else "the planned CPU sets"
+        note = (
+            f"threads.pin: rank {local_rank} is not pinned: {source} cannot be used ({err.strerror or err}); it "
+            f"runs on every CPU it may use. Unset {CPU_SETS_ENV} and {CPUS_ENV} if a parent process left them."
+        )
+        log.warning(note)
+        rank_zero_warn(note, category=LightningAccelWarning)
+        return None
     return before
 
 
@@ -167,6 +196,12 @@ def apply_thread_plan(plan: ThreadPlan, env: MutableMapping[str, str] | None = N
     undo_env = plan.apply(target)
     _mark(target, _planned(target) | set(plan.set))
     pinned_env = {key: target.get(key) for key in (CPU_SETS_ENV, CPUS_ENV)}
+    if plan.unpinned:
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+        from lightning_accel.errors import LightningAccelWarning
+
+        rank_zero_warn(plan.unpinned, category=LightningAccelWarning)
     before_cpus = _pin(plan, target)
     before_intra = torch.get_num_threads()
     torch.set_num_threads(plan.intra_op)

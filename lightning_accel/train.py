@@ -10,6 +10,7 @@ if __name__ == "__main__":
 
     set_early_environment(sys.argv[1:])
 
+import errno
 import hashlib
 import logging
 import time
@@ -28,17 +29,28 @@ from lightning_accel.checks import (
     check_checkpoint_dir,
     check_checkpoint_fits,
     check_ckpt_path,
+    check_hpc_checkpoint,
     check_loader_memory,
     check_master_port,
+    check_output_dirs,
     oom_kills,
     trainer_setting_error,
+    training_step_error,
     worker_killed_error,
 )
 from lightning_accel.compose import config_paths, instantiate_datamodule, split_data_config
-from lightning_accel.errors import ConfigError, LightningAccelWarning, NothingLearnedError, WorkerKilledError
+from lightning_accel.errors import (
+    ConfigError,
+    LightningAccelWarning,
+    NothingLearnedError,
+    RunFailedError,
+    WorkerKilledError,
+    describe_os_error,
+)
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.precision import apply_float32_matmul_precision
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
+from lightning_accel.signals import exit_on_signals
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
 from lightning_accel.threads import apply_thread_plan, describe_plan
 
@@ -139,6 +151,8 @@ def plan_run(cfg: DictConfig) -> RunPlan:
             "`lightning_accel.strategies.consolidate_checkpoint(path, out)` and pass `out`."
         )
     check_checkpoint_dir(cfg)
+    check_output_dirs(cfg)
+    check_hpc_checkpoint(cfg)
     if (shape.distributed or (shape.world_size or 1) > 1) and shape.num_nodes == 1:
         check_master_port()
     data = cast("dict[str, Any]", OmegaConf.to_container(cfg.data, resolve=True))  # the data group: a mapping
@@ -202,7 +216,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     try:
         with config_paths(cfg):
             summary = _fit_and_test(cfg, trainer, model, datamodule, stats, plan.shape, started, run_dir)
-    except (ConfigError, NothingLearnedError):
+    except (ConfigError, NothingLearnedError, RunFailedError):
         raise
     except Exception as err:  # name the rank: under DDP the other ranks only see a closed connection
         killed = worker_killed_error(err, trainer, oom_kills_before=oom_before)
@@ -212,13 +226,21 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
         named = trainer_setting_error(err, cfg, trainer)
         if named is not None:
             raise named from None
-        if isinstance(err, FileNotFoundError) and not Path(run_dir).exists():
+        refused = training_step_error(err, cfg, trainer)
+        if refused is not None:
+            log.error(str(refused))
+            raise refused from None
+        if isinstance(err, OSError) and err.errno == errno.ENOENT and not Path(run_dir).exists():
             raise NothingLearnedError(
                 f"the run directory {run_dir} was removed while the run was going (at global "
                 f"step {trainer.global_step}: {err}); its checkpoints and logs went with it. "
                 "Start the run again in a directory that stays."
             ) from None
-        message = f"rank {trainer.global_rank} failed at global step {trainer.global_step}: {type(err).__name__}: {err}"
+        where = f"rank {trainer.global_rank} failed at global step {trainer.global_step}"
+        if isinstance(err, OSError):  # a full disk, a read-only directory: named, no traceback
+            log.error("%s: %s", where, describe_os_error(err))
+            raise RunFailedError(f"{where}: {describe_os_error(err)}") from err
+        message = f"{where}: {type(err).__name__}: {err}"
         log.error(message)
         print(f"accel-train: error: {message}", file=sys.stderr, flush=True)
         raise
@@ -307,13 +329,23 @@ def _hydra_main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (NothingLearnedError, WorkerKilledError) as err:
+    except (NothingLearnedError, WorkerKilledError, RunFailedError) as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except OSError as err:  # outside the fit: building the run, writing its summary
+        print(f"accel-train: error: {describe_os_error(err)}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
 def main() -> None:
-    """Console entry point of `accel-train` (also `python -m lightning_accel.train`)."""
+    """Console entry point of `accel-train` (also `python -m lightning_accel.train`).
+
+    Exit codes: 0 trained (and tested); 1 the run failed, named (an OS failure on a file, a run that learned nothing,
+    a killed DataLoader worker, a `training_step` whose output cannot be trained on); 2 a setting refused before
+    launch; 128 + N after signal N (130 SIGINT, 143 SIGTERM): a second signal during the stop still exits so once the
+    checkpoint is written, a third at once.
+    """
+    exit_on_signals()  # kept to the process's end (a stop unwinding): a signal no callback holds exits 128 + N
     try:
         check_output_root(sys.argv[1:])  # Hydra creates the run directory before `run` can check anything
     except ConfigError as err:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_accel.errors import ConfigError
+from lightning_accel.errors import ConfigError, describe_os_error
 
 if TYPE_CHECKING:
     from lightning_accel.autotune.search import Space
@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         "measured beside the baseline with accel-bench's rounds, intervals and interference checks, and win only "
         "when they pass the quality gate and their throughput interval clears the incumbent's. The pick is "
         "confirmed by a longer run and written as <config-dir>/preset/tuned_<name>.yaml, with tune.md, tune.json "
-        "and tune.png in --out. Exit code: 0 with a pick, 1 when even the baseline failed, 2 for a usage error, "
-        "130 after Ctrl-C (the best so far is written).",
+        "and tune.png in --out. Exit code: 0 with a pick, 1 when even the baseline failed or a file could not be "
+        "written (named: the file, the errno in words), 2 for a usage error (an --out or --config-dir that cannot be "
+        "written is refused before the search), 130 after Ctrl-C (the best so far is written).",
         epilog="Trailing Hydra overrides are the run to tune: accel-tune --time-budget 600 model=classifier",
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides of the run to tune")
@@ -153,14 +154,26 @@ def print_space(space: Space, name: str, config_dir: Path) -> None:
     print(f"The pick would be written as {config_dir / 'preset' / f'tuned_{name}.yaml'}.")
 
 
+def _check_writable(flag: str, path: Path, problem: OSError | None, fix: str = "pass a writable directory") -> None:
+    """Refuse, before the search, a `--out` or `--config-dir` the result could not be written to: a search that
+    could not write its result would be lost.
+
+    Raises:
+        ConfigError: naming the flag, the path and what the OS said.
+    """
+    if problem is not None:
+        raise ConfigError(f"`{flag}={path}` cannot be written: {problem}; {fix}.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of `accel-tune` (also `python -m lightning_accel.tune`); returns the exit code."""
     from lightning_accel.autotune.autopilot import TuneSettings, tune
-    from lightning_accel.autotune.preset_file import check_preset_name
+    from lightning_accel.autotune.preset_file import check_preset_name, preset_write_error
     from lightning_accel.bench import check_profile
     from lightning_accel.benchmark import BenchSettings
     from lightning_accel.benchmark.process import terminate_as_interrupt
     from lightning_accel.benchmark.stage_plan import PROFILES, profile_overrides
+    from lightning_accel.files import directory_write_error
     from lightning_accel.launch import log_root, unique_stamp
 
     started = time.monotonic()
@@ -194,8 +207,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             print_space(space, args.name or model_name, args.config_dir)
             return 0
+        _check_writable("--out", out, directory_write_error(out))
+        _check_writable("--config-dir", args.config_dir, directory_write_error(args.config_dir / "preset"))
         out.mkdir(parents=True, exist_ok=True)
         space, model_name = detect_space([*profile_overrides(args.profile, args.overrides), *args.overrides], out)
+        _check_writable(
+            "--config-dir",
+            args.config_dir,
+            preset_write_error(args.config_dir, args.name or model_name),
+            "move what is in the preset's place, or pass another `--config-dir` or `--name`",
+        )
         # the same samples for every candidate (a DDP or accumulation candidate runs fewer steps): the quality gate
         # compares runs over the same data, and samples/s is the throughput
         bench = BenchSettings(
@@ -221,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"accel-tune: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a disk that filled during the search: named, no traceback
+        print(f"accel-tune: error: {describe_os_error(err)}", file=sys.stderr)
+        return 1
     if result.interrupted:
         return 128 + received[0] if received else 130
     return 0 if result.pick is not None else 1

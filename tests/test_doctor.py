@@ -117,3 +117,44 @@ def test_python_dash_m_on_this_machine(run_cli, tmp_path: Path) -> None:
     proc = run_cli([], tmp_path, timeout=120, module="lightning_accel.doctor")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "effective" in proc.stdout and "/dev/shm" in proc.stdout and "-> exit 0" in proc.stdout
+
+
+def test_garbage_in_proc_and_sys_is_read_as_unknown_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A MemTotal without a number raised IndexError; a cpuset of `0-99999999999` spelled out 10^11 CPUs (minutes, then
+    MemoryError)."""
+    root = fake_machine(tmp_path, monkeypatch, cpu_max="max 100000\n", shm_mib=16384, cuda_driver=12040)
+    (root / "proc" / "meminfo").write_text("MemTotal:\nMemTotal: lots kB\n")
+    (root / "sys" / "fs" / "cgroup" / "cpuset.cpus.effective").write_text("0-99999999999\n")
+    node = root / "sys" / "devices" / "system" / "node" / "node0"
+    node.mkdir(parents=True)
+    (node / "cpulist").write_bytes(b"\x00\xff 5-2,-7,0-1")
+    code = doctor.main(["--root", str(root), "--json"], env={})
+    facts = json.loads(capsys.readouterr().out)["facts"]
+    assert code in (0, 1)
+    assert facts["memory"]["host_total_bytes"] is None
+    assert facts["topology"]["cpuset"] is None and facts["topology"]["numa_nodes"] in ([], [[0, 1]], [[0]], [[1]])
+
+
+def test_a_fact_that_cannot_be_read_is_named_and_the_others_still_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from lightning_accel.system import facts as facts_module
+
+    root = fake_machine(tmp_path, monkeypatch, cpu_max="max 100000\n", shm_mib=16384, cuda_driver=12040)
+
+    def garbage(root: object) -> None:
+        raise ValueError("invalid literal for int() with base 10: 'garbage'")
+
+    monkeypatch.setattr(facts_module, "read_memory_limit", garbage)
+    code = doctor.main(["--root", str(root), "--json"], env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    document = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert document["facts"]["unreadable"] == [
+        f"the memory limit (proc/meminfo, the cgroup's memory files) under {root}: ValueError: invalid literal for "
+        "int() with base 10: 'garbage'"
+    ]
+    assert document["facts"]["nvml"]["gpus"]  # the other facts were read
+    assert doctor.main(["--root", str(root)], env={}) == 0
+    assert "unreadable" in capsys.readouterr().out  # a row of the facts table

@@ -142,3 +142,43 @@ def test_pinned_ranks_each_take_their_own_slice_and_the_undo_restores_it(monkeyp
         monkeypatch.delenv("LOCAL_RANK", raising=False)
         undo()
     assert os.sched_getaffinity(0) == before and env == {}
+
+
+# --- pinning that cannot happen is said, never a traceback -------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+@pytest.mark.parametrize(
+    ("sets", "cpus"),
+    [("4096", "0-1"), ("0;60000-60001", "0-1,60000-60001"), ("x;y", "0-1"), ("999999999999", "")],
+    ids=["a-cpu-not-in-the-budget", "a-cpu-the-os-refuses", "garbage", "an-absurd-cpu"],
+)
+def test_a_stale_or_forged_cpu_set_from_a_parent_leaves_the_rank_unpinned_with_a_warning(
+    monkeypatch, sets: str, cpus: str
+) -> None:
+    """An `OSError` in `_pin` ("Invalid argument") ended accel-train with a traceback."""
+    from lightning_accel.errors import LightningAccelWarning
+
+    before = os.sched_getaffinity(0)
+    env = {"ACCEL_CPU_SETS": sets, "ACCEL_CPUS": cpus, PLANNED_ENV: "ACCEL_CPUS,ACCEL_CPU_SETS"}
+    monkeypatch.setenv("LOCAL_RANK", "1" if ";" in sets else "0")
+    with pytest.warns(LightningAccelWarning, match="is not pinned: ACCEL_CPU_SETS=.* cannot be used") as said:
+        undo = apply_thread_plan(plan_threads(cpus=1, env={}), env)
+    undo()
+    assert "Unset ACCEL_CPU_SETS and ACCEL_CPUS" in str(said[0].message)
+    assert os.sched_getaffinity(0) == before
+
+
+def test_pin_true_on_fewer_cpus_than_ranks_says_nothing_is_pinned(compose_train, monkeypatch) -> None:
+    """One CPU for two ranks: nothing was pinned and nothing was said."""
+    from lightning_accel.errors import LightningAccelWarning
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    cfg = compose_train([*SMOKE, "threads.pin=true", "strategy=ddp", "trainer.devices=2"])
+    plan = thread_plan_for(cfg, build_run_plan(cfg).shape, env={})
+    assert plan is not None and plan.cpu_sets == ()
+    expected = "not pinned: `threads.pin=true` gives each rank CPUs of its own, and the 1 CPU(s) here (0) cannot be "
+    assert expected + "split between 2 ranks" in plan.describe()
+    env: dict[str, str] = {}
+    with pytest.warns(LightningAccelWarning, match="cannot be split between 2 ranks"):
+        apply_thread_plan(plan, env)()

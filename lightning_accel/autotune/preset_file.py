@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from collections.abc import Collection, Sequence
@@ -11,10 +12,18 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from lightning_accel.autotune.search import GROUPS, Candidate, Outcome
-from lightning_accel.errors import ConfigError
-from lightning_accel.files import atomic_write
+from lightning_accel.errors import ConfigError, FileOperationError
+from lightning_accel.files import atomic_write, directory_write_error
 
-__all__ = ["check_preset_name", "pinned", "preset_yaml", "settled_of", "write_preset"]
+__all__ = [
+    "check_preset_name",
+    "pinned",
+    "preset_path",
+    "preset_write_error",
+    "preset_yaml",
+    "settled_of",
+    "write_preset",
+]
 
 _NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
@@ -105,7 +114,18 @@ def write_preset(
         ConfigError: for a name that is not letters, digits and underscores.
     """
     check_preset_name(name)
-    folder = Path(config_dir) / "preset"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"tuned_{name}.yaml"
-    return atomic_write(path, preset_yaml(candidate, comment))
+    return atomic_write(preset_path(config_dir, name), preset_yaml(candidate, comment))
+
+
+def preset_path(config_dir: str | os.PathLike[str], name: str) -> Path:
+    """Where the preset `tuned_<name>` goes: `<config_dir>/preset/tuned_<name>.yaml`."""
+    return Path(config_dir) / "preset" / f"tuned_{name}.yaml"
+
+
+def preset_write_error(config_dir: str | os.PathLike[str], name: str) -> FileOperationError | None:
+    """Why the preset could not be written (a file where `config_dir` or its `preset` folder belongs, a directory
+    where the preset file goes, a read-only directory), or None: asked before the search, not after it."""
+    path = preset_path(config_dir, name)
+    if path.is_dir():
+        return FileOperationError("write preset", path, IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR)))
+    return directory_write_error(path.parent)

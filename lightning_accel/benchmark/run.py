@@ -17,6 +17,7 @@ from lightning_accel.benchmark.bench_report import markdown_table, write_outputs
 from lightning_accel.benchmark.process import Launcher, launch, run_once
 from lightning_accel.benchmark.results import StageResult, StageRun, finalize
 from lightning_accel.benchmark.stage_plan import BenchSettings, StagePlan, describe_changes, plan_stages
+from lightning_accel.errors import describe_os_error
 from lightning_accel.files import remove_stale_temporaries
 from lightning_accel.measure import InterferenceProbe, nvml_compute_pids
 
@@ -250,7 +251,7 @@ def run_bench(
         write_error = ""
     except OSError as err:  # a full disk: each file is whole or absent, never truncated
         files, note = [p for p in (out_dir / f"bench.{x}" for x in ("md", "csv", "json", "png")) if p.is_file()], None
-        write_error = f"the report could not be written into {out_dir} ({err.strerror or err}); the table above is it"
+        write_error = f"the report could not be written: {describe_os_error(err)}; the table above is it"
         echo(f"accel-bench: error: {write_error}")
     flagged = [r.name for r in results if r.interference]
     lines = [note, busy_note(machine)]

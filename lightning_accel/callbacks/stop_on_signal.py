@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError, LightningAccelWarning
-from lightning_accel.signals import SignalExit, clear_signal, note_signal, pending_signal
+from lightning_accel.signals import SignalExit, clear_signal, forget_stop, insist, note_signal, pending_signal
 
 __all__ = [
     "SignalExit",
@@ -30,8 +30,8 @@ __all__ = [
     "pending_signal",
 ]
 
-_DUPLICATE_S = 1.0  # a second signal this soon after the first is the same event (a terminal's Ctrl-C reaches every
-# rank, and rank 0 forwards it too), not a user insisting
+_FORWARDED_S = 1.0  # in a rank launched by rank 0, the same signal again this soon after the first is rank 0's
+# forwarded copy of the same event (`kill -TERM` to the whole group reaches it twice), not a user insisting
 
 
 def parse_signals(names: Sequence[str | int]) -> list[int]:
@@ -82,8 +82,9 @@ class StopOnSignal(Callback):
     for each stage of the Trainer and:
 
     1. in the handler, only notes the signal (no collective, no I/O, no lock); on rank 0 of a job Lightning launched
-       it forwards SIGTERM to the child ranks (a terminal's Ctrl-C reaches them all already). A second Ctrl-C a
-       second or more after the first stops at once (`KeyboardInterrupt`); other repeats change nothing;
+       it forwards SIGTERM to the child ranks (a terminal's Ctrl-C reaches them all already). A second SIGINT or
+       SIGTERM is said and changes nothing (the process still exits 128 + N once the checkpoint is written); a third
+       ends the process at once with 128 + N (rank 0 kills the child ranks it started), without a new checkpoint;
     2. after each training batch that closes an accumulation window (so no window is cut), all ranks agree on a CPU
        all-reduce whether any rank received a signal (a gloo group beside NCCL, so no GPU sync), so they stop at the
        same step;
@@ -108,7 +109,9 @@ class StopOnSignal(Callback):
     Keeps identical: every fit that receives no signal (the zoo); with a signal, every step up to the one it stops at,
         and no accumulation window is cut.
     Changes on purpose: on SIGTERM/SIGINT the fit ends at the next window boundary with `last.ckpt` and exits 128 + N
-        (Lightning's own handler exits 0 and may hang DDP ranks).
+        (Lightning's own handler exits 0 and may hang DDP ranks); a second signal meanwhile is said and still exits
+        128 + N once the checkpoint is written, a third ends the process at once (rank 0 kills the child ranks it
+        started).
     Cannot serve: without a `ModelCheckpoint` in the Trainer nothing can be saved: `save_checkpoint=True` then warns
         at the start of the fit, and the signal still stops it.
 
@@ -192,6 +195,8 @@ class StopOnSignal(Callback):
         if self.requeue_on_slurm and environment is not None and getattr(environment, "auto_requeue", False):
             self._requeue_signal = int(environment.requeue_signal)
         self._before_training = stage == "fit" and trainer.global_step == 0 and not self.received
+        if not self.received:
+            forget_stop()  # a stop of an earlier fit in this process (a notebook's) no longer counts
         self._install(stage)  # before on_fit_start: the tuner's trials, a search, compiling, the sanity check
         self._keep_lightning_off(trainer)
 
@@ -263,22 +268,31 @@ class StopOnSignal(Callback):
             self._requeue = True  # no deadline: SLURM sends SIGTERM at the limit, and that one has its own
             return
         if self.received:
-            if signum == signal.SIGINT and now - self._received_at >= _DUPLICATE_S:
-                self._uninstall()  # a user pressing Ctrl-C again: stop now
-                raise KeyboardInterrupt
-            return  # a repeat (rank 0's forwarded copy, a scheduler's reminder) changes nothing
+            trainer = self._trainer
+            launched = trainer is not None and trainer.local_rank > 0
+            if launched and signum == self.received != signal.SIGINT and now - self._received_at < _FORWARDED_S:
+                return  # rank 0's forwarded copy of the signal this rank already got
+            count = note_signal(signum)
+            if count >= 3:  # the user insists: no checkpoint, no agreement; the child ranks go too
+                self._signal_child_ranks(signal.SIGKILL)
+            insist(signum, count, "StopOnSignal")  # the second is said; the third ends the process here
+            return
         self.received, self._received_at = signum, now
         note_signal(signum)
         if signum != signal.SIGINT:  # a terminal's Ctrl-C reaches every rank already; `kill` reaches one
-            trainer = self._trainer
-            launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
-            for proc in getattr(launcher, "procs", None) or ():  # the child ranks Lightning started (rank 0 only)
-                if callable(getattr(proc, "poll", None)) and proc.poll() is None:  # ddp's Popen (spawn: none here)
-                    proc.send_signal(signum)
+            self._signal_child_ranks(signum)
         self._deadline = now + self.grace_s
         if self._before_training:  # nothing trained yet, so nothing to save: end now (a compile would hold it)
             self._uninstall()
             raise SignalExit(signum)
+
+    def _signal_child_ranks(self, signum: int) -> None:
+        """Send `signum` to the child ranks Lightning started (rank 0 of a `ddp` job only; none elsewhere)."""
+        trainer = self._trainer
+        launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
+        for proc in getattr(launcher, "procs", None) or ():
+            if callable(getattr(proc, "poll", None)) and proc.poll() is None:  # ddp's Popen (spawn: none here)
+                proc.send_signal(signum)
 
     def _watch(self) -> None:
         while not self._stop_watchdog.wait(0.25):

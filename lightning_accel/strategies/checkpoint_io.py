@@ -10,12 +10,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, BinaryIO, cast
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_accel.errors import FileOperationError
 from lightning_accel.files import PathLike, atomic_path
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "remove_stale_temporaries",
     "replace_directory",
     "staging_path",
+    "what_still_stands",
 ]
 
 
@@ -36,13 +38,76 @@ def hidden_name(name: str) -> str:
     return "." + name.replace("_", "-")
 
 
+class _KeepWriteError:
+    """The file `torch.save` writes through, keeping the `OSError` a write raised: torch's zip writer turns it into a
+    RuntimeError ("unexpected pos 128 vs 0") that names neither the errno nor the file."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.handle.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def __getattr__(self, name: str) -> Any:  # seek, tell: as the file has them
+        return getattr(self.handle, name)
+
+
+def _step_of(path: Path) -> str:
+    """` (global step N)` of a Lightning checkpoint file, read mapped (nothing is loaded); "" where it cannot say."""
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step")
+    except Exception:  # a checkpoint of another writer, or unreadable: the path alone is said
+        return ""
+    return f" (global step {step})" if isinstance(step, int) else ""
+
+
+def what_still_stands(path: PathLike) -> str:
+    """Which checkpoint still stands after a save to `path` failed: `path` itself as it was, else the `last.ckpt`
+    beside it, else none; for the error's message."""
+    target = Path(path)
+    if target.is_file():
+        return f"{target}{_step_of(target)} still stands, as it was before this save"
+    last = target.with_name("last.ckpt")
+    if last.is_file():
+        return f"nothing was written to {target}; {last}{_step_of(last)} still stands"
+    return f"nothing was written to {target}, and no last.ckpt stands beside it"
+
+
 def atomic_torch_save(obj: Any, path: PathLike) -> None:
     """`torch.save(obj, path)` through a temporary file in `path`'s own directory, flushed to disk, then renamed over
     `path`: a reader sees the old file or the new one, never a part. On any failure (a full disk, a signal) the
-    temporary file is removed and `path` is as it was."""
+    temporary file is removed and `path` is as it was.
+
+    Raises:
+        FileOperationError: an OS failure (a full disk, a read-only directory, ...), naming `path`, the errno in words
+            (`No space left on device (ENOSPC)`) and the checkpoint that still stands.
+    """
     target = Path(path)
-    with atomic_path(target, prefix=hidden_name(target.name)[1:], fsync=True) as tmp:  # atomic_path hides it
-        torch.save(obj, tmp)
+    try:
+        with atomic_path(target, prefix=hidden_name(target.name)[1:], fsync=True, what="checkpoint") as tmp:
+            with tmp.open("wb") as handle:  # atomic_path hides the name
+                kept = _KeepWriteError(handle)
+                try:
+                    torch.save(obj, kept)
+                except RuntimeError as err:
+                    if kept.error is None:
+                        raise
+                    raise kept.error from err
+    except FileOperationError as err:
+        err.detail = f"{what_still_stands(target)}; free space there, or save elsewhere"
+        raise
 
 
 def _exchange(a: Path, b: Path) -> bool:

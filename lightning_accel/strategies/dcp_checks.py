@@ -20,7 +20,13 @@ import torch
 from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError
 
-__all__ = ["check_dcp_metadata", "check_distributed_checkpoint", "checkpoint_shapes", "load_metadata"]
+__all__ = [
+    "check_dcp_metadata",
+    "check_distributed_checkpoint",
+    "checkpoint_shapes",
+    "load_metadata",
+    "refused_object",
+]
 
 _DCP_MODULES = ("torch.distributed.checkpoint.",)
 _PATH_CLASSES = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
@@ -41,7 +47,7 @@ def load_metadata(path: str | Path, weights_only: bool | None = None, mmap: bool
         )
     except pickle.UnpicklingError as err:
         raise ConfigError(
-            f"the checkpoint file {str(path)!r} holds more than tensors and plain types ({_first_global(err)}), so it "
+            f"the checkpoint file {str(path)!r} holds more than tensors and plain types ({refused_object(err)}), so it "
             "is not loaded: loading it could run code. If you made this checkpoint and trust it, resume with "
             "`trainer.fit(..., weights_only=False)` (or register the class with "
             "`torch.serialization.add_safe_globals`)."
@@ -55,7 +61,8 @@ def load_metadata(path: str | Path, weights_only: bool | None = None, mmap: bool
         ) from None
 
 
-def _first_global(err: Exception) -> str:
+def refused_object(err: Exception) -> str:
+    """What in a checkpoint torch's `weights_only` load refused, from its `UnpicklingError` (the `GLOBAL` line)."""
     lines = str(err).strip().splitlines()
     return next(
         (line.strip() for line in lines if "GLOBAL" in line or "Unsupported" in line),
@@ -165,7 +172,7 @@ def check_distributed_checkpoint(path: str | Path) -> None:
             except pickle.UnpicklingError as err:
                 raise ConfigError(
                     f"the item `{index.fqn}` of the checkpoint shard {str(shard)!r} holds more than "
-                    f"tensors and plain types ({_first_global(err)}), so the checkpoint is not loaded: "
+                    f"tensors and plain types ({refused_object(err)}), so the checkpoint is not loaded: "
                     "torch would unpickle it with weights_only=False, which could run code."
                 ) from None
     meta = path / _lightning.distributed_checkpoint_metadata_name()  # loops, callbacks, hyper-parameters

@@ -217,8 +217,9 @@ def read_memory_limit(root: str | os.PathLike[str] = "/") -> MemoryLimit:
     """
     host = None
     for line in (_read(Path(root, "proc", "meminfo")) or "").splitlines():
-        if line.startswith("MemTotal:"):
-            host = int(line.split()[1]) * 1024
+        fields = line.split()
+        if fields[:1] == ["MemTotal:"]:
+            host = int(fields[1]) * 1024 if len(fields) > 1 and fields[1].isdigit() else None  # garbage: unknown
             break
     found = cgroup_dirs("memory", root)
     limit, source = None, ""

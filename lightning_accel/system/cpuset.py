@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lightning_accel.system.cgroup import cgroup_dirs
 
-__all__ = ["CpuTopology", "format_cpu_list", "parse_cpu_list", "read_cpu_topology"]
+__all__ = ["MAX_CPUS", "CpuTopology", "format_cpu_list", "parse_cpu_list", "read_cpu_topology"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,8 +26,14 @@ class CpuTopology:
     """Each NUMA node's CPUs among `cpus` (nodes without one left out); empty when /sys shows no nodes."""
 
 
+MAX_CPUS = 1 << 16
+"""CPU numbers at or above this are no CPU of a real machine (Linux builds for at most 8192): a list naming one is
+garbage (a forged `ACCEL_CPU_SETS`, a corrupt cpuset file), and its part is skipped instead of spelled out."""
+
+
 def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """`0-3,8,10-11` (the kernel's list format) -> (0, 1, 2, 3, 8, 10, 11); "" -> (); a malformed part is skipped."""
+    """`0-3,8,10-11` (the kernel's list format) -> (0, 1, 2, 3, 8, 10, 11); "" -> (); a malformed part (not numbers,
+    a range that runs backwards, a CPU number of `MAX_CPUS` or more) is skipped."""
     found: set[int] = set()
     for part in text.replace("\n", ",").split(","):
         part = part.strip()
@@ -38,7 +44,8 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
             start, end = int(low), int(high) if sep else int(low)
         except ValueError:
             continue
-        found.update(range(start, end + 1))
+        if 0 <= start <= end < MAX_CPUS:
+            found.update(range(start, end + 1))
     return tuple(sorted(found))
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_accel.system.cgroup import CpuBudget, MemoryLimit, read_cpu_budget, read_memory_limit
 from lightning_accel.system.cpu import CpuInfo, read_cpu_info
@@ -17,6 +17,8 @@ from lightning_accel.system.software import PackageVersion, TorchBuild, read_pac
 from lightning_accel.system.threads import THREAD_COUNT_ENV, WAIT_POLICY_ENV
 
 __all__ = ["SystemFacts", "collect_facts", "facts_to_dict"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +46,9 @@ class SystemFacts:
     others_cpus: float | None = None
     """Other processes' CPU use on this process's CPUs over `others_window_s`, in CPUs; None: not measured."""
     others_window_s: float = 0.0
+    unreadable: tuple[str, ...] = ()
+    """Facts that could not be read, each naming its files and the error (garbage in `/proc` or `/sys`): their values
+    are unknown, and every other fact is read all the same."""
 
 
 def collect_facts(
@@ -80,21 +85,42 @@ def collect_facts(
         with InterferenceProbe() as probe:
             time.sleep(interference_s)
         others = probe.result.other_cpus if probe.result is not None else None
+    problems: list[str] = []
+
+    def guarded(what: str, read: Callable[[], T], default: T) -> T:
+        try:
+            return read()
+        except Exception as err:  # garbage the readers did not foresee: named, and the other facts are still read
+            problems.append(f"{what} under {root}: {type(err).__name__}: {err}")
+            return default
+
+    topology_affinity = range(affinity) if isinstance(affinity, int) else affinity
     return SystemFacts(
         host=hostname(),
-        cpu=read_cpu_info(root),
-        cpus=read_cpu_budget(root, env, affinity),
-        memory=read_memory_limit(root),
-        shm=read_shm(root, statvfs),
-        infiniband=read_infiniband(root),
+        cpu=guarded("the CPU model and flags (proc/cpuinfo)", lambda: read_cpu_info(root), SystemFacts().cpu),
+        cpus=guarded(
+            "the CPU budget (the cgroup's cpu files, proc/self/cgroup, proc/self/mountinfo)",
+            lambda: read_cpu_budget(root, env, affinity),
+            SystemFacts().cpus,
+        ),
+        memory=guarded(
+            "the memory limit (proc/meminfo, the cgroup's memory files)", lambda: read_memory_limit(root), MemoryLimit()
+        ),
+        shm=guarded("/dev/shm (dev/shm)", lambda: read_shm(root, statvfs), None),
+        infiniband=guarded("the InfiniBand ports (sys/class/infiniband)", lambda: read_infiniband(root), ()),
         nccl_env=read_nccl_env(env),
         torch=read_torch_build(),
         nvml=read_nvml(env) if nvml else NvmlFacts(available=False, why="NVML not read (`nvml=False`)"),
         packages=read_packages(),
-        topology=read_cpu_topology(root, range(affinity) if isinstance(affinity, int) else affinity),
+        topology=guarded(
+            "the CPU topology (the cgroup's cpuset, sys/devices/system/node)",
+            lambda: read_cpu_topology(root, topology_affinity),
+            None,
+        ),
         thread_env={key: env[key] for key in (*THREAD_COUNT_ENV, WAIT_POLICY_ENV) if env.get(key, "").strip()},
         others_cpus=others,
         others_window_s=interference_s if others is not None else 0.0,
+        unreadable=tuple(problems),
     )
 
 

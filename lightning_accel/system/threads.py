@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_accel.system.cgroup import CpuBudget, read_cpu_budget
 from lightning_accel.system.cpuset import CpuTopology, format_cpu_list, read_cpu_topology
@@ -66,6 +66,8 @@ class ThreadPlan:
     """Why each number was chosen, for the log."""
     cpu_sets: tuple[tuple[int, ...], ...] = ()
     """With pinning: the CPUs of each local rank (its DataLoader workers inherit them), disjoint; empty: no pinning."""
+    unpinned: str = ""
+    """Why ranks that asked to be pinned (`pin=True`) are not: fewer CPUs than ranks; empty otherwise."""
 
     @property
     def demand(self) -> float:
@@ -107,6 +109,8 @@ class ThreadPlan:
         if self.cpu_sets:
             pinned = ", ".join(f"rank {i} on {format_cpu_list(c)}" for i, c in enumerate(self.cpu_sets))
             parts.append(f"pinned: {pinned}")
+        if self.unpinned:
+            parts.append(self.unpinned)
         return "; ".join(parts + list(self.reasons))
 
 
@@ -243,7 +247,8 @@ def read_thread_plan(
     budget = read_cpu_budget(root, env, affinity)
     topology = read_cpu_topology(root, affinity)
     cpus, source = cpu_share(budget, topology)
-    return plan_threads(
+    cpu_sets = pinned_cpu_sets(topology.cpus, ranks, topology.numa_nodes) if pin else ()
+    plan = plan_threads(
         cpus=cpus,
         ranks=ranks,
         num_workers=num_workers,
@@ -252,8 +257,16 @@ def read_thread_plan(
         worker_cpu=worker_cpu,
         intra_op=intra_op,
         wait_policy=wait_policy,
-        cpu_sets=pinned_cpu_sets(topology.cpus, ranks, topology.numa_nodes) if pin else (),
+        cpu_sets=cpu_sets,
     )
+    if pin and not cpu_sets:
+        shown = format_cpu_list(topology.cpus)
+        why = (
+            f"not pinned: `pin=True` gives each rank CPUs of its own, and the {len(topology.cpus)} CPU(s) here "
+            f"({shown}) cannot be split between {ranks} ranks; every rank runs on all of them"
+        )
+        plan = replace(plan, unpinned=why)
+    return plan
 
 
 def planned_intra_op(

@@ -194,3 +194,66 @@ def test_no_model_checkpoint_to_save_through_is_said_before_the_first_step(save_
         w for w in record if issubclass(w.category, LightningAccelWarning) and "no ModelCheckpoint" in str(w.message)
     ]
     assert len(said) == (1 if save_checkpoint else 0)
+
+
+class _Child:
+    """A child rank as Lightning's `ddp` launcher holds it (a Popen): records the signals sent to it."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    def poll(self) -> None:
+        return None
+
+    def send_signal(self, signum: int) -> None:
+        self.sent.append(signum)
+
+
+def _held_by(callback: StopOnSignal, local_rank: int, child: _Child) -> None:
+    from types import SimpleNamespace
+
+    launcher = SimpleNamespace(procs=[child])
+    callback._trainer = SimpleNamespace(local_rank=local_rank, strategy=SimpleNamespace(launcher=launcher))  # type: ignore[assignment]
+
+
+def test_a_second_signal_is_said_and_a_third_ends_at_once_with_the_child_ranks(monkeypatch, capfd) -> None:
+    """A second Ctrl-C a second after the first raised KeyboardInterrupt (Lightning's shutdown, exit 1); a third was
+    no different from the second."""
+    from lightning_accel import signals
+
+    class Ended(Exception):
+        pass
+
+    def ended(code: int) -> None:
+        raise Ended(code)
+
+    signals.forget_stop()
+    monkeypatch.setattr(os, "_exit", ended)
+    callback, child = StopOnSignal(), _Child()
+    _held_by(callback, 0, child)
+    callback._on_signal(signal.SIGTERM, None)
+    assert callback.received == signal.SIGTERM and child.sent == [signal.SIGTERM]  # forwarded, as before
+    callback._on_signal(signal.SIGINT, None)
+    assert (
+        "SIGINT again: the stop goes on and the process exits 143 once the checkpoint is written"
+        in capfd.readouterr().err
+    )
+    with pytest.raises(Ended) as third:
+        callback._on_signal(signal.SIGINT, None)
+    assert third.value.args == (143,) and child.sent == [signal.SIGTERM, signal.SIGKILL]
+    assert "SIGINT a third time: ending at once with exit 143" in capfd.readouterr().err
+    signals.forget_stop()
+
+
+def test_a_launched_rank_takes_rank_zeros_forwarded_copy_as_the_same_signal(monkeypatch) -> None:
+    """`kill -TERM` to the group reaches a child rank twice (its own, and rank 0's forwarded copy): one event."""
+    from lightning_accel import signals
+
+    signals.forget_stop()
+    monkeypatch.setattr(os, "_exit", lambda code: pytest.fail(f"ended at once with {code}"))
+    callback, child = StopOnSignal(), _Child()
+    _held_by(callback, 1, child)
+    for _ in range(3):  # its own, rank 0's copy, then rank 0's copy of a second `kill` within the second
+        callback._on_signal(signal.SIGTERM, None)
+    assert signals.stop_signal() == signal.SIGTERM and child.sent == [signal.SIGTERM]
+    signals.forget_stop()

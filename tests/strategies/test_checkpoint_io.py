@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +19,7 @@ from lightning_accel.strategies import AtomicCheckpointIO, atomic_torch_save
 
 
 def _full_disk(obj: Any, file: Any) -> None:
-    Path(file).write_bytes(b"PK\x03\x04 half a checkpoint")  # what a full disk leaves: the start of a zip archive
+    file.write(b"PK\x03\x04 half a checkpoint")  # what a full disk leaves: the start of a zip archive
     raise OSError(28, "No space left on device")
 
 
@@ -120,3 +125,94 @@ def test_a_kill_between_the_fallback_renames_is_recovered(tmp_path: Path, monkey
     checkpoint_io.remove_stale_staging(last)
     assert (last / "shard").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     assert not checkpoint_io.recover_directory(last)  # nothing to do when it is there
+
+
+# --- a full disk named: the file, the errno in words, and the checkpoint that still stands -----------------
+
+
+class _FillingFile:
+    """A file whose writes fail with ENOSPC once `budget` bytes are written, as a full disk's do."""
+
+    def __init__(self, handle: Any, budget: list[int]) -> None:
+        self.handle, self.budget = handle, budget
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        if size > self.budget[0]:
+            self.budget[0] = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.budget[0] -= size
+        return self.handle.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.handle, name)
+
+    def __enter__(self) -> _FillingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory on a 1 MiB file system: a real tmpfs where this process may mount one (root, with the right to
+    mount), else one whose files' writes fail with ENOSPC past 1 MiB (`Path.open` hands out a filling file)."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mount = shutil.which("mount")
+    mounted = (
+        bool(mount)
+        and os.geteuid() == 0
+        and (
+            subprocess.run(
+                [str(mount), "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True
+            ).returncode
+            == 0
+        )
+    )
+    if not mounted:
+        budget, real_open = [1 << 20], Path.open
+
+        def filling_open(self: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            handle = real_open(self, mode, *args, **kwargs)
+            return _FillingFile(handle, budget) if "w" in mode and self.is_relative_to(folder) else handle
+
+        monkeypatch.setattr(Path, "open", filling_open)
+    try:
+        yield folder
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_a_checkpoint_that_fills_the_disk_names_the_cause_and_the_last_good_one_stays_loadable(
+    small_disk: Path,
+) -> None:
+    """It said "unexpected pos 128 vs 0" (torch's zip writer), never "No space left on device" nor which file."""
+    last = small_disk / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 5, "w": torch.ones(1000)}, last)  # 4 kB: fits
+    with pytest.raises(OSError) as failed:
+        AtomicCheckpointIO().save_checkpoint({"global_step": 9, "w": torch.ones(1 << 19)}, last)  # 2 MiB: does not
+    message = str(failed.value)
+    assert failed.value.errno == errno.ENOSPC
+    assert message.startswith(f"cannot write checkpoint {last}: No space left on device (ENOSPC)"), message
+    assert f"{last} (global step 5) still stands" in message
+    assert torch.load(last, weights_only=True)["global_step"] == 5
+    assert [p.name for p in small_disk.iterdir()] == ["last.ckpt"]  # the part written is gone
+
+    with pytest.raises(OSError, match="No space left on device") as other:
+        atomic_torch_save({"global_step": 9, "w": torch.ones(1 << 19)}, small_disk / "step9.ckpt")
+    assert f"nothing was written to {small_disk / 'step9.ckpt'}; {last} (global step 5) still stands" in str(
+        other.value
+    )
+
+
+def test_a_file_where_the_checkpoint_directory_belongs_is_named(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").write_text("a file")
+    with pytest.raises(OSError) as failed:
+        atomic_torch_save({"global_step": 1}, tmp_path / "ckpt" / "last.ckpt")
+    assert str(failed.value).startswith(f"cannot create directory {tmp_path / 'ckpt'}: File exists (EEXIST)")
+    (tmp_path / "dir.ckpt").mkdir()
+    with pytest.raises(OSError, match=r"cannot write checkpoint .*dir\.ckpt: Is a directory \(EISDIR\)"):
+        atomic_torch_save({"global_step": 1}, tmp_path / "dir.ckpt")
