@@ -9,6 +9,7 @@ where the value came from, rewrites the message with `err.at("trainer.strategy")
 from __future__ import annotations
 
 import re
+from collections.abc import Container
 
 __all__ = [
     "ConfigError",
@@ -54,6 +55,20 @@ class ConfigError(LightningAccelError, ValueError):
         err.setting = f"{prefix}.{self.setting}"
         err.__cause__, err.__traceback__ = self.__cause__, self.__traceback__
         return err
+
+
+_NAMED = re.compile(r"`(\w+)[=`\[]|\((\w+)=")
+
+
+def named_argument(err: ConfigError, arguments: Container[str]) -> ConfigError | None:
+    """`err` with `setting` set to the one of `arguments` it is about: its own `setting`, else the first name its
+    message gives (`` `name=value` ``, `` `name` ``, `Class(name=value)`); None when it names none of them. The
+    composition layer then names the config path (`err.at(prefix)`)."""
+    found = [a or b for a, b in _NAMED.findall(str(err))]
+    setting = err.setting or next((name for name in found if name in arguments), None)
+    if setting is None or setting not in arguments:
+        return None
+    return err if err.setting == setting else type(err)(str(err), setting=setting)
 
 
 class ConfigTypeError(ConfigError, TypeError):
