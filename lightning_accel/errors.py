@@ -20,6 +20,7 @@ __all__ = [
     "NothingLearnedError",
     "PreflightError",
     "WorkerKilledError",
+    "named_argument",
 ]
 
 

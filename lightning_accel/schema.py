@@ -390,7 +390,9 @@ def composition_error(err: BaseException) -> ConfigError | None:
     if isinstance(err, MissingConfigException):
         options = ", ".join(err.options or ())
         found = f"; the options there are: {options}" if options else ""
-        return ConfigError(f"{_one_line(str(err))}{found}.")
+        group, _, option = str(err.missing_cfg_file or "").rpartition("/")
+        head = f"`{group}={option}` is not an option of `{group}`: " if group and option else ""
+        return ConfigError(f"{head}{_one_line(str(err))}{found}.", setting=group or None)
     if not isinstance(err, (ConfigCompositionException, OmegaConfBaseException)):
         return None
     cause = err if isinstance(err, OmegaConfBaseException) else err.__cause__
