@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 import subprocess
 import sys
 import textwrap
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -234,3 +237,24 @@ def test_a_users_own_app_gets_the_types_through_the_search_path_plugin(tmp_path:
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert results["plugin"].startswith("`threads.pin=maybe`: Value 'maybe' is not a valid bool")
     assert results["typed"] == "MicroBatchFinderConfig"
+
+
+def _type_name(hint: typing.Any) -> str:
+    """A schema's type as the reference page writes it: `int \\| null`, `list[int]`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        named = " \\| ".join(_type_name(a) for a in args if a is not type(None))
+        return named + (" \\| null" if type(None) in args else "")
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return hint.__name__
+
+
+@pytest.mark.parametrize("name", sorted(schema.SCHEMAS))
+def test_the_reference_page_lists_every_typed_option_with_its_type(name: str) -> None:
+    page = (Path(__file__).parents[1] / "examples" / "configs.md").read_text()
+    cls = schema.SCHEMAS[name]
+    for field in dataclasses.fields(cls):
+        if not field.name.startswith("_"):
+            row = rf"\| `[\w.]+\.{field.name}` \| {re.escape(_type_name(typing.get_type_hints(cls)[field.name]))} \|"
+            assert re.search(row, page), f"examples/configs.md has no row for {cls.__name__}.{field.name}"
