@@ -367,7 +367,7 @@ def _one_line(text: str) -> str:
 
 
 _MERGING = re.compile(r"^Error merging override (?P<override>.+)$")
-_NOT_THERE = re.compile(r"^Could not (?:override|append to config|delete from config)\. ?'?(?P<key>[^']*)'?")
+_NOT_THERE = re.compile(r"^Could not (?:override|append to config|delete from config)\.? ?'(?P<key>[^']*)'")
 _HYDRA_GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
 
