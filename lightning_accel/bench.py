@@ -32,6 +32,19 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
     return parse
 
 
+def _ladder(text: str) -> list[str]:
+    """`--ladder A,B,...`: the stages in order, each named once (a stage twice would be run and reported twice)."""
+    stages = [stage.strip() for stage in text.split(",") if stage.strip()]
+    if not stages:
+        raise argparse.ArgumentTypeError(f"{text!r} names no stage; e.g. `--ladder baseline,amp`")
+    repeated = sorted({stage for stage in stages if stages.count(stage) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names {', '.join(repeated)} more than once; name each stage once (rounds: `--repeats N`)"
+        )
+    return stages
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `accel-bench`; argparse exits 2 on a usage error."""
     parser = argparse.ArgumentParser(
@@ -92,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--ladder",
+        type=_ladder,
         default=None,
         metavar="A,B,...",
         help="comma-separated presets (or built-in stages) to run in order; default: baseline,amp,"
@@ -299,11 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check(args)
         check_profile(args.profile)
-        ladder = [s.strip() for s in args.ladder.split(",") if s.strip()] if args.ladder else None
+        ladder = args.ladder
         if ladder is None:
             ladder = list(profile.ladder) if profile and profile.ladder else default_ladder()
-        if not ladder:
-            raise ConfigError(f"`--ladder={args.ladder!r}` names no stage; e.g. `--ladder baseline,amp`.")
         settings = BenchSettings(
             steps=args.steps or (profile.steps if profile else 300),
             match=args.match or (profile.match if profile else "samples"),

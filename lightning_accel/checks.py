@@ -4,6 +4,7 @@ checkpoint a run would load. Each names the setting, the value and the fix (`Con
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import re
@@ -86,6 +87,8 @@ def check_config(cfg: DictConfig, *, visible_cuda: int | None = None) -> None:
             "number of optimizer steps >= 1 (or `fit=false` to skip training)."
         )
     _check_val_check_interval(trainer.get("val_check_interval"))
+    _check_duration("trainer.max_time", trainer.get("max_time"))
+    _check_gradient_clipping(trainer.get("gradient_clip_val"), trainer.get("gradient_clip_algorithm"))
     _check_fractions(cfg.get("data"))
     _check_nccl(cfg.get("nccl"))
     if trainer.get("max_epochs") is not None:
@@ -104,8 +107,11 @@ def check_config(cfg: DictConfig, *, visible_cuda: int | None = None) -> None:
         )
     _check_loader_numbers(cfg.get("data"))
     _check_optimizer(cfg.model.get("optimizer"))
+    _check_scheduler(cfg.get("scheduler"))
     shape = run_shape(cfg, visible_cuda=visible_cuda)
+    _check_threads(cfg.get("threads"), shape)
     _check_accumulation(cfg, shape)
+    _check_micro_batch(cfg)
     _check_example_data(cfg.model, cfg.data)
     check_combinations(cfg, shape=shape)
 
@@ -166,19 +172,83 @@ def _check_devices(devices: Any) -> None:
 
 
 def _check_val_check_interval(value: Any) -> None:
-    """Lightning's `val_check_interval`: a fraction of the epoch in (0, 1], or a number of batches >= 1."""
+    """Lightning's `val_check_interval`: a fraction of the epoch in (0, 1], a number of batches >= 1, or (Lightning
+    >= 2.6) a time between validations, "DD:HH:MM:SS" or a mapping of `timedelta` arguments."""
     if value is None:
         return
+    if isinstance(value, (str, DictConfig, Mapping)) and _time_based_validation():
+        _check_duration("trainer.val_check_interval", value)
+        return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
+        timed = ", or a time (`'00:00:10:00'`)" if _time_based_validation() else ""
         raise ConfigError(
             f"`trainer.val_check_interval={_show(value)}` must be a fraction of the epoch (0 < x <= 1.0) "
-            "or a number of batches (an integer >= 1)."
+            f"or a number of batches (an integer >= 1){timed}."
         )
     if (isinstance(value, int) and value < 1) or (isinstance(value, float) and not 0.0 < value <= 1.0):
         raise ConfigError(
             f"`trainer.val_check_interval={value}` validates never or always; use a fraction of the "
             "epoch (0 < x <= 1.0, e.g. 0.25) or a number of batches (an integer >= 1, e.g. 200)."
         )
+
+
+def _time_based_validation() -> bool:
+    """Whether the installed Lightning takes a time as `val_check_interval` (2.6 and later)."""
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    return "timedelta" in str(inspect.signature(Trainer.__init__).parameters["val_check_interval"].annotation)
+
+
+_DURATION = re.compile(r"^(\d+):(\d\d):(\d\d):(\d\d)$")
+_DURATION_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
+
+
+def _check_duration(setting: str, value: Any) -> None:
+    """A Lightning duration (`max_time`, a time-based `val_check_interval`): "DD:HH:MM:SS" or a mapping of
+    `datetime.timedelta` arguments (`{hours: 12}`), finite, not negative, and not zero."""
+    if value is None:
+        return
+    fix = "write it as DD:HH:MM:SS (`'00:12:00:00'`: 12 hours) or as a mapping (`{hours: 12}`)"
+    if isinstance(value, str):
+        match = _DURATION.match(value.strip())
+        if match is None:
+            raise ConfigError(f"`{setting}={value!r}` is not a duration Lightning reads; {fix}.")
+        days, hours, minutes, seconds = (int(part) for part in match.groups())
+        total = float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+    elif isinstance(value, (DictConfig, Mapping)):
+        parts = dict(value.items())
+        unknown = sorted(str(k) for k in parts if k not in _DURATION_KEYS)
+        bad = [k for k, v in parts.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+        bad += [k for k, v in parts.items() if k not in bad and (not math.isfinite(v) or v < 0)]
+        if unknown or bad or not parts:
+            what = f"takes only {', '.join(_DURATION_KEYS)}" if unknown else "needs numbers >= 0"
+            raise ConfigError(f"`{setting}={_show(value)}` is not a duration: a mapping {what}; {fix}.")
+        try:
+            total = datetime.timedelta(**{str(k): v for k, v in parts.items()}).total_seconds()
+        except OverflowError:
+            total = math.inf
+    else:
+        raise ConfigError(f"`{setting}={_show(value)}` is not a duration; {fix}.")
+    if total > datetime.timedelta.max.total_seconds():
+        raise ConfigError(f"`{setting}={_show(value)}` is longer than Python's `timedelta` can hold; {fix}.")
+    if total <= 0:
+        raise ConfigError(f"`{setting}={_show(value)}` is no time at all; {fix}, or null for no limit.")
+
+
+def _check_gradient_clipping(value: Any, algorithm: Any) -> None:
+    """`gradient_clip_val`: null or 0 (no clipping), or a finite number > 0 (a negative one flips the gradients'
+    sign under norm clipping); `gradient_clip_algorithm`: null, norm or value."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+    ):
+        raise ConfigError(
+            f"`trainer.gradient_clip_val={_show(value)}` must be a finite number >= 0 (the largest gradient norm, "
+            "e.g. 1.0), or 0 or null for no clipping."
+        )
+    if algorithm is not None and str(algorithm) not in ("norm", "value"):
+        raise ConfigError(f"`trainer.gradient_clip_algorithm={_show(algorithm)}` must be `norm`, `value` or null.")
 
 
 def _check_fractions(data: Any) -> None:
@@ -294,6 +364,72 @@ def _check_int(setting: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"`{setting}={_show(value)}` must be an integer >= {minimum}.")
 
 
+def _check_threads(threads: Any, shape: RunShape) -> None:
+    """The `threads` group's values (its types are `schema.ThreadsConfig`'s): the mode and the wait policy among
+    their choices, `intra_op` >= 1 and at most a few threads per CPU, `worker_cpu` finite within [0, CPUs]."""
+    if not isinstance(threads, (DictConfig, Mapping)):
+        return
+    from lightning_accel.threads import THREAD_MODES, WAIT_POLICIES
+
+    mode = threads.get("mode", "auto")
+    if mode not in THREAD_MODES:
+        raise ConfigError(f"`threads.mode={mode}` is not supported; use `threads=auto` or `threads=torch`.")
+    policy = threads.get("wait_policy")
+    if policy is not None and str(policy).upper() not in WAIT_POLICIES:
+        raise ConfigError(f"`threads.wait_policy={policy}` is not supported; use PASSIVE, ACTIVE or null.")
+    most = _CPU_OVERSUBSCRIPTION * shape.cpus
+    intra = threads.get("intra_op")
+    if intra is not None and not 1 <= intra <= most:
+        raise ConfigError(
+            f"`threads.intra_op={intra}` must be within [1, {most}] ({shape.cpus} CPU(s) here, at most "
+            f"{_CPU_OVERSUBSCRIPTION} threads each), or null for the plan's."
+        )
+    worker_cpu = threads.get("worker_cpu", 1.0)
+    if not (math.isfinite(worker_cpu) and 0 <= worker_cpu <= shape.cpus):
+        raise ConfigError(
+            f"`threads.worker_cpu={worker_cpu}` must be a number of CPUs within [0, {shape.cpus}] (the CPUs this "
+            "process may use): 1.0 for a CPU-bound loader, 0.25 for one that waits on I/O."
+        )
+
+
+def _check_scheduler(scheduler: Any) -> None:
+    """The `scheduler` partial's settings that hold whatever the fit's length (`schedules.check_schedule_settings`)."""
+    if not isinstance(scheduler, (DictConfig, Mapping)) or not isinstance(scheduler.get("_target_"), str):
+        return
+    from lightning_accel.schedules import check_schedule_settings
+
+    settings = OmegaConf.to_container(scheduler, resolve=True) if isinstance(scheduler, DictConfig) else scheduler
+    try:
+        check_schedule_settings(str(scheduler.get("_target_")), cast("Mapping[str, Any]", settings))
+    except ConfigError as err:  # the schedule names its argument; the user wrote it under `scheduler`
+        raise err.at("scheduler") from None
+
+
+def _check_micro_batch(cfg: DictConfig) -> None:
+    """A `MicroBatchFinder` given a size: it divides the loader's batch, where the config says the batch (the example
+    datamodules' `data.batch_size`, per device); a larger size would run every batch whole, and one that does not
+    divide would run a smaller last piece."""
+    from lightning_accel.callbacks.micro_batch import MicroBatchFinder
+
+    data_class = str(OmegaConf.select(cfg, "data._target_", default="")).rsplit(".", 1)[-1]
+    batch = OmegaConf.select(cfg, "data.batch_size", default=None)
+    if data_class not in {c for c, _, _ in _EXAMPLE_DATA.values()} or not isinstance(batch, int) or batch < 1:
+        return
+    for name, node in (cfg.get("callbacks") or {}).items():
+        cls = target_class(node.get("_target_")) if isinstance(node, (DictConfig, Mapping)) else None
+        size = node.get("micro_batch_size") if cls is not None and issubclass(cls, MicroBatchFinder) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            continue  # `auto`, or a value the callback's constructor names
+        if size > batch or batch % size:
+            divisors = [d for d in range(batch - 1, 0, -1) if batch % d == 0][:4]
+            what = "is larger than" if size > batch else "does not divide"
+            raise ConfigError(
+                f"`callbacks.{name}.micro_batch_size={size}` {what} the batch it splits (`data.batch_size={batch}` per "
+                f"device); use a divisor of {batch} ({', '.join(map(str, divisors))}, ...), `auto`, or "
+                "`micro_batch=none` to run every batch whole."
+            )
+
+
 def _check_accumulation(cfg: DictConfig, shape: RunShape) -> None:
     """An accumulation callback owns `accumulate_grad_batches`; a global batch must split evenly over the
     data-parallel ranks (pipeline stages and tensor-parallel ranks share a batch)."""
@@ -319,7 +455,13 @@ def _check_accumulation(cfg: DictConfig, shape: RunShape) -> None:
     if isinstance(global_batch, int) and isinstance(micro, int) and micro > 0 and ranks is not None:
         from lightning_accel.callbacks.accumulation import micro_batches_for
 
-        micro_batches_for(global_batch, micro, ranks)
+        try:
+            micro_batches_for(global_batch, micro, ranks)
+        except ConfigError as err:  # the callback names its arguments; the user set them under these paths
+            micro_path = f"callbacks.{name}.micro_batch_size" if node.get("micro_batch_size") else "data.batch_size"
+            text = str(err).replace("`global_batch_size=", f"`callbacks.{name}.global_batch_size=")
+            text = text.replace("`micro_batch_size=", f"`{micro_path}=")
+            raise ConfigError(text, setting=f"callbacks.{name}.global_batch_size") from None
 
 
 def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shape: RunShape | None = None) -> None:

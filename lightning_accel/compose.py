@@ -27,7 +27,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_accel.app_config import check_app_config
-from lightning_accel.errors import ConfigError, ConfigTypeError
+from lightning_accel.errors import ConfigError, ConfigTypeError, named_argument
 from lightning_accel.launch import hydra_safe_launch
 from lightning_accel.run_plan import runs_on_cuda
 from lightning_accel.tuning.dataloader.settings import LOADER_KEYS
@@ -226,8 +226,18 @@ def instantiate_callbacks(cfg: DictConfig) -> list[Any]:
             cause = err.__cause__ or err  # Hydra wraps the constructor's error in an InstantiationException
             target = node.get("_target_", "?") if isinstance(node, DictConfig) else "?"
             kind = ConfigTypeError if isinstance(cause, TypeError) else ConfigError  # keep the builtin it deserves
-            raise kind(f"`callbacks.{name}` ({target}) cannot be built: {cause}") from None
+            raise kind(f"`callbacks.{name}` ({target}) cannot be built: {_at_path(cause, node, name)}") from None
     return built
+
+
+def _at_path(err: BaseException, node: Any, name: str) -> str:
+    """A constructor's message with the argument it is about named by its config path (`interval_s=nan` ->
+    `callbacks.gpu_monitor.interval_s=nan`), where it names one the node sets."""
+    named = named_argument(err, node) if isinstance(err, ConfigError) and isinstance(node, DictConfig) else None
+    if named is None or named.setting is None:
+        return str(err)
+    moved = named.at(f"callbacks.{name}")
+    return str(moved) if moved is not named else f"`callbacks.{name}.{named.setting}`: {err}"
 
 
 # Config sections whose values reach a constructor as keyword arguments, most specific first.

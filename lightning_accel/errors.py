@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Container
 
 __all__ = [
     "ConfigError",
@@ -24,6 +25,7 @@ __all__ = [
     "RunFailedError",
     "WorkerKilledError",
     "describe_os_error",
+    "named_argument",
     "os_error_words",
 ]
 
@@ -60,6 +62,20 @@ class ConfigError(LightningAccelError, ValueError):
         err.setting = f"{prefix}.{self.setting}"
         err.__cause__, err.__traceback__ = self.__cause__, self.__traceback__
         return err
+
+
+_NAMED = re.compile(r"`(\w+)[=`\[]|\((\w+)=")
+
+
+def named_argument(err: ConfigError, arguments: Container[str]) -> ConfigError | None:
+    """`err` with `setting` set to the one of `arguments` it is about: its own `setting`, else the first name its
+    message gives (`` `name=value` ``, `` `name` ``, `Class(name=value)`); None when it names none of them. The
+    composition layer then names the config path (`err.at(prefix)`)."""
+    found = [a or b for a, b in _NAMED.findall(str(err))]
+    setting = err.setting or next((name for name in found if name in arguments), None)
+    if setting is None or setting not in arguments:
+        return None
+    return err if err.setting == setting else type(err)(str(err), setting=setting)
 
 
 class ConfigTypeError(ConfigError, TypeError):

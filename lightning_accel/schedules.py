@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AccumulationPlan",
     "accumulation_plan",
+    "check_schedule_settings",
     "configure_optimizers",
     "cosine_schedule",
     "count_optimizer_steps",
@@ -174,20 +175,71 @@ def _check_warmup(total_steps: int, warmup_steps: int | float, min_lr_ratio: flo
     """Validate a warm-up + decay schedule's settings; returns the warm-up in optimizer steps."""
     if total_steps <= 0:
         raise ConfigError(f"`total_steps={total_steps}` must be positive.")
+    _check_warmup_settings(warmup_steps, min_lr_ratio)
     if isinstance(warmup_steps, float):
-        if not 0.0 <= warmup_steps < 1.0:
-            raise ConfigError(
-                f"`warmup_steps={warmup_steps}` as a fraction of the fit must be within [0, 1).", setting="warmup_steps"
-            )
         warmup_steps = int(warmup_steps * total_steps)
-    if not 0 <= warmup_steps < total_steps:
+    if not warmup_steps < total_steps:
         raise ConfigError(
             f"`warmup_steps={warmup_steps}` must be >= 0 and below the fit's {total_steps} optimizer steps.",
             setting="warmup_steps",
         )
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ConfigError(f"`min_lr_ratio={min_lr_ratio}` must be within [0, 1].", setting="min_lr_ratio")
     return warmup_steps
+
+
+def _check_warmup_settings(warmup_steps: Any, min_lr_ratio: Any) -> None:
+    """What a warm-up + decay schedule's settings must be whatever the fit's length."""
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)):
+        raise ConfigError(
+            f"`warmup_steps={warmup_steps!r}` must be an int (optimizer steps) or a float (a fraction of the fit).",
+            setting="warmup_steps",
+        )
+    if isinstance(warmup_steps, float) and not 0.0 <= warmup_steps < 1.0:
+        raise ConfigError(
+            f"`warmup_steps={warmup_steps}` as a fraction of the fit must be within [0, 1).", setting="warmup_steps"
+        )
+    if isinstance(warmup_steps, int) and warmup_steps < 0:
+        raise ConfigError(f"`warmup_steps={warmup_steps}` must be >= 0 optimizer steps.", setting="warmup_steps")
+    if isinstance(min_lr_ratio, bool) or not isinstance(min_lr_ratio, (int, float)) or not 0.0 <= min_lr_ratio <= 1.0:
+        raise ConfigError(f"`min_lr_ratio={min_lr_ratio}` must be within [0, 1].", setting="min_lr_ratio")
+
+
+def _check_positive(name: str, value: Any, *, below_one: bool = False, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not number or value <= 0 or (below_one and value >= 1):
+        bounds = "within (0, 1)" if below_one else "> 0"
+        raise ConfigError(f"`{name}={value!r}` must be a finite number {bounds}.", setting=name)
+
+
+def check_schedule_settings(target: str, settings: Mapping[str, Any]) -> None:
+    """The settings of a `scheduler` partial that hold whatever the fit's length, checked before launch
+    (`checks.check_config`): this module's schedules, and torch's `ReduceLROnPlateau` (`scheduler=plateau`).
+    Other targets are not checked. A warm-up longer than the fit is refused when the fit's length is known.
+
+    Raises:
+        ConfigError: naming the argument (`setting`), the value and the range.
+    """
+    name = target.rsplit(".", 1)[-1]
+    if name in ("cosine_schedule", "linear_warmup_schedule"):
+        _check_warmup_settings(settings.get("warmup_steps", 0), settings.get("min_lr_ratio", 0.0))
+    elif name == "onecycle_schedule":
+        _check_positive("max_lr", settings.get("max_lr"), optional=True)
+        _check_positive("pct_start", settings.get("pct_start", 0.3), below_one=True)
+        _check_positive("div_factor", settings.get("div_factor", 25.0))
+        _check_positive("final_div_factor", settings.get("final_div_factor", 1e4))
+        if settings.get("anneal_strategy", "cos") not in ("cos", "linear"):
+            raise ConfigError(
+                f"`anneal_strategy={settings.get('anneal_strategy')!r}` must be 'cos' or 'linear'.",
+                setting="anneal_strategy",
+            )
+    elif name == "ReduceLROnPlateau":
+        _check_positive("factor", settings.get("factor", 0.1), below_one=True)
+        patience = settings.get("patience", 10)
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+            raise ConfigError(f"`patience={patience!r}` must be an integer >= 0 (epochs).", setting="patience")
+        if settings.get("mode", "min") not in ("min", "max"):
+            raise ConfigError(f"`mode={settings.get('mode')!r}` must be 'min' or 'max'.", setting="mode")
 
 
 def _warmup_then(decay: Callable[[float], float], total_steps: int, warmup_steps: int) -> Callable[[int], float]:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PLANNED_ENV",
     "THREAD_MODES",
+    "WAIT_POLICIES",
     "accel_train",
     "apply_thread_plan",
     "describe_plan",
@@ -38,7 +39,7 @@ __all__ = [
 THREAD_MODES = ("auto", "torch")
 CPU_SETS_ENV, CPUS_ENV = "ACCEL_CPU_SETS", "ACCEL_CPUS"
 """With `threads.pin=true`: each local rank's CPUs (`0-1;2-3`), and the CPUs the launching rank could use."""
-_WAIT_POLICIES = ("PASSIVE", "ACTIVE")
+WAIT_POLICIES = ("PASSIVE", "ACTIVE")
 
 log = logging.getLogger("lightning_accel.train")
 
@@ -73,7 +74,7 @@ def set_early_environment(argv: Sequence[str], env: MutableMapping[str, str] | N
     if mode == "torch" or env.get(WAIT_POLICY_ENV, "").strip():
         return {}
     policy = (_argv_value(argv, "threads.wait_policy") or "PASSIVE").upper()
-    if policy not in _WAIT_POLICIES:
+    if policy not in WAIT_POLICIES:
         return {}  # an unknown value: left to `thread_plan_for`, which names the setting
     env[WAIT_POLICY_ENV] = policy
     _mark(env, _planned(env) | {WAIT_POLICY_ENV})
@@ -100,23 +101,14 @@ def thread_plan_for(cfg: DictConfig, shape: RunShape, env: Mapping[str, str] | N
     """The thread plan of a composed run (`threads` group), or None for `threads=torch` (torch's and Lightning's own
     settings). Variables a parent rank set for the plan (`ACCEL_THREADS_SET`) count as the plan's, not the user's.
 
-    Raises:
-        ConfigError: for an unknown `threads.mode` or `threads.wait_policy`, or a `threads.intra_op` below 1.
+    The group's values were checked before (their types by `schema.ThreadsConfig` as the config composed, their
+    ranges by `checks.check_config`).
     """
-    from lightning_accel.errors import ConfigError
-
     section = cfg.get("threads") or {}
-    mode = str(section.get("mode", "auto"))
-    if mode not in THREAD_MODES:
-        raise ConfigError(f"`threads.mode={mode}` is not supported; use `threads=auto` or `threads=torch`.")
-    if mode == "torch":
+    if str(section.get("mode", "auto")) == "torch":
         return None
     policy = section.get("wait_policy")
-    if policy is not None and str(policy).upper() not in _WAIT_POLICIES:
-        raise ConfigError(f"`threads.wait_policy={policy}` is not supported; use PASSIVE, ACTIVE or null.")
     intra = section.get("intra_op")
-    if intra is not None and (not isinstance(intra, int) or isinstance(intra, bool) or intra < 1):
-        raise ConfigError(f"`threads.intra_op={intra}` must be a whole number >= 1, or null for the plan's.")
     env = os.environ if env is None else env
     ours = _planned(env)
     users = {key: value for key, value in env.items() if key not in ours}
@@ -128,10 +120,10 @@ def thread_plan_for(cfg: DictConfig, shape: RunShape, env: Mapping[str, str] | N
         ranks=_ranks(shape),
         num_workers=workers if isinstance(workers, int) and workers > 0 else 0,
         env=users,
-        worker_cpu=float(section.get("worker_cpu", 1.0)),
+        worker_cpu=section.get("worker_cpu", 1.0),
         intra_op=intra,
         wait_policy=None if policy is None else str(policy).upper(),
-        pin=bool(section.get("pin", False)),
+        pin=section.get("pin", False),
     )
     if plan.unpinned:  # the setting by its config path
         plan = dataclasses.replace(plan, unpinned=plan.unpinned.replace("`pin=True`", "`threads.pin=true`"))

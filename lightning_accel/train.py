@@ -13,6 +13,7 @@ if __name__ == "__main__":
 import errno
 import hashlib
 import logging
+import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -50,6 +51,7 @@ from lightning_accel.errors import (
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.precision import apply_float32_matmul_precision
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
+from lightning_accel.schema import composition_error
 from lightning_accel.signals import exit_on_signals
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
 from lightning_accel.threads import apply_thread_plan, describe_plan
@@ -322,8 +324,14 @@ def _fit_and_test(
         )
 
 
+_task_started = False
+"""Whether Hydra has composed a config and called the task: an error before that is the config's (see `main`)."""
+
+
 @hydra.main(version_base="1.3", config_path="pkg://lightning_accel.conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
+    global _task_started
+    _task_started = True
     try:
         run(cfg)
     except ConfigError as err:
@@ -335,6 +343,16 @@ def _hydra_main(cfg: DictConfig) -> None:
     except OSError as err:  # outside the fit: building the run, writing its summary
         print(f"accel-train: error: {describe_os_error(err)}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def _not_composed(err: Exception) -> ConfigError | None:
+    """The named error for a config Hydra could not compose (an override it cannot parse, a value of the wrong
+    type for a typed key, an unknown option), raised before the task ran or while a sweep composes its next job."""
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    if not _task_started or isinstance(err, (ConfigCompositionException, OverrideParseException)):
+        return composition_error(err) or ConfigError(f"the config does not compose: {type(err).__name__}: {err}")
+    return None
 
 
 def main() -> None:
@@ -351,7 +369,21 @@ def main() -> None:
     except ConfigError as err:
         print(f"accel-train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    _hydra_main()
+    users = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises what it cannot compose, to be named here (exit 2)
+    try:
+        _hydra_main()
+    except Exception as err:
+        named = None if users == "1" else _not_composed(err)
+        if named is None:
+            raise
+        print(f"accel-train: error: {named}", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        if users is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = users
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ into `sys.modules` may hold nothing of a higher layer (this package's modules, L
 
     facts        system/, telemetry/, measure, errors, patching, batches, files, signals  -> Python, torch, pynvml
     behaviour    _lightning, callbacks/, strategies/, parallel/, tuning/, schedules, precision, summary  -> + lightning
-    composition  run_plan, checks, app_config, compose, launch, threads, benchmark/, autotune/, and the commands: train,
-                 doctor, bench, tune, gpu_check, dash/
+    composition  run_plan, schema, checks, app_config, compose, launch, threads, benchmark/, autotune/, and the
+                 commands: train, doctor, bench, tune, gpu_check, dash/
                  -> + hydra, omegaconf
 """
 
@@ -25,6 +25,7 @@ FACTS = ("system", "telemetry", "measure", "errors", "patching", "batches", "fil
 BEHAVIOUR = ("_lightning", "callbacks", "strategies", "parallel", "tuning", "schedules", "precision", "summary")
 COMPOSITION = (
     "run_plan",
+    "schema",
     "checks",
     "app_config",
     "compose",

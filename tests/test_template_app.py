@@ -256,3 +256,31 @@ def test_slurm(template: Path, tmp_path: Path) -> None:
     assert codes == [0, 0], (tmp_path / "task0.log").read_text()[-3000:] + (tmp_path / "task1.log").read_text()[-3000:]
     records = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in (tmp_path / "probe").glob("*.json")}
     _two_ranks(records)
+
+
+def test_the_groups_types_hold_in_the_template(template: Path) -> None:
+    """The template's own trainer, callbacks and model configs around this package's groups: a wrong type is refused
+    while composing, by name, and `check_app_config` names a value the types cannot refuse, before anything runs."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+
+    from lightning_accel.compose import check_app_config
+    from lightning_accel.errors import ConfigError
+    from lightning_accel.schema import MicroBatchFinderConfig, OneCycleScheduleConfig, composition_error
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(template / "configs"), version_base="1.3"):
+            cfg = compose("train", overrides=["data=digits", "micro_batch=auto", "scheduler=onecycle"])
+            assert OmegaConf.get_type(cfg.callbacks.micro_batch) is MicroBatchFinderConfig
+            assert OmegaConf.get_type(cfg.model.scheduler) is OneCycleScheduleConfig  # through ${oc.select:scheduler}
+            with pytest.raises(ConfigCompositionException) as raised:
+                compose("train", overrides=["data=digits", "micro_batch=auto", "callbacks.micro_batch.grow_after=x"])
+            assert str(composition_error(raised.value)).startswith("`callbacks.micro_batch.grow_after=x`: Value 'x'")
+            bad = compose("train", overrides=["data=digits", "scheduler=onecycle", "scheduler.pct_start=2"])
+            with pytest.raises(ConfigError, match=r"`scheduler.pct_start=2.0` must be a finite number within \(0, 1\)"):
+                check_app_config(bad)
+    finally:
+        GlobalHydra.instance().clear()

@@ -8,6 +8,8 @@ from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import OmegaConf
 
+from lightning_accel.schema import register_schemas
+
 PROVIDER = "lightning_accel"
 PATH = "pkg://lightning_accel.conf"
 
@@ -37,6 +39,10 @@ for _name, _function, _cached in (
 ):
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _lazy(_function), use_cache=_cached)
+
+# The types of this package's group options (`- /accel_schema/...` in their defaults lists): registered here too, so
+# an app finds them whichever way it reached the config tree (the tree's `__init__` registers them as well).
+register_schemas()
 
 
 class LightningAccelSearchPathPlugin(SearchPathPlugin):

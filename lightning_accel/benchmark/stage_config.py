@@ -85,10 +85,14 @@ def compose_user_config(overrides: Sequence[str], run_dir: str) -> DictConfig:
         ConfigError: for an override Hydra rejects or a setting `check_config` rejects.
     """
     from lightning_accel.checks import check_config
+    from lightning_accel.schema import composition_error
 
     try:
         cfg = compose_config(overrides, run_dir)
     except Exception as err:  # Hydra's own errors name the override and list the options
+        named = composition_error(err)
+        if named is not None:
+            raise named from None
         raise ConfigError(f"the Hydra overrides {list(overrides)} do not compose: {err}") from None
     check_config(cfg)
     return cfg

@@ -129,6 +129,11 @@ class AccumulationScheduler(Callback):
             )
         if unit not in ("epoch", "step"):
             raise ConfigError(f"`unit={unit!r}` is not supported; use 'epoch' or 'step'.")
+        if micro_batch_size is not None and global_batch_size is None:
+            raise ConfigError(
+                f"`micro_batch_size={micro_batch_size!r}` is read only with `global_batch_size`, which is not set; "
+                "remove it, or set `global_batch_size` instead of `scheduling`."
+            )
         for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"`{name}={value!r}` must be a positive integer.")
@@ -499,7 +504,7 @@ def micro_batches_for(global_batch_size: int, micro_batch_size: int, world_size:
     if global_batch_size % per_window:
         lower = max(per_window, global_batch_size // per_window * per_window)
         raise ConfigError(
-            f"`global_batch_size={global_batch_size}` is not a multiple of micro-batch size {micro_batch_size} x "
+            f"`global_batch_size={global_batch_size}` is not a multiple of `micro_batch_size={micro_batch_size}` x "
             f"world size {world_size} = {per_window}; use {lower} or {lower + per_window}, or change the batch size."
         )
     return global_batch_size // per_window

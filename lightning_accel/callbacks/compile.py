@@ -13,11 +13,11 @@ from typing_extensions import override
 
 from lightning_accel import _lightning
 from lightning_accel.errors import ConfigError, LightningAccelWarning
+from lightning_accel.parallel.blocks import COMPILE_MODES
 from lightning_accel.system.software import compile_problem
 
 __all__ = ["COMPILE_MODES", "Compile"]
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """`torch.compile(mode=...)` values."""
 _REFUSED = {
     "PipelineStrategy": "the pipeline runner splits the model into stages",

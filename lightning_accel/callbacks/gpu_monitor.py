@@ -194,7 +194,9 @@ class GPUMonitor(Callback):
             "max_rank_skew_pct": max_rank_skew_pct,
         }
         for name, value in thresholds.items():
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            ):
                 raise ConfigError(f"`{name}={value!r}` must be a percentage >= 0, or None to turn the alert off.")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ConfigError(f"`warmup_steps={warmup_steps!r}` must be an integer >= 0.")

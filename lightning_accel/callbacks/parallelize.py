@@ -15,6 +15,7 @@ from lightning_accel import _lightning
 from lightning_accel.callbacks.accumulation import AccumulationScheduler
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.parallel import BlockClass, fsdp_modules, is_parallelized, mixed_precision_policy, parallelize
+from lightning_accel.parallel.blocks import COMPILE_MODES
 from lightning_accel.patching import patch_attribute
 
 if TYPE_CHECKING:
@@ -111,6 +112,11 @@ class Parallelize(Callback):
             raise ConfigError(
                 "`activation_checkpointing` and `compile` work block by block; name the block class in "
                 "`block_classes` (e.g. ['Block'])."
+            )
+        if compile_mode is not None and compile_mode not in COMPILE_MODES:
+            raise ConfigError(
+                f"`compile_mode={compile_mode!r}` is not a torch.compile mode; use one of {', '.join(COMPILE_MODES)} "
+                "or None."
             )
         mixed_precision_policy(param_dtype, reduce_dtype)  # checks the names
         self.block_classes = list(block_classes)

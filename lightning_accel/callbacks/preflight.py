@@ -78,7 +78,7 @@ class Preflight(Callback):
             isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
         ):
             raise ConfigError(f"`num_workers={num_workers!r}` must be an integer >= 0 or None.")
-        if not isinstance(interference_s, (int, float)) or interference_s < 0:
+        if not isinstance(interference_s, (int, float)) or not interference_s >= 0:  # NaN too
             raise ConfigError(f"`interference_s={interference_s!r}` must be a number of seconds >= 0.")
         self.fail_on = fail_on
         self.checks = None if checks is None else list(checks)

@@ -142,7 +142,7 @@ class StopOnSignal(Callback):
         requeue_on_slurm: bool = True,
     ) -> None:
         self.signals = parse_signals(signals)
-        if not isinstance(grace_s, (int, float)) or isinstance(grace_s, bool) or grace_s <= 0:
+        if not isinstance(grace_s, (int, float)) or isinstance(grace_s, bool) or not grace_s > 0:
             raise ConfigError(f"`grace_s={grace_s!r}` must be a positive number of seconds (e.g. 20).")
         for name, value in {"save_checkpoint": save_checkpoint, "requeue_on_slurm": requeue_on_slurm}.items():
             if not isinstance(value, bool):

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = [
+    "COMPILE_MODES",
     "BlockClass",
     "BlockWrapPolicy",
     "block_wrap_policy",
@@ -27,6 +28,9 @@ __all__ = [
     "fully_shard_blocks",
     "mixed_precision_policy",
 ]
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""`torch.compile(mode=...)` values (None: torch's default), for `Compile` and `Parallelize`."""
 
 BlockClass = str | type[nn.Module]
 """A block class: the class itself, its name (`"Block"`) or its qualified name (`"my_pkg.model.Block"`)."""
