@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -43,6 +44,18 @@ def _restore_environment(_runs_dir: Path) -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers() -> Iterator[None]:
+    """Every test ends with pytest's own SIGINT/SIGTERM handlers: an in-process `train.main()` installs accel-train's
+    (kept to the process's end, as a command that owns its process), which would turn pytest's Ctrl-C or a CI
+    timeout's SIGTERM into a `SignalExit` inside whatever test runs next."""
+    before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for number, handler in before.items():
+        if signal.getsignal(number) is not handler and handler is not None:
+            signal.signal(number, handler)
 
 
 @pytest.fixture
