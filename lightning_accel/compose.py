@@ -30,7 +30,7 @@ from lightning_accel.app_config import check_app_config
 from lightning_accel.errors import ConfigError, ConfigTypeError, named_argument
 from lightning_accel.launch import hydra_safe_launch
 from lightning_accel.run_plan import runs_on_cuda
-from lightning_accel.tuning.dataloader.settings import LOADER_KEYS
+from lightning_accel.tuning.dataloader.loader_settings import LOADER_KEYS
 
 if TYPE_CHECKING:
     from lightning_accel.precision import ResolvedPrecision
@@ -112,7 +112,7 @@ def apply_loader_settings(datamodule: Any, settings: Mapping[str, Any]) -> None:
     from torch.utils.data import DataLoader
 
     from lightning_accel.errors import LightningAccelWarning
-    from lightning_accel.tuning.dataloader.settings import LoaderSettings
+    from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
     from lightning_accel.tuning.dataloader.timing import loader_settings, rebuild_loader
 
     def rebuilt(loader: Any) -> Any:

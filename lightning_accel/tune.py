@@ -111,7 +111,7 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[Space, str]:
     from lightning_accel.precision import resolve_precision
     from lightning_accel.run_plan import build_run_plan
     from lightning_accel.system.software import compile_problem
-    from lightning_accel.tuning.dataloader.settings import LOADER_KEYS
+    from lightning_accel.tuning.dataloader.loader_settings import LOADER_KEYS
 
     cfg = compose_user_config(list(overrides), str(run_dir / "check"))
     shape = build_run_plan(cfg).shape

@@ -14,6 +14,7 @@ import torch
 from lightning_accel import gpu_check
 from lightning_accel.benchmark.bench_report import to_json
 from lightning_accel.benchmark.results import StageResult
+from lightning_accel.gpu_check.ladder_part import run_ladder
 
 CUDA_PARTS = (
     "nvml_vs_torch",
@@ -46,6 +47,18 @@ def test_full_on_a_cpu_machine_skips_each_cuda_part_with_its_reason(tmp_path: Pa
     report = json.loads((out / "gpu_check.json").read_text())
     assert [p["name"] for p in report["parts"]] == [*CUDA_PARTS[:4], "doctor", *CUDA_PARTS[4:], *FULL_CUDA_PARTS]
     assert set(gpu_check.PARTS) == {*CUDA_PARTS, "doctor"} and set(gpu_check.FULL_PARTS) == set(FULL_CUDA_PARTS)
+
+
+def test_each_part_has_a_module_of_its_own() -> None:
+    """Part `x` is `check_x` in `lightning_accel/gpu_check/x_part.py`, and no module holds two parts."""
+    import importlib
+
+    every = {**gpu_check.PARTS, **gpu_check.FULL_PARTS}
+    assert list(every) == [*CUDA_PARTS[:4], "doctor", *CUDA_PARTS[4:], *FULL_CUDA_PARTS]
+    for name, check in every.items():
+        module = importlib.import_module(f"lightning_accel.gpu_check.{name}_part")
+        assert check is getattr(module, f"check_{name}") and check.__module__ == module.__name__, name
+    assert len({check.__module__ for check in every.values()}) == len(every)
 
 
 def test_out_must_be_a_folder(tmp_path: Path) -> None:
@@ -166,7 +179,7 @@ def test_the_ladder_part_end_to_end_on_a_cpu(tmp_path: Path) -> None:
     """The ladder part's machinery (accel-bench subprocess, bench.json, verdict) on the CPU profile; the verdict's
     GPU targets are not met on a CPU, so the part fails naming them."""
     ctx = gpu_check.CheckContext(out_dir=tmp_path)
-    part = gpu_check._run_ladder(ctx, ["--quick", "--steps", "4", "trainer.accelerator=cpu"], timeout=900)
+    part = run_ladder(ctx, ["--quick", "--steps", "4", "trainer.accelerator=cpu"], timeout=900)
     stages = {s["name"]: s for s in ctx.facts["ladder"]}  # type: ignore[union-attr]
     assert list(stages) == ["baseline", "amp", "amp_compile"], part.detail
     assert all(s["status"] == "ok" for s in stages.values()), part.detail

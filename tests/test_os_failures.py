@@ -323,11 +323,12 @@ def test_accel_doctor_root(tmp_path, read_only, capsys, kind: str) -> None:
 def test_the_gpu_check_out(tmp_path, read_only, monkeypatch, capsys, kind: str) -> None:
     """A read-only `--out` failed after every part had run (minutes of GPU time), with a traceback."""
     from lightning_accel import gpu_check
+    from lightning_accel.gpu_check import check_runner
 
     def parts(*args: object, **kwargs: object) -> None:
         raise _Called
 
-    monkeypatch.setattr(gpu_check, "run_checks", parts)
+    monkeypatch.setattr(check_runner, "run_checks", parts)  # where `main` looks it up
     path = _path(kind, tmp_path, read_only)
     if kind in ("directory", "missing"):
         with pytest.raises(_Called):

@@ -313,7 +313,7 @@ def test_nonfinite_guard_is_a_default_callback(compose_train) -> None:
 
 def _decision(key: str, prefetch: int = 2) -> object:
     from lightning_accel.tuning.dataloader.decision import TunerDecision
-    from lightning_accel.tuning.dataloader.settings import LoaderSettings
+    from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 
     return TunerDecision(
         fingerprint=key,

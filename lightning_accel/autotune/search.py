@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lightning_accel.benchmark.moves import MOVES, Bottleneck, Move
-from lightning_accel.tuning.dataloader.settings import LOADER_KEYS
+from lightning_accel.tuning.dataloader.loader_settings import LOADER_KEYS
 
 __all__ = [
     "MOVES",

@@ -24,7 +24,7 @@ from lightning_accel.system.threads import planned_intra_op
 from lightning_accel.tuning.dataloader import cache, policy, tuner_report, verification
 from lightning_accel.tuning.dataloader import loop as loop_internals
 from lightning_accel.tuning.dataloader.decision import TunerDecision
-from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial, TrialError, frozen_rng, loader_settings
 from lightning_accel.tuning.dataloader.verification import LiveWait
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
-import signal
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,12 +19,21 @@ from typing_extensions import override
 
 from lightning_accel import _lightning
 from lightning_accel.batches import data_parallel_replicas, samples_in
+from lightning_accel.callbacks._gpu_monitor_job import (
+    allocated_pct,
+    check_publishing,
+    cuda_uuids,
+    job_info,
+    shared_run_id,
+    total_steps,
+    warn_publishing,
+    why_stopped,
+)
 from lightning_accel.errors import ConfigError, LightningAccelWarning
-from lightning_accel.system.host import external_run_id, hostname
 from lightning_accel.telemetry import nvml
 from lightning_accel.telemetry.alerts import AlertThresholds, check_alerts
-from lightning_accel.telemetry.heartbeat import current_user, default_runs_dir
-from lightning_accel.telemetry.publisher import JobInfo, PublishSettings, RunPublisher, process_command
+from lightning_accel.telemetry.heartbeat import default_runs_dir
+from lightning_accel.telemetry.publisher import PublishSettings, RunPublisher
 from lightning_accel.telemetry.ranks import allocated_by_device, pack_row, rank_stats, unpack_rows, window_metrics
 from lightning_accel.telemetry.readings import READINGS
 from lightning_accel.telemetry.run_report import COLUMNS, RunReport
@@ -202,7 +209,7 @@ class GPUMonitor(Callback):
             raise ConfigError(f"`warmup_steps={warmup_steps!r}` must be an integer >= 0.")
         if not report_name or "/" in report_name:
             raise ConfigError(f"`report_name={report_name!r}` must be a file name without suffix, e.g. 'gpu_report'.")
-        _check_publishing(publish_interval_s, prometheus_port, prometheus_addr, prometheus_file_sd_dir)
+        check_publishing(publish_interval_s, prometheus_port, prometheus_addr, prometheus_file_sd_dir)
         self.interval_s = float(interval_s)
         self.device_indices = None if device_indices is None else list(device_indices)
         self.readings = None if readings is None else list(readings)
@@ -259,7 +266,7 @@ class GPUMonitor(Callback):
         cuda = [device.index or 0 for device in node_devices if device.type == "cuda"]
         self._indices = self.device_indices if self.device_indices is not None else cuda
         publishing = self._publishes()
-        run_id = _shared_run_id(trainer) if publishing else ""  # a broadcast from rank 0 where no launcher names it
+        run_id = shared_run_id(trainer) if publishing else ""  # a broadcast from rank 0 where no launcher names it
         if publishing or (self._indices and self.log_metrics):
             self._dir = Path(self.report_dir if self.report_dir is not None else (trainer.log_dir or "."))  # collective
         self._node, self._multi_node = trainer.node_rank, trainer.num_nodes > 1
@@ -277,7 +284,7 @@ class GPUMonitor(Callback):
             if self._gather:
                 self._group, self._own_group = _cpu_group()
             if trainer.local_rank == 0:
-                uuids = _cuda_uuids(self._indices) if self.device_indices is None else None
+                uuids = cuda_uuids(self._indices) if self.device_indices is None else None
                 self.sampler = self._start_sampler(uuids, views=int(self.log_metrics) + int(publishing))
                 self._active = self.log_metrics and (self._gather or self.sampler is not None)
         if publishing and trainer.local_rank == 0:
@@ -288,17 +295,6 @@ class GPUMonitor(Callback):
 
     def _make_publisher(self, trainer: pl.Trainer, run_id: str) -> RunPublisher:
         """The node's publisher (not started): the job's fixed facts, and the sampler view after the logging one."""
-        node_devices = getattr(trainer.strategy, "parallel_devices", None) or [trainer.strategy.root_device]
-        uuids = {gpu["index"]: gpu["uuid"] for gpu in self._gpus}
-        ranks = [
-            {
-                "rank": trainer.node_rank * len(node_devices) + local,
-                "local_rank": local,
-                "device": str(device),
-                "uuid": uuids.get(device.index or 0) if device.type == "cuda" else None,
-            }
-            for local, device in enumerate(node_devices)
-        ]
         runs_dir = None
         if self.publish:
             runs_dir = Path(self.runs_dir).expanduser() if self.runs_dir is not None else default_runs_dir()
@@ -312,25 +308,11 @@ class GPUMonitor(Callback):
             file_sd_dir=None if self.prometheus_file_sd_dir is None else Path(self.prometheus_file_sd_dir),
         )
         assert self._dir is not None
-        job = JobInfo(
-            run_id=run_id,
-            name=self.run_name or self._dir.resolve().name,
-            host=hostname(),
-            user=current_user(),
-            pid=os.getpid(),
-            command=process_command(),
-            node_rank=trainer.node_rank,
-            num_nodes=trainer.num_nodes,
-            rank=trainer.global_rank,
-            ranks=ranks,
-            slurm_job_id=os.environ.get("SLURM_JOB_ID") or None,
-            gpus=self._gpus,
-            node_share=len(node_devices) / max(trainer.world_size, 1),
-        )
+        job = job_info(trainer, run_id, self.run_name or self._dir.resolve().name, self._gpus)
         view = 1 if self.log_metrics else 0
         alerts = (lambda: self.report.alerts) if trainer.global_rank == 0 else None  # rank zero checks the alerts
         return RunPublisher(
-            settings, job, self.sampler, view, alerts=alerts, warn=_warn_publishing, warn_nvml=not self.log_metrics
+            settings, job, self.sampler, view, alerts=alerts, warn=warn_publishing, warn_nvml=not self.log_metrics
         )
 
     def _start_sampler(self, uuids: list[str] | None, views: int = 1) -> NVMLSampler | None:
@@ -374,7 +356,7 @@ class GPUMonitor(Callback):
         if publisher is None:
             return
         self._replicas = data_parallel_replicas(trainer)
-        publisher.job.max_steps = _total_steps(trainer)
+        publisher.job.max_steps = total_steps(trainer)
         publisher.progress.step = trainer.global_step  # a resumed fit goes on from its checkpoint's step
         publisher.start(threaded=self._threaded)
         self.heartbeat_file, self.metrics_url = publisher.path, publisher.metrics_url
@@ -456,7 +438,7 @@ class GPUMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._finish_publisher("failed", _why_stopped(exception, trainer.global_step))
+        self._finish_publisher("failed", why_stopped(exception, trainer.global_step))
         from lightning_accel.callbacks.stop_on_signal import SignalExit
 
         if isinstance(exception, SignalExit) and self._active:  # an agreed stop: the report is written as at the end
@@ -525,7 +507,7 @@ class GPUMonitor(Callback):
         if window is None and not self._gather:
             return  # no new reading (log steps come faster than `interval_s`): nothing to log, timings carry over
         steps = self._steps
-        device, allocated = _allocated_pct(trainer.strategy.root_device)
+        device, allocated = allocated_pct(trainer.strategy.root_device)
         row = pack_row(
             self._node,
             self._indices,
@@ -561,69 +543,6 @@ class GPUMonitor(Callback):
             logger.log_metrics(metrics, step=step)
 
 
-def _check_publishing(interval_s: Any, port: Any, addr: Any, file_sd_dir: Any) -> None:
-    if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s >= 0.2:
-        raise ConfigError(
-            f"`publish_interval_s={interval_s!r}` must be a number of seconds >= 0.2 (2.0: a heartbeat every 2 s)."
-        )
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
-        raise ConfigError(
-            f"`prometheus_port={port!r}` must be a TCP port 0-65535 (0: a free one), or None for no /metrics server."
-        )
-    if not isinstance(addr, str) or not addr:
-        raise ConfigError(f"`prometheus_addr={addr!r}` must be an address to bind, e.g. '127.0.0.1' or '0.0.0.0'.")
-    if file_sd_dir is not None and port is None:
-        raise ConfigError(
-            f"`prometheus_file_sd_dir={str(file_sd_dir)!r}` writes a scrape target of the /metrics "
-            "server, but `prometheus_port=None` serves none; set `prometheus_port=0` (a free port)."
-        )
-
-
-def _warn_publishing(message: str) -> None:
-    warnings.warn(f"GPUMonitor: {message}. Training goes on.", LightningAccelWarning, stacklevel=2)
-
-
-def _shared_run_id(trainer: pl.Trainer) -> str:
-    """The id every rank of the run shares: the launcher's (`ACCEL_RUN_ID`, torchrun's, a SLURM step's), else one
-    rank zero draws (`<host>-<time>-<pid>-<token>`) and broadcasts."""
-    try:
-        run_id = external_run_id("")
-    except ConfigError:  # an id of dots alone: accel-train refuses it before this; here, draw one
-        run_id = ""
-    if run_id:
-        return run_id
-    drawn = f"{hostname()}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(2)}"  # 2 fits a second
-    return str(trainer.strategy.broadcast(drawn)) if trainer.world_size > 1 else drawn
-
-
-def _total_steps(trainer: pl.Trainer) -> int | None:
-    """The optimizer steps the fit will take, or None when unbounded or unknown."""
-    try:
-        total = trainer.estimated_stepping_batches
-    except Exception:  # an iterable without a length, a strategy that cannot say
-        return None
-    return int(total) if isinstance(total, (int, float)) and math.isfinite(total) else None
-
-
-def _why_stopped(exception: BaseException, step: int) -> str:
-    signum = getattr(exception, "signum", None)
-    if isinstance(signum, int):
-        return f"stopped by {signal.Signals(signum).name} at step {step}"
-    return f"{type(exception).__name__} at step {step}: {str(exception)[:300]}"
-
-
-def _allocated_pct(device: torch.device) -> tuple[int, float]:
-    """(this rank's CUDA device index, the peak share of its memory the run's tensors took); (-1, nan) off CUDA."""
-    if device.type != "cuda":
-        return -1, math.nan
-    try:
-        index = device.index or 0
-        total = torch.cuda.get_device_properties(index).total_memory
-        return index, 100.0 * torch.cuda.max_memory_allocated(index) / total
-    except Exception:  # monitoring never stops training
-        return -1, math.nan
-
-
 def _cpu_group() -> tuple[Any, bool]:
     """A gloo process group for small CPU gathers (the default one if it is gloo), and whether it is new."""
     dist = torch.distributed
@@ -635,11 +554,3 @@ def _cpu_group() -> tuple[Any, bool]:
         return dist.new_group(backend="gloo"), True
     except Exception:  # no gloo: gather on the strategy's devices instead
         return None, False
-
-
-def _cuda_uuids(indices: Sequence[int]) -> list[str] | None:
-    """The UUIDs CUDA reports for these ordinals (exact whatever CUDA_DEVICE_ORDER says), or None."""
-    try:
-        return [str(torch.cuda.get_device_properties(index).uuid) for index in indices]
-    except Exception:  # no CUDA, or a torch without `uuid`: CUDA_VISIBLE_DEVICES decides
-        return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -13,22 +13,28 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_accel import _lightning
 from lightning_accel.batches import loader_batch_size, samples_in
+from lightning_accel.callbacks._micro_batch_steps import (
+    PiecesClosure,
+    agree_min,
+    any_rank,
+    check_trainer,
+    group_rank_zero,
+    no_sync,
+    piece_output,
+    skip_backward,
+)
+from lightning_accel.callbacks._micro_batch_watch import ModuleWatch, state_names
 from lightning_accel.errors import ConfigError, LightningAccelWarning
-from lightning_accel.tuning import module_state
 from lightning_accel.tuning.micro_batch_search import (
     MicroBatchTooLargeError,
     Trial,
     average_gradients,
     backward_in_pieces,
-    batch_sized_state,
-    batch_statistics_layers,
-    held_tensors,
     micro_batch_for_budget,
     optimizer_state_bytes,
 )
@@ -179,7 +185,7 @@ class MicroBatchFinder(Callback):
         self._clean = 0  # clean batches since the last recovery
         self._last_size: int | None = None  # the micro-batch the last batch ran
         self._resumed = False  # the state came from a checkpoint
-        self._watch = _Watch()
+        self._watch = ModuleWatch()
         self._restore = ExitStack()
 
     # -- set-up ---------------------------------------------------------------------------------------------------
@@ -188,7 +194,7 @@ class MicroBatchFinder(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        _check_trainer(trainer, pl_module)
+        check_trainer(trainer, pl_module)
         self._restore.close()
         automatic = trainer.fit_loop.epoch_loop.automatic_optimization
 
@@ -196,7 +202,7 @@ class MicroBatchFinder(Callback):
 
         def make_closure(kwargs: OrderedDict, optimizer: torch.optim.Optimizer, batch_idx: int) -> Closure:
             backward, zero_grad = _lightning.closure_step_fns(automatic, batch_idx, optimizer, why)
-            return _PiecesClosure(self, trainer, kwargs, optimizer, backward, zero_grad)
+            return PiecesClosure(self._run_batch, trainer, kwargs, optimizer, backward, zero_grad)
 
         self._restore.callback(_lightning.patch_closure_factory(automatic, make_closure, why))
 
@@ -211,7 +217,7 @@ class MicroBatchFinder(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._watch = _Watch()
+        self._watch = ModuleWatch()
         if trainer.world_size > 1:
             synced = [n for n, m in pl_module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
             if synced:
@@ -270,10 +276,10 @@ class MicroBatchFinder(Callback):
             if results is not None:  # self.log weighs on-epoch means by this piece's samples, not the batch's
                 results.batch, results.batch_size = part, None
             k = samples_in(part, default=1)
-            before = self._watch.before_step(self, pl_module, k, n)
-            output = _piece_output(trainer, OrderedDict(kwargs, batch=part))
+            before = self._watch.before_step(self.micro_batch_size, pl_module, k, n)
+            output = piece_output(trainer, OrderedDict(kwargs, batch=part))
             if before is not None:
-                self._watch.after_step(self, pl_module, before, k, n)
+                self._watch.after_step(self.micro_batch_size, pl_module, before, k, n)
             self._watch.after_piece(pl_module, k, n)
             result = ClosureResult.from_training_step_output(output, trainer.accumulate_grad_batches)
             extra.update(result.extra)
@@ -286,17 +292,17 @@ class MicroBatchFinder(Callback):
         model = trainer.strategy.model
         group = getattr(model, "process_group", None)
         distributed = trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
-        agree = (lambda oom: _any_rank(oom, pl_module.device, group)) if distributed else None
+        agree = (lambda oom: any_rank(oom, pl_module.device, group)) if distributed else None
         sync = bool(getattr(model, "require_backward_grad_sync", False))  # the window ends with this batch
         try:
-            with _no_sync(trainer):
+            with no_sync(trainer):
                 step = backward_in_pieces(
                     loss_fn,
                     whole,
                     params,
                     piece=self.size or n,
                     agree=agree,
-                    backward=piece_backward if backward is not None else _skip_backward,
+                    backward=piece_backward if backward is not None else skip_backward,
                     on_attempt=on_attempt,
                 )
         except MicroBatchTooLargeError as err:
@@ -310,7 +316,7 @@ class MicroBatchFinder(Callback):
             average_gradients(params, group)
             if getattr(model, "broadcast_buffers", False):  # what DDP's forward did: rank zero's buffers everywhere
                 for buffer in pl_module.buffers():
-                    torch.distributed.broadcast(buffer, src=_group_rank_zero(group), group=group)
+                    torch.distributed.broadcast(buffer, src=group_rank_zero(group), group=group)
         if sizing:
             self._sized(trainer, step.piece, attempts, meter, n)
         else:
@@ -341,15 +347,15 @@ class MicroBatchFinder(Callback):
                 rank_zero_warn(
                     f"MicroBatchFinder: the batch of {n} peaked at {_mib(peak)}, over `memory_fraction="
                     f"{self.memory_fraction}` ({_mib(meter.budget)}), but the module keeps batch-sized state "
-                    f"({_names(self._watch.state)}), so its batches stay whole. Lower the loader's batch size to keep "
-                    "the margin.",
+                    f"({state_names(self._watch.state)}), so its batches stay whole. Lower the loader's batch size to "
+                    "keep the margin.",
                     category=LightningAccelWarning,
                 )
             elif not fits:
                 proposal = micro_batch_for_budget(
                     self.batch_size, piece, peak_bytes=peak, base_bytes=meter.base, budget_bytes=meter.budget
                 )
-        agreed = _agree_min(trainer, proposal)
+        agreed = agree_min(trainer, proposal)
         self._last_size, self.size = piece, agreed
         if agreed == piece:  # every rank's batch fitted at this size
             self.found, self._sizing = piece, False
@@ -405,96 +411,6 @@ class MicroBatchFinder(Callback):
         self._resumed = True
 
 
-class _Watch:
-    """What a fit's first pieces show about the module: batch-sized state it keeps on itself, checked after its first
-    `training_step` and after the first piece of a split batch; and the layers with batch statistics, named at the
-    first split batch."""
-
-    def __init__(self) -> None:
-        self.state: dict[str, tuple[int, ...]] = {}
-        """Batch-sized tensors the first whole batch left on the module (name -> shape)."""
-        self.whole_checked = self.split_checked = False
-        self._carried: dict[str, Any] | None = None  # the fingerprint after the first split piece
-        self._carried_checked = False
-
-    def before_step(
-        self, finder: MicroBatchFinder, module: torch.nn.Module, k: int, n: int
-    ) -> dict[str, torch.Tensor] | None:
-        """Before a piece of k of a batch of n: refuse a split the module's state cannot take, warn of batch
-        statistics; the module's tensors when this piece is to be checked."""
-        if k >= n:
-            return None if self.whole_checked else held_tensors(module)
-        if self.state:
-            raise _state_error(finder, self.state, k, n)
-        if self.split_checked:
-            return None
-        layers = batch_statistics_layers(module)
-        if layers:
-            rank_zero_warn(
-                f"MicroBatchFinder: each batch of {n} runs as micro-batches of {k}, and these layers take statistics "
-                f"over the batch in train mode: {', '.join(f'`{name}` ({kind})' for name, kind in layers.items())}. "
-                "Each piece is normalised by its own statistics (and running statistics are updated once per "
-                "piece), so the update is not the whole batch's: it is what gradient accumulation over these pieces "
-                "gives. For the whole batch's update use GroupNorm or LayerNorm, or a `micro_batch_size` >= the "
-                "batch; or accept per-piece statistics, as gradient accumulation does.",
-                category=LightningAccelWarning,
-            )
-        return held_tensors(module)
-
-    def after_step(
-        self, finder: MicroBatchFinder, module: torch.nn.Module, before: dict[str, torch.Tensor], k: int, n: int
-    ) -> None:
-        found = batch_sized_state(before, held_tensors(module), k)
-        if k >= n:
-            self.whole_checked, self.state = True, found
-            return
-        self.split_checked = True
-        if found:
-            raise _state_error(finder, found, k, n)
-
-    def after_piece(self, module: torch.nn.Module, k: int, n: int) -> None:
-        """After the first two pieces of the first split batch: warn of any other state `training_step` changes from
-        call to call (a counter, an RL agent's environment and replay buffer), which now changes once per piece. Two
-        pieces, not one: a cache built at the fit's first call (a mask, a positional table) changes only once."""
-        if k >= n or self._carried_checked:
-            return
-        now = module_state.fingerprint(module)
-        if self._carried is None:
-            self._carried = now
-            return
-        self._carried_checked = True
-        carried = [name for name in module_state.changed(self._carried, now) if name not in self.state]
-        if carried:
-            rank_zero_warn(
-                f"MicroBatchFinder: each batch of {n} runs as micro-batches of {k}, so `training_step` runs once per "
-                f"piece, and it changes the module's own state from call to call: "
-                f"{', '.join(f'`{name}`' for name in carried)}. Whatever it does there besides its loss (an "
-                "environment step, a replay-buffer append, a counter) now happens once per piece, not once per batch. "
-                f"Use `micro_batch_size` >= {n} to keep one call per batch, or move that work out of `training_step` "
-                "(`on_train_batch_start`).",
-                category=LightningAccelWarning,
-            )
-
-
-def _state_error(finder: MicroBatchFinder, state: dict[str, tuple[int, ...]], k: int, n: int) -> ConfigError:
-    why = (
-        f"`micro_batch_size={finder.micro_batch_size}`"
-        if finder.micro_batch_size != "auto"
-        else "the whole batch ran out of memory or over `memory_fraction`"
-    )
-    return ConfigError(
-        f"MicroBatchFinder would run each batch of {n} as micro-batches of {k} ({why}), but `training_step` keeps "
-        f"state sized by its batch on the module: {_names(state)}. The next piece would take one piece's state as "
-        f"its own (or fail on the size). Use `micro_batch_size` >= {n} (the batch runs whole, the module as it is), "
-        "or keep per-sample state off the module (return it from `training_step`, or carry it in the batch).",
-        setting="micro_batch_size",
-    )
-
-
-def _names(state: dict[str, tuple[int, ...]]) -> str:
-    return ", ".join(f"`{name}` (shape {tuple(shape)})" for name, shape in state.items())
-
-
 @dataclass
 class _Meter:
     """A sizing step's device memory on CUDA: what it held before its first forward plus the gradients it allocates
@@ -537,116 +453,6 @@ def _cuda_meter(
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
-
-
-class _PiecesClosure(Closure):
-    """Lightning's closure for one batch, run by MicroBatchFinder in micro-batches (zero_grad first, as the
-    gradients are snapshotted before the batch)."""
-
-    def __init__(
-        self,
-        finder: MicroBatchFinder,
-        trainer: pl.Trainer,
-        kwargs: OrderedDict,
-        optimizer: Any,
-        backward_fn: Callable | None,
-        zero_grad_fn: Callable | None,
-    ) -> None:
-        super().__init__(step_fn=lambda: ClosureResult(None), backward_fn=backward_fn, zero_grad_fn=zero_grad_fn)
-        self._finder, self._trainer, self._kwargs, self._optimizer = finder, trainer, kwargs, optimizer
-        self.backward_step, self.zero_grad_step = backward_fn, zero_grad_fn
-
-    @override
-    @torch.enable_grad()
-    def closure(self, *args: Any, **kwargs: Any) -> ClosureResult:
-        if self.zero_grad_step is not None:
-            self.zero_grad_step()
-        result = self._finder._run_batch(self._trainer, self._kwargs, self._optimizer, self.backward_step)
-        if result.closure_loss is None:
-            self.warning_cache.warn("`training_step` returned `None`. If this was on purpose, ignore this warning...")
-        return result
-
-
-def _skip_backward(loss: torch.Tensor) -> None:
-    """Lightning skips the backward (its `_skip_backward`): the pieces run their forwards only."""
-
-
-def _piece_output(trainer: pl.Trainer, kwargs: OrderedDict) -> Any:
-    """`training_step` on one micro-batch as the strategy runs it, but past DDP's forward (its buffer broadcast and
-    reducer are collectives a rank out of memory would leave unmatched; the gradients are averaged afterwards)."""
-    strategy = trainer.strategy
-    args = strategy.precision_plugin.convert_input(tuple(kwargs.values()))
-    with strategy.precision_plugin.train_step_context():
-        output = _lightning.call_module_hook(trainer, "training_step", *args)
-    if output is None and trainer.world_size > 1:
-        raise RuntimeError("Skipping the `training_step` by returning None in distributed training is not supported.")
-    return output
-
-
-def _any_rank(flag: bool, device: torch.device, group: Any) -> bool:
-    """Whether `flag` holds on any rank of `group`: one all-reduce of a byte (no barrier)."""
-    tensor = torch.tensor([int(flag)], dtype=torch.uint8, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
-    return bool(tensor.item())
-
-
-def _group_rank_zero(group: Any) -> int:
-    """The global rank of `group`'s first rank (the source of a broadcast)."""
-    if group is None:
-        return 0
-    try:
-        return torch.distributed.get_global_rank(group, 0)
-    except Exception:
-        return 0
-
-
-def _no_sync(trainer: pl.Trainer) -> Any:
-    model = trainer.strategy.model
-    return model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) else nullcontext()
-
-
-def _agree_min(trainer: pl.Trainer, value: int) -> int:
-    """The smallest `value` over the ranks (the micro-batch every rank can run)."""
-    if trainer.world_size == 1:
-        return value
-    tensor = torch.tensor(value, device=trainer.strategy.root_device)
-    return int(trainer.strategy.reduce(tensor, reduce_op="min").item())
-
-
-def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    if not pl_module.automatic_optimization:
-        raise ConfigError(
-            "MicroBatchFinder runs the batches of automatic optimization; under manual optimization "
-            "(`automatic_optimization=False`) split the batch in your training_step, or remove it."
-        )
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-
-    if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
-        raise ConfigError(
-            "MicroBatchFinder splits the batch Lightning passes to `training_step`; a step that takes "
-            "`dataloader_iter` fetches its own. Remove MicroBatchFinder, or take `batch`."
-        )
-    strategy = trainer.strategy
-    if _lightning.ddp_comm_hook(strategy) is not None:
-        rank_zero_warn(
-            "MicroBatchFinder averages the gradients itself, once per optimizer step: the DDP "
-            "communication hook (gradient compression) is not used while it runs.",
-            category=LightningAccelWarning,
-        )
-    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.handles_gradient_accumulation:
-        raise ConfigError(
-            f"MicroBatchFinder supports one device and DDP, not {type(strategy).__name__}: FSDP, model-parallel, "
-            "pipeline and DeepSpeed strategies split their own work and reduce gradients inside the backward. Use "
-            "strategy=ddp (accel-train preset=ddp), or remove micro_batch=auto and set the batch size by hand.",
-            setting="strategy",
-        )
-    from lightning.pytorch.callbacks import BatchSizeFinder
-
-    if any(isinstance(cb, BatchSizeFinder) for cb in _lightning.trainer_callbacks(trainer)):
-        raise ConfigError(
-            "MicroBatchFinder keeps the batch size and splits it; Lightning's BatchSizeFinder changes "
-            "it. Use one of them."
-        )
 
 
 def _sizing_text(trials: list[Trial]) -> str:

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.examples import DigitsClassifier, DigitsDataModule, GPTLanguageModel, StdlibTextDataModule
 from lightning_accel.system import read_cpu_budget, read_cpu_info
-from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 
 
 class EpochTimer(pl.Callback):

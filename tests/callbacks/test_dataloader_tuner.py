@@ -29,8 +29,8 @@ from lightning_accel.measure import Interference
 from lightning_accel.system import ShmInfo
 from lightning_accel.tuning.dataloader.cache import SCHEMA as CACHE_SCHEMA
 from lightning_accel.tuning.dataloader.cache import DecisionCache
+from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 from lightning_accel.tuning.dataloader.policy import BUDGET_NOTE, memory_note
-from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial, TrialError, rebuild_loader, run_trial
 
 CPUS = 2  # every test sees a 2-CPU budget (PYTHON_CPU_COUNT), whatever the machine

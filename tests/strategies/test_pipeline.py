@@ -399,7 +399,7 @@ def test_settings_hold_the_constructor_defaults_once() -> None:
     """The constructor's signature reads its defaults from `PipelineSettings`, and the config mirrors it."""
     import yaml
 
-    from lightning_accel.strategies.pipeline.settings import DEFAULTS
+    from lightning_accel.strategies.pipeline.pipeline_settings import DEFAULTS
 
     parameters = inspect.signature(PipelineStrategy).parameters
     fields = [field.name for field in dataclasses.fields(PipelineSettings)]

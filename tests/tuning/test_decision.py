@@ -12,7 +12,7 @@ import pytest
 from lightning_accel.errors import LightningAccelWarning
 from lightning_accel.tuning.dataloader.cache import SCHEMA, DecisionCache
 from lightning_accel.tuning.dataloader.decision import TunerDecision, loader_bound, measured_speedup
-from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial
 
 KEY = "0123456789abcdef0123"

@@ -1,5 +1,5 @@
-"""The DataLoader setting names have one home: `tuning.dataloader.settings.LOADER_KEYS`; a rebuilt loader draws from
-the random streams as the user's."""
+"""The DataLoader setting names have one home: `tuning.dataloader.loader_settings.LOADER_KEYS`; a rebuilt loader
+draws from the random streams as the user's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 import lightning_accel
 from lightning_accel.autotune.search import Space
-from lightning_accel.tuning.dataloader.settings import LOADER_KEYS, LoaderSettings
+from lightning_accel.tuning.dataloader.loader_settings import LOADER_KEYS, LoaderSettings
 from lightning_accel.tuning.dataloader.timing import SeedKeepingDataLoader, rebuild_loader
 
 

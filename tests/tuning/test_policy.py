@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 from lightning_accel.tuning.dataloader.policy import BUDGET_NOTE, choose, decide, pick, search, worker_counts
-from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Status, Trial
 from lightning_accel.tuning.dataloader.tuner_report import decision_line
 

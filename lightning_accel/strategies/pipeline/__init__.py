@@ -1,7 +1,8 @@
 """Pipeline parallelism (torch.distributed.pipelining) in the Lightning loop.
 
 - `strategy`: `PipelineStrategy`, the Lightning hooks;
-- `settings`: its arguments as `PipelineSettings`, their defaults and the checks run before launch and in `setup`;
+- `pipeline_settings`: its arguments as `PipelineSettings`, their defaults and the checks run before launch and in
+  `setup`;
 - `spec`: the schedules by name (`ScheduleSpec`);
 - `stages`: the stage plan (`PipelineStagePlan`), placing stages on ranks, pruning a model to its stages;
 - `runner`: one batch through the stages (`PipelineRunner`, returning a `PipelineStepResult`), clipping over stages;
@@ -13,12 +14,12 @@ from __future__ import annotations
 from lightning_accel.precision import PIPELINE_PRECISIONS  # owned by precision.py, exported here as before
 from lightning_accel.strategies.dcp_checks import check_dcp_metadata, check_distributed_checkpoint, load_metadata
 from lightning_accel.strategies.pipeline.checkpoint import consolidate_checkpoint
-from lightning_accel.strategies.pipeline.runner import PipelineRunner, PipelineStepResult, split_batch
-from lightning_accel.strategies.pipeline.settings import (
+from lightning_accel.strategies.pipeline.pipeline_settings import (
     PipelineSettings,
     check_pipeline_settings,
     check_precision,
 )
+from lightning_accel.strategies.pipeline.runner import PipelineRunner, PipelineStepResult, split_batch
 from lightning_accel.strategies.pipeline.spec import SCHEDULES, ScheduleSpec, check_torch_pipelining, schedule_spec
 from lightning_accel.strategies.pipeline.stages import (
     PipelineStagePlan,

@@ -27,8 +27,8 @@ from lightning_accel.strategies.pipeline.checkpoint import (
     optimizer_state_dict,
     save_pipeline_checkpoint,
 )
+from lightning_accel.strategies.pipeline.pipeline_settings import DEFAULTS, PipelineSettings
 from lightning_accel.strategies.pipeline.runner import PipelineRunner, PipelineStepResult, clip_grad_norm_over_stages
-from lightning_accel.strategies.pipeline.settings import DEFAULTS, PipelineSettings
 from lightning_accel.strategies.pipeline.spec import check_torch_pipelining
 from lightning_accel.strategies.pipeline.stages import (
     PipelineStagePlan,

@@ -1,7 +1,7 @@
 """The DataLoaderTuner's parts, one concern per module.
 
 - `policy`: which settings to try, in what order, and which to keep (pure functions over `Trial`s).
-- `settings`: the settings (`LoaderSettings`) and the one list of their names (`LOADER_KEYS`).
+- `loader_settings`: the settings (`LoaderSettings`) and the one list of their names (`LOADER_KEYS`).
 - `timing`: one timed trial (`run_trial`), rebuilding a DataLoader, frozen RNGs.
 - `trial_runner`: `TrialRunner`, the search's `measure`: one trial under an interference probe, flagged on all ranks.
 - `verification`: checking a reused decision on the live loop (`LiveWait`, `verdict`).

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_accel.measure import Interval, ratio, summarize
-from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial
 
 MAX_PREFETCH_FACTOR = 64

@@ -26,7 +26,7 @@ from lightning_accel.system import read_cpu_info, read_memory_limit
 from lightning_accel.system.loader_memory import WORKER_BYTES, worker_footprint
 from lightning_accel.system.threads import planned_intra_op
 from lightning_accel.tuning.dataloader import policy
-from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import (
     Trial,
     TrialError,

@@ -17,7 +17,7 @@ from lightning_accel.tuning.dataloader.decision import (
     measured_speedup,
     runs_of,
 )
-from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial
 
 __all__ = [

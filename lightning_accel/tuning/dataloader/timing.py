@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_accel import _lightning
 from lightning_accel.signals import pending_signal
-from lightning_accel.tuning.dataloader.settings import LoaderSettings
+from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 
 __all__ = [
     "Status",

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lightning_accel.tuning.dataloader.decision import TunerDecision
+from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 from lightning_accel.tuning.dataloader.policy import medians
-from lightning_accel.tuning.dataloader.settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Trial
 
 __all__ = [
