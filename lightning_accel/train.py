@@ -1,19 +1,18 @@
-"""accel-train: compose a Lightning run from Hydra presets, check it, then fit, test and summarise."""
+"""accel-train: compose a Lightning run from Hydra presets, check it, then fit, test and summarise.
 
-# ruff: noqa: E402  (`python -m lightning_accel.train` sets OMP_WAIT_POLICY before the imports below load torch)
+The module loads no torch and no Lightning when it is imported: Hydra's own answers (`--help`, `--cfg job`, a key
+or an option the config does not have, an override it cannot parse) come before them, and each step of a run imports
+what it builds when it runs (`tests/test_train_entry.py` checks it). `accel-train` enters through `train_entry.py`,
+which sets the thread environment first; `python -m lightning_accel.train` sets it here.
+"""
+
 from __future__ import annotations
-
-import sys
-
-if __name__ == "__main__":
-    from lightning_accel.threads import set_early_environment
-
-    set_early_environment(sys.argv[1:])
 
 import errno
 import hashlib
 import logging
 import os
+import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,22 +23,6 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_accel import compose
-from lightning_accel.callbacks.run_stats import RunStats
-from lightning_accel.checks import (
-    check_checkpoint_dir,
-    check_checkpoint_fits,
-    check_ckpt_path,
-    check_hpc_checkpoint,
-    check_loader_memory,
-    check_master_port,
-    check_output_dirs,
-    oom_kills,
-    trainer_setting_error,
-    training_step_error,
-    worker_killed_error,
-)
-from lightning_accel.compose import config_paths, instantiate_datamodule, split_data_config
 from lightning_accel.errors import (
     ConfigError,
     LightningAccelWarning,
@@ -49,14 +32,14 @@ from lightning_accel.errors import (
     describe_os_error,
 )
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
-from lightning_accel.precision import apply_float32_matmul_precision
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
 from lightning_accel.schema import composition_error
 from lightning_accel.signals import exit_on_signals
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
-from lightning_accel.threads import apply_thread_plan, describe_plan
+from lightning_accel.thread_env import apply_thread_plan, describe_plan, set_early_environment
 
 if TYPE_CHECKING:
+    from lightning_accel.callbacks.run_stats import RunStats
     from lightning_accel.run_plan import RunShape
 
 __all__ = [
@@ -138,6 +121,16 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     Raises:
         ConfigError: for a setting that cannot work, before any Trainer exists or any process is spawned.
     """
+    from lightning_accel.checks import (
+        check_checkpoint_dir,
+        check_ckpt_path,
+        check_hpc_checkpoint,
+        check_loader_memory,
+        check_master_port,
+        check_output_dirs,
+    )
+    from lightning_accel.compose import split_data_config
+
     plan = build_run_plan(cfg)
     shape = plan.shape
     ckpt = check_ckpt_path(cfg)
@@ -168,6 +161,11 @@ def build(cfg: DictConfig, plan: RunPlan) -> tuple[Any, Any, Any, RunStats]:
     reach the Trainer as keyword arguments: `cfg` is read, never written."""
     import lightning.pytorch as pl
 
+    from lightning_accel import compose
+    from lightning_accel.callbacks.run_stats import RunStats
+    from lightning_accel.checks import check_checkpoint_fits, check_ckpt_path
+    from lightning_accel.compose import config_paths, instantiate_datamodule
+
     callbacks = compose.instantiate_callbacks(cfg)  # their own argument checks, before anything else is built
     datamodule = instantiate_datamodule(cfg.data)  # loader settings it does not take go to its DataLoaders
     model = instantiate(cfg.model)
@@ -192,6 +190,10 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     Raises:
         ConfigError: for a setting that cannot work, before any Trainer exists or any process is spawned.
     """
+    from lightning_accel import compose
+    from lightning_accel.checks import oom_kills, trainer_setting_error, training_step_error, worker_killed_error
+    from lightning_accel.precision import apply_float32_matmul_precision
+
     started = time.perf_counter()
     plan = plan_run(cfg)
     compose.instantiate_callbacks(cfg)  # their argument checks, also under `check=true`
@@ -216,7 +218,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     oom_before = oom_kills()  # a worker killed during the run is told from the cgroup's older OOM kills
 
     try:
-        with config_paths(cfg):
+        with compose.config_paths(cfg):
             summary = _fit_and_test(cfg, trainer, model, datamodule, stats, plan.shape, started, run_dir)
     except (ConfigError, NothingLearnedError, RunFailedError):
         raise
@@ -299,6 +301,8 @@ def _fit_and_test(
     run_dir: str,
 ) -> RunSummary | None:
     """Fit, then test the best checkpoint; the summary on global rank zero, None elsewhere."""
+    from lightning_accel.checks import check_ckpt_path
+
     metrics: dict[str, float] = {}
     tested = "final"
     with hydra_safe_launch(trainer):
@@ -387,4 +391,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    set_early_environment(sys.argv[1:])  # before the run loads torch (`train_entry.accel_train` does the same)
     main()
