@@ -14,7 +14,8 @@ import logging
 import os
 import sys
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -359,6 +360,40 @@ def _not_composed(err: Exception) -> ConfigError | None:
     return None
 
 
+_HELP_FLAGS = ("-h", "--help", "--hydra-help")
+
+
+class _LiveConfigStore:
+    """What `copy.deepcopy` of Hydra's ConfigStore returns while `_config_store_shared` holds: the live store."""
+
+    def __call__(self, memo: dict[int, Any]) -> Any:
+        from hydra.core.config_store import ConfigStore
+
+        return ConfigStore.instance()
+
+
+@contextmanager
+def _config_store_shared() -> Iterator[None]:
+    """While Hydra writes `--help`: its config repository's copies share the one ConfigStore.
+
+    Hydra 1.3 deep-copies its repository, and with it every structured config in the ConfigStore (Hydra's own and
+    this package's schemas), for each config group it lists: about 135 copies for accel-train's help, most of its
+    time. Sharing changes nothing the help shows: `ConfigStore.load` hands out a copy of the node it loads, and Hydra's
+    later releases read the live store the same way (facebookresearch/hydra#2928). The store is left as it was.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    if "__deepcopy__" in vars(store):
+        yield
+        return
+    setattr(store, "__deepcopy__", _LiveConfigStore())  # noqa: B010  (an instance attribute; `copy` looks it up)
+    try:
+        yield
+    finally:
+        vars(store).pop("__deepcopy__", None)
+
+
 def main() -> None:
     """Console entry point of `accel-train` (also `python -m lightning_accel.train`).
 
@@ -375,8 +410,10 @@ def main() -> None:
         raise SystemExit(2) from None
     users = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises what it cannot compose, to be named here (exit 2)
+    helping = any(arg in _HELP_FLAGS for arg in sys.argv[1:])
     try:
-        _hydra_main()
+        with _config_store_shared() if helping else nullcontext():
+            _hydra_main()
     except Exception as err:
         named = None if users == "1" else _not_composed(err)
         if named is None:
