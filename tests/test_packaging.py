@@ -1,7 +1,10 @@
-"""The built wheel ships `py.typed` (PEP 561), so type checkers read lightning_accel's annotations."""
+"""The built wheel ships `py.typed` (PEP 561), so type checkers read lightning_accel's annotations, and each of its
+console scripts names a function that exists."""
 
 from __future__ import annotations
 
+import configparser
+import importlib
 import shutil
 import subprocess
 import sys
@@ -30,4 +33,14 @@ def test_wheel_ships_py_typed(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     wheel = next(tmp_path.glob("lightning_accel-*.whl"))
-    assert "lightning_accel/py.typed" in zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "lightning_accel/py.typed" in names
+    entry_points = configparser.ConfigParser(delimiters=("=",))
+    entry_points.read_string(
+        zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    )
+    scripts = dict(entry_points["console_scripts"])
+    assert scripts["accel-train"] == "lightning_accel.train_entry:accel_train"
+    for name, target in scripts.items():  # the installed `accel-train` & co call these
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function, None)), f"{name} = {target}"
