@@ -4,6 +4,7 @@ torch loads (the wait policy's own tests: tests/test_thread_env.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -113,7 +114,7 @@ def test_help_shares_the_config_store_and_says_the_same(monkeypatch: pytest.Monk
     helps = []
     for shared in (True, False):
         if not shared:
-            monkeypatch.setattr(train, "_config_store_shared", train.nullcontext)
+            monkeypatch.setattr(train, "_config_store_shared", contextlib.nullcontext)
         monkeypatch.setattr(sys, "argv", ["accel-train", "--help"])
         GlobalHydra.instance().clear()
         with pytest.raises(SystemExit) as exited:
