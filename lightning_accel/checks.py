@@ -369,7 +369,7 @@ def _check_threads(threads: Any, shape: RunShape) -> None:
     their choices, `intra_op` >= 1 and at most a few threads per CPU, `worker_cpu` finite within [0, CPUs]."""
     if not isinstance(threads, (DictConfig, Mapping)):
         return
-    from lightning_accel.threads import THREAD_MODES, WAIT_POLICIES
+    from lightning_accel.thread_env import THREAD_MODES, WAIT_POLICIES
 
     mode = threads.get("mode", "auto")
     if mode not in THREAD_MODES:

@@ -415,7 +415,7 @@ def build_run_plan(cfg: DictConfig, *, visible_cuda: int | None = None) -> RunPl
             except ConfigError as err:  # `preset=...` is `nccl.preset` in the config
                 raise err.at("nccl") from None
             notes.append(nccl.describe())
-    from lightning_accel.threads import describe_plan, thread_plan_for
+    from lightning_accel.thread_env import describe_plan, thread_plan_for
 
     threads = thread_plan_for(cfg, shape)
     if threads is None:

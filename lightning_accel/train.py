@@ -1,21 +1,21 @@
-"""accel-train: compose a Lightning run from Hydra presets, check it, then fit, test and summarise."""
+"""accel-train: compose a Lightning run from Hydra presets, check it, then fit, test and summarise.
 
-# ruff: noqa: E402  (`python -m lightning_accel.train` sets OMP_WAIT_POLICY before the imports below load torch)
+The module loads no torch and no Lightning when it is imported: Hydra's own answers (`--help`, `--cfg job`, a key
+or an option the config does not have, an override it cannot parse) come before them, and each step of a run imports
+what it builds when it runs (`tests/test_train_entry.py` checks it). `accel-train` enters through `train_entry.py`,
+which sets the thread environment first; `python -m lightning_accel.train` sets it here.
+"""
+
 from __future__ import annotations
-
-import sys
-
-if __name__ == "__main__":
-    from lightning_accel.threads import set_early_environment
-
-    set_early_environment(sys.argv[1:])
 
 import errno
 import hashlib
 import logging
 import os
+import sys
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,22 +24,6 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_accel import compose
-from lightning_accel.callbacks.run_stats import RunStats
-from lightning_accel.checks import (
-    check_checkpoint_dir,
-    check_checkpoint_fits,
-    check_ckpt_path,
-    check_hpc_checkpoint,
-    check_loader_memory,
-    check_master_port,
-    check_output_dirs,
-    oom_kills,
-    trainer_setting_error,
-    training_step_error,
-    worker_killed_error,
-)
-from lightning_accel.compose import config_paths, instantiate_datamodule, split_data_config
 from lightning_accel.errors import (
     ConfigError,
     LightningAccelWarning,
@@ -49,14 +33,14 @@ from lightning_accel.errors import (
     describe_os_error,
 )
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
-from lightning_accel.precision import apply_float32_matmul_precision
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
 from lightning_accel.schema import composition_error
 from lightning_accel.signals import exit_on_signals
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
-from lightning_accel.threads import apply_thread_plan, describe_plan
+from lightning_accel.thread_env import apply_thread_plan, describe_plan, set_early_environment
 
 if TYPE_CHECKING:
+    from lightning_accel.callbacks.run_stats import RunStats
     from lightning_accel.run_plan import RunShape
 
 __all__ = [
@@ -138,6 +122,16 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     Raises:
         ConfigError: for a setting that cannot work, before any Trainer exists or any process is spawned.
     """
+    from lightning_accel.checks import (
+        check_checkpoint_dir,
+        check_ckpt_path,
+        check_hpc_checkpoint,
+        check_loader_memory,
+        check_master_port,
+        check_output_dirs,
+    )
+    from lightning_accel.compose import split_data_config
+
     plan = build_run_plan(cfg)
     shape = plan.shape
     ckpt = check_ckpt_path(cfg)
@@ -168,6 +162,11 @@ def build(cfg: DictConfig, plan: RunPlan) -> tuple[Any, Any, Any, RunStats]:
     reach the Trainer as keyword arguments: `cfg` is read, never written."""
     import lightning.pytorch as pl
 
+    from lightning_accel import compose
+    from lightning_accel.callbacks.run_stats import RunStats
+    from lightning_accel.checks import check_checkpoint_fits, check_ckpt_path
+    from lightning_accel.compose import config_paths, instantiate_datamodule
+
     callbacks = compose.instantiate_callbacks(cfg)  # their own argument checks, before anything else is built
     datamodule = instantiate_datamodule(cfg.data)  # loader settings it does not take go to its DataLoaders
     model = instantiate(cfg.model)
@@ -192,6 +191,10 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     Raises:
         ConfigError: for a setting that cannot work, before any Trainer exists or any process is spawned.
     """
+    from lightning_accel import compose
+    from lightning_accel.checks import oom_kills, trainer_setting_error, training_step_error, worker_killed_error
+    from lightning_accel.precision import apply_float32_matmul_precision
+
     started = time.perf_counter()
     plan = plan_run(cfg)
     compose.instantiate_callbacks(cfg)  # their argument checks, also under `check=true`
@@ -216,7 +219,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     oom_before = oom_kills()  # a worker killed during the run is told from the cgroup's older OOM kills
 
     try:
-        with config_paths(cfg):
+        with compose.config_paths(cfg):
             summary = _fit_and_test(cfg, trainer, model, datamodule, stats, plan.shape, started, run_dir)
     except (ConfigError, NothingLearnedError, RunFailedError):
         raise
@@ -299,6 +302,8 @@ def _fit_and_test(
     run_dir: str,
 ) -> RunSummary | None:
     """Fit, then test the best checkpoint; the summary on global rank zero, None elsewhere."""
+    from lightning_accel.checks import check_ckpt_path
+
     metrics: dict[str, float] = {}
     tested = "final"
     with hydra_safe_launch(trainer):
@@ -355,6 +360,40 @@ def _not_composed(err: Exception) -> ConfigError | None:
     return None
 
 
+_HELP_FLAGS = ("-h", "--help", "--hydra-help")
+
+
+class _LiveConfigStore:
+    """What `copy.deepcopy` of Hydra's ConfigStore returns while `_config_store_shared` holds: the live store."""
+
+    def __call__(self, memo: dict[int, Any]) -> Any:
+        from hydra.core.config_store import ConfigStore
+
+        return ConfigStore.instance()
+
+
+@contextmanager
+def _config_store_shared() -> Iterator[None]:
+    """While Hydra writes `--help`: its config repository's copies share the one ConfigStore.
+
+    Hydra 1.3 deep-copies its repository, and with it every structured config in the ConfigStore (Hydra's own and
+    this package's schemas), for each config group it lists: about 135 copies for accel-train's help, most of its
+    time. Sharing changes nothing the help shows: `ConfigStore.load` hands out a copy of the node it loads, and Hydra's
+    later releases read the live store the same way (facebookresearch/hydra#2928). The store is left as it was.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    if "__deepcopy__" in vars(store):
+        yield
+        return
+    setattr(store, "__deepcopy__", _LiveConfigStore())  # noqa: B010  (an instance attribute; `copy` looks it up)
+    try:
+        yield
+    finally:
+        vars(store).pop("__deepcopy__", None)
+
+
 def main() -> None:
     """Console entry point of `accel-train` (also `python -m lightning_accel.train`).
 
@@ -371,8 +410,10 @@ def main() -> None:
         raise SystemExit(2) from None
     users = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises what it cannot compose, to be named here (exit 2)
+    helping = any(arg in _HELP_FLAGS for arg in sys.argv[1:])
     try:
-        _hydra_main()
+        with _config_store_shared() if helping else nullcontext():
+            _hydra_main()
     except Exception as err:
         named = None if users == "1" else _not_composed(err)
         if named is None:
@@ -387,4 +428,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    set_early_environment(sys.argv[1:])  # before the run loads torch (`train_entry.accel_train` does the same)
     main()

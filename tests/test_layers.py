@@ -3,8 +3,8 @@ into `sys.modules` may hold nothing of a higher layer (this package's modules, L
 
     facts        system/, telemetry/, measure, errors, patching, batches, files, signals  -> Python, torch, pynvml
     behaviour    _lightning, callbacks/, strategies/, parallel/, tuning/, schedules, precision, summary  -> + lightning
-    composition  run_plan, schema, checks, app_config, compose, launch, threads, benchmark/, autotune/, and the
-                 commands: train, doctor, bench, tune, gpu_check, dash/
+    composition  run_plan, schema, checks, app_config, compose, launch, thread_env, benchmark/, autotune/, and the
+                 commands: train (entered through train_entry), doctor, bench, tune, gpu_check, dash/
                  -> + hydra, omegaconf
 """
 
@@ -30,10 +30,11 @@ COMPOSITION = (
     "app_config",
     "compose",
     "launch",
-    "threads",
+    "thread_env",
     "benchmark",
     "autotune",
     "train",
+    "train_entry",
     "doctor",
     "bench",
     "tune",

@@ -1,8 +1,11 @@
 """The package's layout: no two modules share a file name and none is over `MAX_LINES` lines; the built wheel ships
-every subpackage and `py.typed` (PEP 561), so type checkers read lightning_accel's annotations."""
+every subpackage and `py.typed` (PEP 561), so type checkers read lightning_accel's annotations, and each of its
+console scripts names a function that exists."""
 
 from __future__ import annotations
 
+import configparser
+import importlib
 import shutil
 import subprocess
 import sys
@@ -36,6 +39,15 @@ def test_wheel_ships_py_typed(tmp_path: Path) -> None:
     packages = [p.relative_to(REPO).as_posix() for p in sorted((REPO / "lightning_accel").rglob("__init__.py"))]
     assert "lightning_accel/gpu_check/__init__.py" in packages
     assert [p for p in packages if p not in shipped] == [], "list these in pyproject.toml's [tool.setuptools] packages"
+    entry_points = configparser.ConfigParser(delimiters=("=",))
+    entry_points.read_string(
+        zipfile.ZipFile(wheel).read(next(n for n in shipped if n.endswith("entry_points.txt"))).decode()
+    )
+    scripts = dict(entry_points["console_scripts"])
+    assert scripts["accel-train"] == "lightning_accel.train_entry:accel_train"
+    for name, target in scripts.items():  # the installed `accel-train` & co call these
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function, None)), f"{name} = {target}"
 
 
 PACKAGE = REPO / "lightning_accel"
@@ -44,10 +56,9 @@ MAX_LINES = 600
 SHARED = ("__init__.py", "__main__.py")
 """The file names every package may have."""
 KNOWN = {
-    "duplicate name threads.py": "the accel-train entry point (lightning_accel/threads.py) is being renamed",
     "checks.py is over 600 lines": "checks.py is being split by what it checks",
 }
-"""The two known exceptions, each on its way out in a branch of its own. Delete each entry when its change lands: the
+"""The known exception, on its way out in a branch of its own. Delete the entry when its change lands: the
 test fails on an entry nothing needs any more."""
 
 

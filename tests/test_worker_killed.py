@@ -77,7 +77,7 @@ def test_a_worker_that_kills_itself_gives_the_named_error_and_last_ckpt_stands(
         fake_cgroup(root, oom_kill=1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("lightning_accel.train.worker_killed_error", after_the_kill)
+    monkeypatch.setattr(checks, "worker_killed_error", after_the_kill)  # read by the run when it fails
     cfg = compose_train(
         [
             "trainer=smoke",

@@ -2,9 +2,9 @@
 inherits, and torch's pools in each rank (the plan itself is `lightning_accel.system.threads`).
 
 libgomp reads `OMP_WAIT_POLICY` once, when `import torch` loads it; setting it later changes nothing in this
-process. So `accel-train` enters through `accel_train` here, which sets it and only then imports torch;
-`python -m lightning_accel.train` does the same before its own imports. The launched ranks and the DataLoader
-workers inherit the environment. This module imports no torch at the top.
+process. So `accel-train` enters through `lightning_accel.train_entry`, which calls `set_early_environment` and only
+then hands off to the command; `python -m lightning_accel.train` does the same before it can load torch. The launched
+ranks and the DataLoader workers inherit the environment. This module imports no torch at the top.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import dataclasses
 import errno
 import logging
 import os
-import sys
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -29,7 +28,6 @@ __all__ = [
     "PLANNED_ENV",
     "THREAD_MODES",
     "WAIT_POLICIES",
-    "accel_train",
     "apply_thread_plan",
     "describe_plan",
     "set_early_environment",
@@ -79,14 +77,6 @@ def set_early_environment(argv: Sequence[str], env: MutableMapping[str, str] | N
     env[WAIT_POLICY_ENV] = policy
     _mark(env, _planned(env) | {WAIT_POLICY_ENV})
     return {WAIT_POLICY_ENV: policy}
-
-
-def accel_train() -> None:
-    """Console entry point of `accel-train`: the wait policy first, then torch and the run (`train.main`)."""
-    set_early_environment(sys.argv[1:])
-    from lightning_accel.train import main
-
-    main()
 
 
 def _ranks(shape: RunShape) -> int:

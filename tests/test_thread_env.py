@@ -1,5 +1,6 @@
-"""The thread plan applied by accel-train: OMP_WAIT_POLICY before torch loads, the `threads` group, the environment
-the launched ranks inherit and torch's pools in each rank (the plan itself: tests/system/test_thread_plan.py)."""
+"""`lightning_accel.thread_env`, the thread plan applied by accel-train: OMP_WAIT_POLICY before torch loads, the
+`threads` group, the environment the launched ranks inherit and torch's pools in each rank (the plan itself:
+tests/system/test_thread_plan.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from lightning_accel.errors import ConfigError
 from lightning_accel.run_plan import build_run_plan
 from lightning_accel.system.threads import plan_threads
-from lightning_accel.threads import PLANNED_ENV, apply_thread_plan, set_early_environment, thread_plan_for
+from lightning_accel.thread_env import PLANNED_ENV, apply_thread_plan, set_early_environment, thread_plan_for
 
 SMOKE = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000"]
 
@@ -36,10 +37,11 @@ def test_the_wait_policy_is_set_before_torch_loads(argv: list[str], env: dict[st
 
 
 def test_libgomp_reads_the_policy_only_if_set_before_import_torch() -> None:
-    """Why accel-train enters through `lightning_accel.threads`: OMP_DISPLAY_ENV=VERBOSE shows what libgomp read at
-    load. Its `OMP_WAIT_POLICY` line says PASSIVE when unset too; the spin count tells them apart (0: passive)."""
+    """Why accel-train sets the wait policy in its entry (`lightning_accel.train_entry`), before the command loads
+    torch: OMP_DISPLAY_ENV=VERBOSE shows what libgomp read at load. Its `OMP_WAIT_POLICY` line says PASSIVE when
+    unset too; the spin count tells them apart (0: passive)."""
     code = (
-        "import sys; from lightning_accel.threads import set_early_environment\n"
+        "import sys; from lightning_accel.thread_env import set_early_environment\n"
         "if sys.argv[1] == 'before': set_early_environment([])\n"
         "import torch\n"
         "if sys.argv[1] == 'after': set_early_environment([])\n"
