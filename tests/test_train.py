@@ -396,7 +396,7 @@ def test_external_launch_ids() -> None:
                 "+callbacks.accumulation._target_=lightning_accel.callbacks.AccumulationScheduler",
                 "+callbacks.accumulation.scheduling={{0:0}}",
             ],
-            ["`callbacks.accumulation`", "`scheduling[0]=0`"],
+            ["`callbacks.accumulation`", "`callbacks.accumulation.scheduling[0]=0`"],
         ),
     ],
 )
