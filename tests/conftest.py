@@ -109,3 +109,31 @@ def busy_process() -> Iterator[int]:
 
     with busy(1) as pids:
         yield pids[0]
+
+
+# Module-scoped fixtures cheaper than the tests that read them: those tests spread over the workers, each building its
+# own copy (test_probe_config_keys.py's few compositions for ~400 in-process cases; test_os_failures.py's read-only
+# directory).
+_SPREAD = {"composed", "read_only"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (`--dist loadgroup`)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (pyproject's addopts: `-n auto --dist loadgroup`), what a module computes once for several of
+    its tests is computed once in all, not once per worker: the tests that read a module-scoped fixture (a trained
+    checkpoint, a real `accel-bench --quick`, a fake job) share one worker, and so do the zoo cells of one zoo module
+    (`_plain`, the fit they all compare with, is cached per worker). Every other test goes to whichever worker is free.
+    """
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        shared = [
+            name
+            for name, defs in (info.name2fixturedefs.items() if info is not None else ())
+            if defs and defs[-1].scope == "module" and name not in _SPREAD
+        ]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}:module-fixtures"))
+            continue
+        callspec = getattr(item, "callspec", None)
+        if item.path.parent.name == "zoo" and callspec is not None and "module" in callspec.params:
+            item.add_marker(pytest.mark.xdist_group(f"zoo:{callspec.params['module']}"))
