@@ -440,10 +440,17 @@ def test_bad_resume_and_callback_settings_fail_before_anything_is_built(
         assert word in str(err.value)
 
 
-def test_a_bad_ckpt_path_exits_2_without_a_traceback(run_cli, tmp_path: Path) -> None:
-    result = run_cli(["ckpt_path=/nonexistent/last.ckpt", "trainer=smoke"], cwd=tmp_path, timeout=120)
-    assert result.returncode == 2
-    assert "accel-train: error: `ckpt_path=" in result.stderr and "Traceback" not in result.stderr
+def test_a_bad_ckpt_path_is_refused_before_anything_is_built(compose_train, tmp_path: Path) -> None:
+    """Without `check=true`, in process (the command line's exit 2 without a traceback for a `ckpt_path` it refuses is
+    test_a_planted_payload_in_a_checkpoint_never_runs_on_resume's)."""
+    from lightning_accel.errors import ConfigError
+    from lightning_accel.train import run
+
+    cfg = compose_train(["ckpt_path=/nonexistent/last.ckpt", "trainer=smoke", "trainer.accelerator=cpu"])
+    with pytest.raises(ConfigError) as err:
+        run(cfg)
+    assert str(err.value).startswith("`ckpt_path="), str(err.value)
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("metrics.csv"))
 
 
 class _Payload:
