@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,36 @@ def run_cli():
     return _run_cli
 
 
+@dataclass(frozen=True)
+class DdpSmokeRun:
+    """`accel-train trainer=smoke strategy=ddp trainer.devices=2` on the CPU, run once for the session (under
+    pytest-xdist, once on the worker its readers share)."""
+
+    result: subprocess.CompletedProcess[str]
+    cwd: Path  # its runs are under cwd/outputs/runs
+
+
+@pytest.fixture(scope="session")
+def ddp_smoke_run(tmp_path_factory: pytest.TempPathFactory) -> DdpSmokeRun:
+    """One 2-rank CPU DDP smoke run, read by the tests of what such a run writes (tests/test_train.py: one run
+    directory for both ranks; tests/test_threads.py: the planned threads and wait policy on both ranks): libgomp prints
+    its settings (`OMP_DISPLAY_ENV=VERBOSE`), and the run starts without a thread plan or OpenMP setting of its own."""
+    from lightning_accel.system.threads import PLANNED_ENV
+
+    cwd = tmp_path_factory.mktemp("ddp_smoke")
+    unset = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", PLANNED_ENV)
+    saved = {key: os.environ.pop(key) for key in unset if key in os.environ}
+    try:
+        result = _run_cli(
+            ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000", "strategy=ddp", "trainer.devices=2"],
+            cwd=cwd,
+            env={"OMP_DISPLAY_ENV": "VERBOSE"},
+        )
+    finally:
+        os.environ.update(saved)
+    return DdpSmokeRun(result, cwd)
+
+
 @pytest.fixture
 def busy_process() -> Iterator[int]:
     """A CPU-bound process that is not ours (tests/_busy.py), for as long as the test runs; yields its pid."""
@@ -109,31 +140,3 @@ def busy_process() -> Iterator[int]:
 
     with busy(1) as pids:
         yield pids[0]
-
-
-# Module-scoped fixtures cheaper than the tests that read them: those tests spread over the workers, each building its
-# own copy (test_probe_config_keys.py's few compositions for ~400 in-process cases; test_os_failures.py's read-only
-# directory).
-_SPREAD = {"composed", "read_only"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (`--dist loadgroup`)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (pyproject's addopts: `-n auto --dist loadgroup`), what a module computes once for several of
-    its tests is computed once in all, not once per worker: the tests that read a module-scoped fixture (a trained
-    checkpoint, a real `accel-bench --quick`, a fake job) share one worker, and so do the zoo cells of one zoo module
-    (`_plain`, the fit they all compare with, is cached per worker). Every other test goes to whichever worker is free.
-    """
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        shared = [
-            name
-            for name, defs in (info.name2fixturedefs.items() if info is not None else ())
-            if defs and defs[-1].scope == "module" and name not in _SPREAD
-        ]
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(f"{item.path.stem}:module-fixtures"))
-            continue
-        callspec = getattr(item, "callspec", None)
-        if item.path.parent.name == "zoo" and callspec is not None and "module" in callspec.params:
-            item.add_marker(pytest.mark.xdist_group(f"zoo:{callspec.params['module']}"))

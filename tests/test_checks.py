@@ -238,17 +238,11 @@ def test_check_only_validates_and_prints_the_non_default_trainer_settings(run_cl
     assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("metrics.csv"))
 
 
-def test_a_bad_combination_is_refused_before_launch(compose_train, tmp_path: Path) -> None:
-    """In process: what accel-train runs refuses it before any rank starts (the command line's exit 2 without a
-    traceback, for an error of this kind, is test_cli_rejects_bad_devices_before_any_process_starts's)."""
-    from lightning_accel.errors import ConfigError
-    from lightning_accel.train import run
-
-    cfg = compose_train(["trainer.accelerator=cpu", "trainer.strategy=fsdp", "trainer.devices=2"])
-    with pytest.raises(ConfigError) as err:
-        run(cfg)
-    assert str(err.value).startswith("`trainer.strategy='fsdp'` needs CUDA GPUs"), str(err.value)
-    assert "train_rank1.log" not in {p.name for p in tmp_path.rglob("*")}
+def test_cli_rejects_a_bad_combination_before_launch(run_cli, tmp_path: Path) -> None:
+    proc = run_cli(["trainer.accelerator=cpu", "trainer.strategy=fsdp", "trainer.devices=2"], tmp_path)
+    assert proc.returncode == 2
+    assert "accel-train: error: `trainer.strategy='fsdp'` needs CUDA GPUs" in proc.stderr
+    assert "Traceback" not in proc.stderr and "train_rank1.log" not in {p.name for p in tmp_path.rglob("*")}
 
 
 def test_ddp_grad_compression_sets_the_comm_hook_on_cuda(compose_train) -> None:

@@ -45,8 +45,9 @@ def test_default_run_beats_chance(run_cli, tmp_path: Path) -> None:
     assert (run_dir / "csv" / "version_0" / "metrics.csv").is_file()
 
 
-def test_ddp_two_cpu_processes_share_one_run_directory(run_cli, tmp_path: Path) -> None:
-    result = run_cli([*SMOKE, *DDP2], cwd=tmp_path)
+def test_ddp_two_cpu_processes_share_one_run_directory(ddp_smoke_run) -> None:
+    """`SMOKE` with `DDP2` (conftest's session run, which tests/test_threads.py reads too)."""
+    result, tmp_path = ddp_smoke_run.result, ddp_smoke_run.cwd
     assert result.returncode == 0, result.stderr[-3000:]
     runs = list((tmp_path / "outputs" / "runs").iterdir())
     assert len(runs) == 1, runs
