@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,36 @@ def _run_cli(
 def run_cli():
     """run_cli(args, cwd, timeout=300, env=None, module="lightning_accel.train") -> CompletedProcess."""
     return _run_cli
+
+
+@dataclass(frozen=True)
+class DdpSmokeRun:
+    """`accel-train trainer=smoke strategy=ddp trainer.devices=2` on the CPU, run once for the session (under
+    pytest-xdist, once on the worker its readers share)."""
+
+    result: subprocess.CompletedProcess[str]
+    cwd: Path  # its runs are under cwd/outputs/runs
+
+
+@pytest.fixture(scope="session")
+def ddp_smoke_run(tmp_path_factory: pytest.TempPathFactory) -> DdpSmokeRun:
+    """One 2-rank CPU DDP smoke run, read by the tests of what such a run writes (tests/test_train.py: one run
+    directory for both ranks; tests/test_threads.py: the planned threads and wait policy on both ranks): libgomp prints
+    its settings (`OMP_DISPLAY_ENV=VERBOSE`), and the run starts without a thread plan or OpenMP setting of its own."""
+    from lightning_accel.system.threads import PLANNED_ENV
+
+    cwd = tmp_path_factory.mktemp("ddp_smoke")
+    unset = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", PLANNED_ENV)
+    saved = {key: os.environ.pop(key) for key in unset if key in os.environ}
+    try:
+        result = _run_cli(
+            ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000", "strategy=ddp", "trainer.devices=2"],
+            cwd=cwd,
+            env={"OMP_DISPLAY_ENV": "VERBOSE"},
+        )
+    finally:
+        os.environ.update(saved)
+    return DdpSmokeRun(result, cwd)
 
 
 @pytest.fixture

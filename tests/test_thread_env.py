@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -101,15 +100,13 @@ def test_apply_sets_torch_and_the_environment_and_the_undo_restores_them() -> No
     assert torch.get_num_threads() == before and env == {}
 
 
-def test_ddp_ranks_run_with_the_planned_threads_and_wait_policy(run_cli, tmp_path: Path) -> None:
-    """Both ranks of a 2-process CPU DDP run: libgomp loaded with OMP_WAIT_POLICY=PASSIVE (spin count 0 in what
-    OMP_DISPLAY_ENV prints), and each rank's log shows the planned intra-op threads in force."""
-    run_dir = tmp_path / "run"
-    env = {"OMP_DISPLAY_ENV": "VERBOSE"}
-    for key in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS", PLANNED_ENV):
-        os.environ.pop(key, None)  # restored by conftest's _restore_environment
-    result = run_cli([*SMOKE, "strategy=ddp", "trainer.devices=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env)
+def test_ddp_ranks_run_with_the_planned_threads_and_wait_policy(ddp_smoke_run) -> None:
+    """Both ranks of a 2-process CPU DDP run (conftest's session run, `OMP_DISPLAY_ENV=VERBOSE`, started without
+    OMP_WAIT_POLICY, OMP_NUM_THREADS, MKL_NUM_THREADS or a thread plan): libgomp loaded with OMP_WAIT_POLICY=PASSIVE
+    (spin count 0 in what OMP_DISPLAY_ENV prints), and each rank's log shows the planned intra-op threads in force."""
+    result = ddp_smoke_run.result
     assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (ddp_smoke_run.cwd / "outputs" / "runs").iterdir()
     assert re.findall(r"GOMP_SPINCOUNT = '(\d+)'", result.stderr) == ["0", "0"]
     for name in ("train.log", "train_rank1.log"):
         text = (run_dir / name).read_text()

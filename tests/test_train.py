@@ -45,8 +45,9 @@ def test_default_run_beats_chance(run_cli, tmp_path: Path) -> None:
     assert (run_dir / "csv" / "version_0" / "metrics.csv").is_file()
 
 
-def test_ddp_two_cpu_processes_share_one_run_directory(run_cli, tmp_path: Path) -> None:
-    result = run_cli([*SMOKE, *DDP2], cwd=tmp_path)
+def test_ddp_two_cpu_processes_share_one_run_directory(ddp_smoke_run) -> None:
+    """`SMOKE` with `DDP2` (conftest's session run, which tests/test_threads.py reads too)."""
+    result, tmp_path = ddp_smoke_run.result, ddp_smoke_run.cwd
     assert result.returncode == 0, result.stderr[-3000:]
     runs = list((tmp_path / "outputs" / "runs").iterdir())
     assert len(runs) == 1, runs
@@ -292,24 +293,46 @@ def test_two_runs_started_together_get_two_run_directories(tmp_path: Path) -> No
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}", run.name) for run in runs), runs
 
 
-@pytest.mark.parametrize(
-    ("args", "env", "words"),
-    [
-        (["paths.log_dir={file}/x"], {}, "`paths.log_dir={file}/x`: runs cannot be written"),
-        (["hydra.run.dir=/proc/nope/run"], {}, "`hydra.run.dir=/proc/nope/run`"),
-        (["-m", "hydra.sweep.dir=/proc/nope/sweep", "seed=1,2"], {}, "`hydra.sweep.dir=/proc/nope/sweep`"),
-        ([], {"ACCEL_LOG_DIR": "{file}/logs"}, "`ACCEL_LOG_DIR={file}/logs`"),
-    ],
-)
-def test_an_unwritable_log_dir_exits_2_naming_the_setting(run_cli, tmp_path: Path, args, env, words) -> None:
+_UNWRITABLE = [
+    (["paths.log_dir={file}/x"], {}, "`paths.log_dir={file}/x`: runs cannot be written"),
+    (["hydra.run.dir=/proc/nope/run"], {}, "`hydra.run.dir=/proc/nope/run`"),
+    (["-m", "hydra.sweep.dir=/proc/nope/sweep", "seed=1,2"], {}, "`hydra.sweep.dir=/proc/nope/sweep`"),
+    ([], {"ACCEL_LOG_DIR": "{file}/logs"}, "`ACCEL_LOG_DIR={file}/logs`"),
+]
+
+
+def _unwritable_case(tmp_path: Path, args, env, words) -> tuple[list[str], dict[str, str], str]:
     file = tmp_path / "a_file"
     file.write_text("not a directory")
-    args = [a.replace("{file}", str(file)) for a in args]
-    env = {k: v.replace("{file}", str(file)) for k, v in env.items()}
+    return (
+        [a.replace("{file}", str(file)) for a in args],
+        {k: v.replace("{file}", str(file)) for k, v in env.items()},
+        words.replace("{file}", str(file)),
+    )
+
+
+def test_an_unwritable_log_dir_exits_2_naming_the_setting(run_cli, tmp_path: Path) -> None:
+    """One real launch: accel-train turns the check's error into exit 2 without a traceback (every setting below
+    takes the same path through `check_output_root`, checked in-process by the next test)."""
+    args, env, words = _unwritable_case(tmp_path, *_UNWRITABLE[0])
     result = run_cli(["check=true", "trainer.accelerator=cpu", *args], cwd=tmp_path, env=env, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert words.replace("{file}", str(file)) in result.stderr and "Traceback" not in result.stderr
+    assert words in result.stderr and "Traceback" not in result.stderr
     assert "point `paths.log_dir` (or ACCEL_LOG_DIR) at a writable directory" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "env", "words"), _UNWRITABLE)
+def test_an_unwritable_log_dir_is_named_by_the_setting_that_chose_it(tmp_path: Path, args, env, words) -> None:
+    """What accel-train's entry runs on its argv and environment before Hydra creates the run directory."""
+    from lightning_accel.errors import ConfigError
+    from lightning_accel.launch import check_output_root
+
+    args, env, words = _unwritable_case(tmp_path, args, env, words)
+    environ = {k: v for k, v in os.environ.items() if k not in ("ACCEL_LOG_DIR", "ACCEL_RUN_ID")}
+    with pytest.raises(ConfigError) as err:
+        check_output_root(["check=true", "trainer.accelerator=cpu", *args], {**environ, **env})
+    assert words in str(err.value)
+    assert "point `paths.log_dir` (or ACCEL_LOG_DIR) at a writable directory" in str(err.value)
 
 
 def test_the_log_dir_check_leaves_help_and_interpolations_alone(tmp_path: Path) -> None:
@@ -418,10 +441,17 @@ def test_bad_resume_and_callback_settings_fail_before_anything_is_built(
         assert word in str(err.value)
 
 
-def test_a_bad_ckpt_path_exits_2_without_a_traceback(run_cli, tmp_path: Path) -> None:
-    result = run_cli(["ckpt_path=/nonexistent/last.ckpt", "trainer=smoke"], cwd=tmp_path, timeout=120)
-    assert result.returncode == 2
-    assert "accel-train: error: `ckpt_path=" in result.stderr and "Traceback" not in result.stderr
+def test_a_bad_ckpt_path_is_refused_before_anything_is_built(compose_train, tmp_path: Path) -> None:
+    """Without `check=true`, in process (the command line's exit 2 without a traceback for a `ckpt_path` it refuses is
+    test_a_planted_payload_in_a_checkpoint_never_runs_on_resume's)."""
+    from lightning_accel.errors import ConfigError
+    from lightning_accel.train import run
+
+    cfg = compose_train(["ckpt_path=/nonexistent/last.ckpt", "trainer=smoke", "trainer.accelerator=cpu"])
+    with pytest.raises(ConfigError) as err:
+        run(cfg)
+    assert str(err.value).startswith("`ckpt_path="), str(err.value)
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("metrics.csv"))
 
 
 class _Payload:
