@@ -34,6 +34,7 @@ from lightning_accel.checks import (
     check_loader_memory,
     check_master_port,
     check_output_dirs,
+    check_run,
     oom_kills,
     trainer_setting_error,
     training_step_error,
@@ -52,12 +53,13 @@ from lightning_accel.launch import check_output_root, hydra_safe_launch, registe
 from lightning_accel.precision import apply_float32_matmul_precision
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
 from lightning_accel.schema import composition_error
+from lightning_accel.shape import run_shape
 from lightning_accel.signals import exit_on_signals
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
 from lightning_accel.threads import apply_thread_plan, describe_plan
 
 if TYPE_CHECKING:
-    from lightning_accel.run_plan import RunShape
+    from lightning_accel.shape import RunShape
 
 __all__ = [
     "build",
@@ -138,7 +140,7 @@ def plan_run(cfg: DictConfig) -> RunPlan:
     Raises:
         ConfigError: for a setting that cannot work, before any Trainer exists or any process is spawned.
     """
-    plan = build_run_plan(cfg)
+    plan = build_run_plan(cfg, check_run(cfg, run_shape(cfg)))  # compose -> shape -> checks -> plan
     shape = plan.shape
     ckpt = check_ckpt_path(cfg)
     if (

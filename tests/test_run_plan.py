@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_accel.checks import CheckedRun
 from lightning_accel.run_plan import RunPlan, build_run_plan
 
 
@@ -70,9 +71,9 @@ def test_the_plan_is_built_once_per_launch(compose_train, monkeypatch: pytest.Mo
     built = []
     real = run_plan.build_run_plan
 
-    def counting(cfg: DictConfig, **kwargs: object) -> RunPlan:
+    def counting(cfg: DictConfig, checked: CheckedRun) -> RunPlan:
         built.append(1)
-        return real(cfg, **kwargs)  # type: ignore[arg-type]
+        return real(cfg, checked)
 
     monkeypatch.setattr(train, "build_run_plan", counting)
     cfg = compose_train(["trainer=smoke", "trainer.accelerator=cpu", "check=true"])
@@ -86,8 +87,8 @@ def test_accel_bench_plans_its_stages_from_the_run_plan(monkeypatch: pytest.Monk
     plans = []
     real = build_run_plan
 
-    def recording(cfg: DictConfig, **kwargs: object) -> RunPlan:
-        plans.append(real(cfg, **kwargs))  # type: ignore[arg-type]
+    def recording(cfg: DictConfig, checked: CheckedRun) -> RunPlan:
+        plans.append(real(cfg, checked))
         return plans[-1]
 
     monkeypatch.setattr(stage_plan, "build_run_plan", recording)

@@ -19,7 +19,7 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from hydra.utils import get_method
 
 from lightning_accel import schema
-from lightning_accel.checks import check_config
+from lightning_accel.checks import check_config, check_run
 from lightning_accel.errors import ConfigError, ConfigTypeError
 from lightning_accel.run_plan import build_run_plan
 from lightning_accel.schema import composition_error
@@ -58,7 +58,7 @@ def test_threads_pin_no_reads_as_false_and_pins_nothing(compose_train) -> None:
     """It read as the string "no", which is true: the ranks were pinned. OmegaConf's bool reads yes/no, on/off."""
     cfg = compose_train(["threads.pin=no", *CPU])
     assert cfg.threads.pin is False
-    plan = build_run_plan(cfg)
+    plan = build_run_plan(cfg, check_run(cfg))
     assert plan.threads is not None and plan.threads.cpu_sets == ()
 
 
