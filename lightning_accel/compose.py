@@ -166,8 +166,8 @@ def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
     """
     import torch
 
+    from lightning_accel.checks import resolve_config_precision
     from lightning_accel.precision import apply_float32_matmul_precision
-    from lightning_accel.shape import resolve_config_precision
 
     resolved = resolve_config_precision(cfg)
     apply_float32_matmul_precision(cfg.get("float32_matmul_precision"))

@@ -1,35 +1,30 @@
 """The run's shape: the facts of a composed run, read once from its config before anything is checked or planned.
 
 `run_shape(cfg)` is the one place that parses `trainer.devices`, names the strategy family, finds the accumulation
-callback and counts the CPUs (through `system/`) and CUDA devices; `resolve_config_precision(cfg)` says which
-precision `trainer.precision` is on this machine. The checks (`lightning_accel.checks`) read the shape, the plan
-(`lightning_accel.run_plan`) is built from the checked shape, and accel-bench's ladder, accel-tune's search space and
-the run summary read it. Nothing here checks or plans: this module imports no other composition module.
+callback and counts the CPUs (through `system/`) and CUDA devices. The checks (`lightning_accel.checks`) read the
+shape (and resolve the precision for this machine into it), the plan (`lightning_accel.run_plan`) is built from the
+checked shape, and accel-bench's ladder, accel-tune's search space and the run summary read it. Nothing here checks
+or plans: this module imports no other composition module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from lightning_accel.errors import ConfigError
-
-if TYPE_CHECKING:
-    from lightning_accel.precision import ResolvedPrecision
+from lightning_accel.targets import node_class
 
 __all__ = [
     "DISTRIBUTED_FAMILIES",
     "RunShape",
     "accumulation_callbacks",
     "count_devices",
-    "resolve_config_precision",
     "run_shape",
     "runs_on_cuda",
     "strategy_family",
-    "target_class",
 ]
 
 
@@ -51,29 +46,12 @@ def count_devices(devices: Any) -> int | None:
 DISTRIBUTED_FAMILIES = ("ddp", "fsdp", "model_parallel", "deepspeed", "pipeline")
 
 
-def target_class(target: Any) -> type | None:
-    """The class a `_target_` names, imported; None for an empty target or one that cannot be imported here (a
-    user's class whose module is not importable yet), so no rule applies to it."""
-    if not isinstance(target, str) or not target:
-        return None
-    from hydra.utils import get_class
-
-    try:
-        return get_class(target)
-    except Exception:  # an unimportable target: nothing of ours to check
-        return None
-
-
-def _node_class(node: Any) -> type | None:
-    return target_class(node.get("_target_")) if isinstance(node, (DictConfig, Mapping)) else None
-
-
 def strategy_family(strategy: Any) -> str:
     """The strategy family ("auto", "ddp", "fsdp", "model_parallel", "pipeline", "deepspeed", "single_device", or
     the name of another strategy) of a registry name (`ddp_spawn`) or a `_target_` config (by the class it names:
     a subclass of Lightning's DDPStrategy is "ddp")."""
     if isinstance(strategy, (DictConfig, Mapping)):
-        cls = _node_class(strategy)
+        cls = node_class(strategy)
         if cls is None:
             return str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
         from lightning.pytorch import strategies as pl_strategies
@@ -105,7 +83,7 @@ def accumulation_callbacks(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
 
     found = []
     for name, node in (cfg.get("callbacks") or {}).items():
-        cls = _node_class(node)
+        cls = node_class(node)
         if cls is not None and issubclass(cls, (AccumulationScheduler, GradientAccumulationScheduler)):
             found.append((str(name), node))
     return found
@@ -148,9 +126,11 @@ class RunShape:
     strategy: Any
     """`trainer.strategy` as configured (plain Python: a registry name or a dict with `_target_`)."""
     precision: str
-    """`trainer.precision`: as resolved for this machine in a `RunPlan`, else as configured."""
+    """`trainer.precision`: as configured; as resolved for this machine in a checked run (`checks.CheckedRun`)."""
     accumulation_callback: str | None
     """The name under `callbacks` of the accumulation callback, if there is (exactly) one."""
+    accumulation_callbacks: tuple[str, ...] = ()
+    """The names under `callbacks` of every accumulation callback (`accumulation_callbacks`)."""
 
     @property
     def world_size(self) -> int | None:
@@ -196,7 +176,9 @@ def run_shape(
         precision: the precision resolved for this machine (`amp` and `fp8` resolve per machine); None takes
             `trainer.precision` as configured.
     """
-    trainer = cfg.trainer
+    trainer = cfg.get("trainer")
+    if not isinstance(trainer, (DictConfig, Mapping)):
+        trainer = {}  # the checks name what is missing: the shape of a config without a trainer is the defaults'
     accelerator = str(trainer.get("accelerator", "auto"))
     visible = _visible_cuda_devices() if visible_cuda is None else visible_cuda
     devices = trainer.get("devices", "auto")
@@ -216,6 +198,7 @@ def run_shape(
         strategy=plain_strategy,
         precision=precision or str(trainer.get("precision", "32-true")),
         accumulation_callback=schedulers[0][0] if len(schedulers) == 1 else None,
+        accumulation_callbacks=tuple(name for name, _ in schedulers),
     )
 
 
@@ -231,28 +214,3 @@ def runs_on_cuda(cfg: DictConfig, *, visible_cuda: int | None = None) -> bool:
 def _on_cuda(accelerator: str, visible: Any) -> bool:
     """`gpu`/`cuda`, or `auto` with a CUDA device visible (`visible()` counts them)."""
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and visible() > 0)
-
-
-def resolve_config_precision(cfg: DictConfig) -> ResolvedPrecision:
-    """`trainer.precision` of a composed config resolved for this machine (`lightning_accel.precision`), with the
-    reason: `amp` and `fp8` as asked, whether the config wrote them directly or through `${accel_precision:...}`.
-
-    Raises:
-        ConfigError: when the precision cannot run here, naming `trainer.precision` and the fix.
-    """
-    import re
-
-    from lightning_accel.precision import resolve_precision
-
-    accelerator = cfg.trainer.get("accelerator", "auto")
-    written = cast("dict[str, Any]", OmegaConf.to_container(cfg.trainer, resolve=False))  # the trainer group: a mapping
-    raw = written.get("precision", "32-true")
-    requested = re.match(r"\$\{accel_precision:([^,}]+)", str(raw))  # conf/precision/amp.yaml: resolved already
-    try:
-        return resolve_precision(
-            requested.group(1) if requested else cfg.trainer.get("precision", "32-true"),
-            accelerator if isinstance(accelerator, str) else "auto",
-            setting="trainer.precision",
-        )
-    except ConfigError as err:  # `accelerator=...` is the Trainer's
-        raise err.at("trainer") from None

@@ -31,7 +31,7 @@ FLOORS: dict[str, int] = {
     **dict.fromkeys(
         ("_lightning", "callbacks", "strategies", "parallel", "tuning", "schedules", "precision", "summary"), 1
     ),
-    **dict.fromkeys(("schema", "conf"), 2),
+    **dict.fromkeys(("schema", "targets", "conf"), 2),
     **dict.fromkeys(("shape", "threads"), 3),
     "checks": 4,
     "run_plan": 5,

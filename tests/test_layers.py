@@ -3,8 +3,9 @@ into `sys.modules` may hold nothing of a higher layer (this package's modules, L
 
     facts        system/, telemetry/, measure, errors, patching, batches, files, signals  -> Python, torch, pynvml
     behaviour    _lightning, callbacks/, strategies/, parallel/, tuning/, schedules, precision, summary  -> + lightning
-    composition  shape, run_plan, schema, checks/, app_config, compose, launch, threads, benchmark/, autotune/, and the
-                 commands: train, doctor, bench, tune, gpu_check, dash/
+    composition  schema, targets, shape, threads, checks/, run_plan, app_config, compose, launch, benchmark/,
+                 autotune/, and the commands: train, doctor, bench, tune, gpu_check, dash/ (their floors:
+                 tests/test_import_graph.py)
                  -> + hydra, omegaconf
 """
 
@@ -24,6 +25,7 @@ import lightning_accel
 FACTS = ("system", "telemetry", "measure", "errors", "patching", "batches", "files", "signals")
 BEHAVIOUR = ("_lightning", "callbacks", "strategies", "parallel", "tuning", "schedules", "precision", "summary")
 COMPOSITION = (
+    "targets",
     "shape",
     "run_plan",
     "schema",

@@ -11,7 +11,7 @@ in order, `run_shape(cfg)` -> `check_run(cfg, shape)` -> `run_plan.build_run_pla
 
 from __future__ import annotations
 
-from lightning_accel.checks.checked_run import CheckedRun, check_config, check_run
+from lightning_accel.checks.checked_run import CheckedRun, check_config, check_run, resolve_config_precision
 from lightning_accel.checks.checkpoints import (
     check_checkpoint_dir,
     check_checkpoint_fits,
@@ -38,6 +38,7 @@ __all__ = [
     "check_output_dirs",
     "check_run",
     "oom_kills",
+    "resolve_config_precision",
     "trainer_setting_error",
     "training_step_error",
     "worker_killed_error",

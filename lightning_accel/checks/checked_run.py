@@ -4,19 +4,20 @@ precision resolved for this machine, checked again), whose `CheckedRun` is what 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
+
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_accel.checks.combinations import check_combinations
 from lightning_accel.checks.group_settings import check_group_settings
 from lightning_accel.checks.trainer_settings import check_trainer_settings
-from lightning_accel.shape import RunShape, resolve_config_precision, run_shape
+from lightning_accel.errors import ConfigError
+from lightning_accel.shape import RunShape, run_shape
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
     from lightning_accel.precision import ResolvedPrecision
 
-__all__ = ["CheckedRun", "check_config", "check_run"]
+__all__ = ["CheckedRun", "check_config", "check_run", "resolve_config_precision"]
 
 
 def check_config(cfg: DictConfig, *, visible_cuda: int | None = None, shape: RunShape | None = None) -> None:
@@ -26,8 +27,7 @@ def check_config(cfg: DictConfig, *, visible_cuda: int | None = None, shape: Run
     Args:
         cfg: the composed config.
         visible_cuda: CUDA devices visible; None counts them (without creating a CUDA context).
-        shape: the config's run shape (`shape.run_shape`), when the caller has read it; None reads it here, once
-            the `trainer` settings are known to be readable.
+        shape: the config's run shape (`shape.run_shape`), read by the caller before the checks; None reads it.
 
     Raises:
         ConfigError: naming the setting, the value received and the fix.
@@ -36,8 +36,8 @@ def check_config(cfg: DictConfig, *, visible_cuda: int | None = None, shape: Run
 
 
 def _check_settings(cfg: DictConfig, shape: RunShape | None, visible_cuda: int | None) -> RunShape:
-    check_trainer_settings(cfg)
     shape = shape or run_shape(cfg, visible_cuda=visible_cuda)
+    check_trainer_settings(cfg)
     check_group_settings(cfg, shape)
     check_combinations(cfg, shape=shape)
     return shape
@@ -56,7 +56,7 @@ class CheckedRun:
 
 def check_run(cfg: DictConfig, shape: RunShape | None = None, *, visible_cuda: int | None = None) -> CheckedRun:
     """Check a composed config before its plan: `check_config`, then the precision resolved for this machine
-    (`shape.resolve_config_precision`) and the combinations checked again with it (`amp` may resolve to one that
+    (`resolve_config_precision`) and the combinations checked again with it (`amp` may resolve to one that
     the strategy refuses).
 
     Args:
@@ -72,3 +72,29 @@ def check_run(cfg: DictConfig, shape: RunShape | None = None, *, visible_cuda: i
     shape = replace(shape, precision=resolved.value)
     check_combinations(cfg, shape=shape)  # again, now with the precision resolved for this machine
     return CheckedRun(shape=shape, precision=resolved)
+
+
+def resolve_config_precision(cfg: DictConfig) -> ResolvedPrecision:
+    """`trainer.precision` of a composed config resolved for this machine (`lightning_accel.precision`), with the
+    reason: `amp` and `fp8` as asked, whether the config wrote them directly or through `${accel_precision:...}`. A
+    check as much as a reading: a precision this machine cannot run is refused here.
+
+    Raises:
+        ConfigError: when the precision cannot run here, naming `trainer.precision` and the fix.
+    """
+    import re
+
+    from lightning_accel.precision import resolve_precision
+
+    accelerator = cfg.trainer.get("accelerator", "auto")
+    written = cast("dict[str, Any]", OmegaConf.to_container(cfg.trainer, resolve=False))  # the trainer group: a mapping
+    raw = written.get("precision", "32-true")
+    requested = re.match(r"\$\{accel_precision:([^,}]+)", str(raw))  # conf/precision/amp.yaml: resolved already
+    try:
+        return resolve_precision(
+            requested.group(1) if requested else cfg.trainer.get("precision", "32-true"),
+            accelerator if isinstance(accelerator, str) else "auto",
+            setting="trainer.precision",
+        )
+    except ConfigError as err:  # `accelerator=...` is the Trainer's
+        raise err.at("trainer") from None

@@ -12,7 +12,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from lightning_accel.checks._values import _CPU_OVERSUBSCRIPTION, _show
 from lightning_accel.errors import ConfigError
 from lightning_accel.precision import MODEL_PARALLEL_REFUSED
-from lightning_accel.shape import RunShape, count_devices, run_shape, target_class
+from lightning_accel.shape import RunShape, run_shape
+from lightning_accel.targets import target_class
 
 __all__ = ["check_combinations"]
 
@@ -43,9 +44,9 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shap
             "CUDA_VISIBLE_DEVICES, or run `accel-doctor`); use `trainer.accelerator=cpu` to run on the CPU."
         )
     if on_cuda:
-        _check_devices_visible(devices, visible)
+        _check_devices_visible(devices, shape.devices_per_node, visible)
     else:
-        _check_cpu_processes(devices, shape.cpus)
+        _check_cpu_processes(devices, shape.devices_per_node, shape.cpus)
     strategy, name, precision = cfg.trainer.get("strategy", "auto"), shape.family, shape.precision
     if not on_cuda and name in ("fsdp", "deepspeed"):
         fix = "`strategy=model_parallel` (FSDP2, runs on CPU)" if name == "fsdp" else "`strategy=ddp`"
@@ -84,10 +85,9 @@ def check_combinations(cfg: DictConfig, *, visible_cuda: int | None = None, shap
         )
 
 
-def _check_cpu_processes(devices: Any, cpus: int) -> None:
+def _check_cpu_processes(devices: Any, count: int | None, cpus: int) -> None:
     """On the CPU, `trainer.devices` is a number of processes: Lightning starts any number, each with its own copy
     of the model; far more than the CPUs only thrashes (and 1000 exhausts memory or process limits)."""
-    count = count_devices(devices)
     if count is None or count <= 1:
         return
     if count > _CPU_OVERSUBSCRIPTION * cpus:
@@ -98,7 +98,7 @@ def _check_cpu_processes(devices: Any, cpus: int) -> None:
         )
 
 
-def _check_devices_visible(devices: Any, visible: int) -> None:
+def _check_devices_visible(devices: Any, count: int | None, visible: int) -> None:
     if isinstance(devices, (ListConfig, list)) or (isinstance(devices, str) and "," in devices):
         indices = devices if not isinstance(devices, str) else [int(d) for d in devices.split(",") if d.strip()]
         missing = [d for d in indices if isinstance(d, int) and d >= visible]
@@ -108,7 +108,6 @@ def _check_devices_visible(devices: Any, visible: int) -> None:
                 f"are visible; use indices below {visible}, or check CUDA_VISIBLE_DEVICES."
             )
         return
-    count = count_devices(devices)
     if count is not None and count > visible:
         raise ConfigError(
             f"`trainer.devices={count}` but only {visible} CUDA device(s) are visible; use "

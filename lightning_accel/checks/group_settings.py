@@ -12,7 +12,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from lightning_accel.checks._values import _CPU_OVERSUBSCRIPTION, _EXAMPLE_DATA, _check_choice, _check_int, _show
 from lightning_accel.errors import ConfigError
 from lightning_accel.precision import FLOAT32_MATMUL_PRECISIONS
-from lightning_accel.shape import accumulation_callbacks, target_class
+from lightning_accel.targets import target_class
 
 if TYPE_CHECKING:
     from lightning_accel.shape import RunShape
@@ -155,7 +155,7 @@ def _check_micro_batch(cfg: DictConfig) -> None:
 def _check_accumulation(cfg: DictConfig, shape: RunShape) -> None:
     """An accumulation callback owns `accumulate_grad_batches`; a global batch must split evenly over the
     data-parallel ranks (pipeline stages and tensor-parallel ranks share a batch)."""
-    schedulers = accumulation_callbacks(cfg)
+    schedulers = [(name, cfg.callbacks[name]) for name in shape.accumulation_callbacks]
     if not schedulers:
         return
     if len(schedulers) > 1:
