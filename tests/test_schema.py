@@ -132,7 +132,7 @@ def test_good_values_pass(compose_train, overrides) -> None:
 
 
 def test_a_time_between_validations_passes_where_lightning_takes_one(compose_train) -> None:
-    from lightning_accel.checks import _time_based_validation
+    from lightning_accel.checks.trainer_settings import _time_based_validation
 
     cfg = compose_train(["trainer.val_check_interval=00:00:10:00", *CPU])
     if _time_based_validation():  # Lightning 2.6
