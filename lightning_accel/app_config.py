@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from lightning_accel.checks import check_config
-from lightning_accel.run_plan import count_devices
+from lightning_accel.shape import count_devices
 
 __all__ = ["GROUP_CALLBACKS", "UNREAD_KEYS", "check_app_config"]
 
@@ -53,8 +53,8 @@ UNREAD_KEYS: dict[str, tuple[str, str]] = {
     ),
     "ddp_grad_compression": (
         "",
-        "instantiate the Trainer with `**lightning_accel.run_plan.build_run_plan(cfg)."
-        "trainer_kwargs(cfg)` (accel-train does), or leave it at `none`",
+        "instantiate the Trainer with `**build_run_plan(cfg, check_run(cfg)).trainer_kwargs(cfg)` "
+        "(`lightning_accel.run_plan`, `lightning_accel.checks`; accel-train does), or leave it at `none`",
     ),
 }
 """Top-level keys this package's groups write -> (where an app's model usually expects it, how to read it). A chosen
@@ -187,7 +187,7 @@ def _plain(value: Any) -> Any:
 
 def _devices_here(cfg: DictConfig, devices: Any) -> str:
     """How many processes `devices` means on this machine, in words."""
-    from lightning_accel.run_plan import run_shape
+    from lightning_accel.shape import run_shape
 
     count = count_devices(devices)
     if count is None:

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lightning_accel.app_config import check_app_config
 from lightning_accel.errors import ConfigError, ConfigTypeError, named_argument
 from lightning_accel.launch import hydra_safe_launch
-from lightning_accel.run_plan import runs_on_cuda
+from lightning_accel.shape import runs_on_cuda
 from lightning_accel.tuning.dataloader.loader_settings import LOADER_KEYS
 
 if TYPE_CHECKING:
@@ -166,8 +166,8 @@ def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
     """
     import torch
 
+    from lightning_accel.checks import resolve_config_precision
     from lightning_accel.precision import apply_float32_matmul_precision
-    from lightning_accel.run_plan import resolve_config_precision
 
     resolved = resolve_config_precision(cfg)
     apply_float32_matmul_precision(cfg.get("float32_matmul_precision"))

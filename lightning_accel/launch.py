@@ -283,7 +283,7 @@ def on_cuda_resolver(accelerator: Any = "auto") -> bool:
     if name in ("gpu", "cuda"):
         return True
     if name == "auto":
-        from lightning_accel.run_plan import runs_on_cuda
+        from lightning_accel.shape import runs_on_cuda
 
         return runs_on_cuda(OmegaConf.create({"trainer": {"accelerator": "auto"}}))
     return False

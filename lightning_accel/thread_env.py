@@ -22,7 +22,7 @@ from lightning_accel.system.threads import PLANNED_ENV, WAIT_POLICY_ENV, ThreadP
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from lightning_accel.run_plan import RunShape
+    from lightning_accel.shape import RunShape
 
 __all__ = [
     "PLANNED_ENV",

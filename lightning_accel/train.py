@@ -35,13 +35,14 @@ from lightning_accel.errors import (
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
 from lightning_accel.schema import composition_error
+from lightning_accel.shape import run_shape
 from lightning_accel.signals import exit_on_signals
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
 from lightning_accel.thread_env import apply_thread_plan, describe_plan, set_early_environment
 
 if TYPE_CHECKING:
     from lightning_accel.callbacks.run_stats import RunStats
-    from lightning_accel.run_plan import RunShape
+    from lightning_accel.shape import RunShape
 
 __all__ = [
     "build",
@@ -129,10 +130,11 @@ def plan_run(cfg: DictConfig) -> RunPlan:
         check_loader_memory,
         check_master_port,
         check_output_dirs,
+        check_run,
     )
     from lightning_accel.compose import split_data_config
 
-    plan = build_run_plan(cfg)
+    plan = build_run_plan(cfg, check_run(cfg, run_shape(cfg)))  # compose -> shape -> checks -> plan
     shape = plan.shape
     ckpt = check_ckpt_path(cfg)
     if (

@@ -108,13 +108,13 @@ def detect_space(overrides: Sequence[str], run_dir: Path) -> tuple[Space, str]:
 
     from lightning_accel.autotune.search import Space
     from lightning_accel.benchmark.stage_config import compose_user_config
+    from lightning_accel.checks import check_run
     from lightning_accel.precision import resolve_precision
-    from lightning_accel.run_plan import build_run_plan
     from lightning_accel.system.software import compile_problem
     from lightning_accel.tuning.dataloader.loader_settings import LOADER_KEYS
 
     cfg = compose_user_config(list(overrides), str(run_dir / "check"))
-    shape = build_run_plan(cfg).shape
+    shape = check_run(cfg).shape  # the shape, with the precision this machine resolves checked too
     devices = shape.visible_cuda if shape.on_cuda else min(2, shape.cpus)
     accelerator = "cuda" if shape.on_cuda else "cpu"
     bf16 = resolve_precision("amp", accelerator).value.startswith("bf16")

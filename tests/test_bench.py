@@ -270,7 +270,7 @@ def test_plan_skips_what_cannot_run_here_and_budgets_the_rest(tmp_path: Path) ->
 def test_plan_matches_samples_across_stages_with_bigger_global_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("lightning_accel.run_plan._usable_cpus", lambda: 2)  # 2 CPU ranks, on any machine
+    monkeypatch.setattr("lightning_accel.shape._usable_cpus", lambda: 2)  # 2 CPU ranks, on any machine
     plans, _ = plan_stages(
         ["baseline", "ddp", "model_parallel"],
         ["trainer.accelerator=cpu"],
@@ -549,7 +549,7 @@ def test_gpu_profile_plans_gpt2_small_with_compile_kept_out_of_the_rates(tmp_pat
     synchronised in every run, the DataLoaderTuner bounded; a model the user selects is kept."""
     from lightning_accel.benchmark.stage_plan import PROFILES
 
-    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: 1)
+    monkeypatch.setattr("lightning_accel.shape._visible_cuda_devices", lambda: 1)
     monkeypatch.setattr("lightning_accel.precision._probe_cuda", lambda: ((9, 0), "NVIDIA H200"))
     gpu = PROFILES["gpu"]
     settings = BenchSettings(steps=gpu.steps, match=gpu.match, profile="gpu", val_checks=gpu.val_checks)
@@ -622,7 +622,7 @@ def test_run_directories_survive_hydra_override_parsing(path: str) -> None:
 def test_pipeline_and_tensor_parallel_ranks_count_their_shared_batches_once() -> None:
     from omegaconf import OmegaConf
 
-    from lightning_accel.run_plan import run_shape
+    from lightning_accel.shape import run_shape
 
     def replicas(strategy: object, devices: int) -> int | None:
         cfg = OmegaConf.create({"trainer": {"accelerator": "cpu", "devices": devices, "strategy": strategy}})
@@ -689,7 +689,7 @@ class _ScriptedProbe:
         self.calls = 0
 
     def __call__(self, settings: BenchSettings, on_cuda: bool) -> object:
-        from lightning_accel.measure import Interference
+        from lightning_accel.system.interference import Interference
 
         flagged = self.flags[self.calls] if self.calls < len(self.flags) else False
         self.calls += 1

@@ -204,7 +204,7 @@ _FP16_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_com
 def test_invalid_combination_names_the_fix(
     compose_train, monkeypatch: pytest.MonkeyPatch, visible: int, overrides: list[str], message: str, fix: str
 ) -> None:
-    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: visible)
+    monkeypatch.setattr("lightning_accel.shape._visible_cuda_devices", lambda: visible)
     with pytest.raises(ConfigError) as err:
         check_config(compose_train(overrides))
     assert message in str(err.value)
@@ -225,7 +225,7 @@ def test_invalid_combination_names_the_fix(
     ],
 )
 def test_valid_combinations_pass(compose_train, monkeypatch: pytest.MonkeyPatch, visible: int, overrides) -> None:
-    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: visible)
+    monkeypatch.setattr("lightning_accel.shape._visible_cuda_devices", lambda: visible)
     check_config(compose_train(overrides))
 
 
@@ -250,7 +250,8 @@ def test_ddp_grad_compression_sets_the_comm_hook_on_cuda(compose_train) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from lightning_accel.precision import ResolvedPrecision
-    from lightning_accel.run_plan import RunPlan, plan_grad_compression, run_shape
+    from lightning_accel.run_plan import RunPlan, plan_grad_compression
+    from lightning_accel.shape import run_shape
 
     cfg = compose_train(["strategy=ddp", "ddp_grad_compression=bf16", "trainer.accelerator=gpu"])
     before = OmegaConf.to_yaml(cfg)
@@ -266,12 +267,13 @@ def test_ddp_grad_compression_sets_the_comm_hook_on_cuda(compose_train) -> None:
 
 
 def test_ddp_grad_compression_on_cpu_is_noted_not_dropped(compose_train) -> None:
+    from lightning_accel.checks import check_run
     from lightning_accel.errors import LightningAccelWarning
     from lightning_accel.run_plan import build_run_plan
 
     cfg = compose_train(["strategy=ddp", "ddp_grad_compression=fp16", "trainer.accelerator=cpu", "trainer.devices=2"])
     with pytest.warns(LightningAccelWarning, match="`ddp_grad_compression=fp16` is not applied on the CPU"):
-        plan = build_run_plan(cfg, visible_cuda=0)
+        plan = build_run_plan(cfg, check_run(cfg, visible_cuda=0))
     assert plan.comm_hook is None and any("not applied" in note for note in plan.notes)
     assert "strategy" not in plan.trainer_kwargs(cfg)
 
@@ -284,7 +286,8 @@ def test_ddp_grad_compression_on_cpu_is_noted_not_dropped(compose_train) -> None
     ],
 )
 def test_ddp_grad_compression_bad_input(compose_train, overrides: list[str], message: str) -> None:
-    from lightning_accel.run_plan import plan_grad_compression, run_shape
+    from lightning_accel.run_plan import plan_grad_compression
+    from lightning_accel.shape import run_shape
 
     cfg = compose_train(overrides)
     with pytest.raises(ConfigError, match=message):
@@ -299,7 +302,7 @@ def test_ddp_grad_compression_bad_input(compose_train, overrides: list[str], mes
     [(2, 2), ("2", 2), ([0, 1, 3], 3), ("0,1", 2), ("0,", 1), ("auto", None), (-1, None), ("-1", None), (True, None)],
 )
 def test_count_devices_reads_every_form_of_trainer_devices(devices: object, count: int | None) -> None:
-    from lightning_accel.run_plan import count_devices
+    from lightning_accel.shape import count_devices
 
     assert count_devices(devices) == count
 
@@ -317,13 +320,13 @@ def test_count_devices_reads_every_form_of_trainer_devices(devices: object, coun
     ],
 )
 def test_strategy_family_names_registry_names_and_targets(strategy: object, family: str) -> None:
-    from lightning_accel.run_plan import strategy_family
+    from lightning_accel.shape import strategy_family
 
     assert strategy_family(OmegaConf.create(strategy) if isinstance(strategy, dict) else strategy) == family
 
 
 def test_run_shape_is_computed_once_from_the_config() -> None:
-    from lightning_accel.run_plan import run_shape
+    from lightning_accel.shape import run_shape
 
     cfg = OmegaConf.create(
         {
@@ -353,7 +356,7 @@ def test_run_shape_is_computed_once_from_the_config() -> None:
 
 
 def test_run_shape_counts_cpus_through_the_cgroup_quota(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_accel.run_plan import run_shape
+    from lightning_accel.shape import run_shape
     from lightning_accel.system.cgroup import CpuBudget
 
     budget = CpuBudget(affinity=64, quota=1.5)
@@ -367,8 +370,8 @@ def test_run_shape_counts_cpus_through_the_cgroup_quota(monkeypatch: pytest.Monk
 def test_a_pipeline_global_batch_splits_over_its_data_parallel_replicas_not_its_stages() -> None:
     """2 pipeline ranks share each batch: global batch 48 from 16 per batch is 3 micro-batches (over the world
     size it would be 48 / (16 x 2), refused)."""
-    from lightning_accel.checks import _check_accumulation
-    from lightning_accel.run_plan import run_shape
+    from lightning_accel.checks.group_settings import _check_accumulation
+    from lightning_accel.shape import run_shape
 
     def cfg(strategy: object, global_batch: int) -> object:
         scheduler = {
@@ -407,7 +410,7 @@ def test_your_own_pipeline_strategy_is_not_checked_as_ours() -> None:
 def test_compile_without_a_compiler_is_refused_before_launch(compose_train, monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_accel.system import software
 
-    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: 0)
+    monkeypatch.setattr("lightning_accel.shape._visible_cuda_devices", lambda: 0)
     monkeypatch.setattr(software.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ConfigError, match="inductor needs a C\\+\\+ compiler") as err:

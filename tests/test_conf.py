@@ -300,9 +300,9 @@ def test_the_example_optimizers_fuse_on_cuda_only(compose_train, monkeypatch) ->
     from lightning_accel.launch import fused_resolver
 
     assert fused_resolver("gpu") is True and fused_resolver("cuda") is True and fused_resolver("cpu") is None
-    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: 1)
+    monkeypatch.setattr("lightning_accel.shape._visible_cuda_devices", lambda: 1)
     assert fused_resolver("auto") is True
-    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: 0)
+    monkeypatch.setattr("lightning_accel.shape._visible_cuda_devices", lambda: 0)
     for model in ("gpt", "classifier"):
         cfg = compose_train([f"model={model}", "trainer.accelerator=cpu"])
         assert cfg.model.optimizer.fused is None
@@ -330,7 +330,7 @@ def test_the_amp_and_ddp_presets_pin_host_batches_on_cuda_only(compose_train, mo
     from lightning_accel.launch import on_cuda_resolver
 
     assert on_cuda_resolver("gpu") is True and on_cuda_resolver("cpu") is False
-    monkeypatch.setattr("lightning_accel.run_plan._visible_cuda_devices", lambda: 0)
+    monkeypatch.setattr("lightning_accel.shape._visible_cuda_devices", lambda: 0)
     assert on_cuda_resolver("auto") is False
     for preset in ("amp", "ddp"):
         assert compose_train([f"preset={preset}", "trainer.accelerator=cpu"]).data.pin_memory is False

@@ -19,7 +19,7 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from hydra.utils import get_method
 
 from lightning_accel import schema
-from lightning_accel.checks import check_config
+from lightning_accel.checks import check_config, check_run
 from lightning_accel.errors import ConfigError, ConfigTypeError
 from lightning_accel.run_plan import build_run_plan
 from lightning_accel.schema import composition_error
@@ -58,7 +58,7 @@ def test_threads_pin_no_reads_as_false_and_pins_nothing(compose_train) -> None:
     """It read as the string "no", which is true: the ranks were pinned. OmegaConf's bool reads yes/no, on/off."""
     cfg = compose_train(["threads.pin=no", *CPU])
     assert cfg.threads.pin is False
-    plan = build_run_plan(cfg)
+    plan = build_run_plan(cfg, check_run(cfg))
     assert plan.threads is not None and plan.threads.cpu_sets == ()
 
 
@@ -132,7 +132,7 @@ def test_good_values_pass(compose_train, overrides) -> None:
 
 
 def test_a_time_between_validations_passes_where_lightning_takes_one(compose_train) -> None:
-    from lightning_accel.checks import _time_based_validation
+    from lightning_accel.checks.trainer_settings import _time_based_validation
 
     cfg = compose_train(["trainer.val_check_interval=00:00:10:00", *CPU])
     if _time_based_validation():  # Lightning 2.6

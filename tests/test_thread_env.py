@@ -11,13 +11,20 @@ import sys
 
 import pytest
 import torch
+from omegaconf import DictConfig
 
+from lightning_accel.checks import check_run
 from lightning_accel.errors import ConfigError
-from lightning_accel.run_plan import build_run_plan
+from lightning_accel.run_plan import RunPlan, build_run_plan
 from lightning_accel.system.threads import plan_threads
 from lightning_accel.thread_env import PLANNED_ENV, apply_thread_plan, set_early_environment, thread_plan_for
 
 SMOKE = ["trainer=smoke", "trainer.accelerator=cpu", "data.max_chars=200000"]
+
+
+def _plan(cfg: DictConfig) -> RunPlan:
+    """The plan as accel-train builds it: shape -> checks -> plan."""
+    return build_run_plan(cfg, check_run(cfg))
 
 
 @pytest.mark.parametrize(
@@ -56,14 +63,14 @@ def test_libgomp_reads_the_policy_only_if_set_before_import_torch() -> None:
 
 
 def test_the_threads_group_plans_per_rank_on_this_node(compose_train) -> None:
-    plan = build_run_plan(compose_train(["trainer.accelerator=cpu"]))
+    plan = _plan(compose_train(["trainer.accelerator=cpu"]))
     assert plan.threads is not None and plan.threads.ranks == 1 and plan.threads.wait_policy == "PASSIVE"
-    ddp = build_run_plan(compose_train(["trainer.accelerator=cpu", "strategy=ddp", "trainer.devices=2"]))
+    ddp = _plan(compose_train(["trainer.accelerator=cpu", "strategy=ddp", "trainer.devices=2"]))
     assert ddp.threads is not None and ddp.threads.ranks == 2
     assert ddp.threads.intra_op == max(1, int(ddp.threads.cpus) // 2)
-    fixed = build_run_plan(compose_train(["trainer.accelerator=cpu", "threads.intra_op=3", "data.num_workers=1"]))
+    fixed = _plan(compose_train(["trainer.accelerator=cpu", "threads.intra_op=3", "data.num_workers=1"]))
     assert fixed.threads is not None and fixed.threads.intra_op == 3 and fixed.threads.num_workers == 1
-    off = build_run_plan(compose_train(["trainer.accelerator=cpu", "threads=torch"]))
+    off = _plan(compose_train(["trainer.accelerator=cpu", "threads=torch"]))
     assert off.threads is None and any("threads=torch" in note for note in off.notes)
 
 
@@ -73,12 +80,12 @@ def test_the_threads_group_plans_per_rank_on_this_node(compose_train) -> None:
 )
 def test_a_bad_threads_setting_is_named(compose_train, override: str, named: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(named)):
-        build_run_plan(compose_train(["trainer.accelerator=cpu", override]))
+        _plan(compose_train(["trainer.accelerator=cpu", override]))
 
 
 def test_what_a_parent_rank_planned_is_not_read_as_the_users(compose_train) -> None:
     cfg = compose_train(["trainer.accelerator=cpu"])
-    shape = build_run_plan(cfg).shape
+    shape = _plan(cfg).shape
     inherited = {"OMP_NUM_THREADS": "7", "OMP_WAIT_POLICY": "PASSIVE", PLANNED_ENV: "OMP_NUM_THREADS,OMP_WAIT_POLICY"}
     plan = thread_plan_for(cfg, shape, env=inherited)
     assert plan is not None and plan.kept == {} and plan.intra_op == max(1, int(plan.cpus))
@@ -174,7 +181,7 @@ def test_pin_true_on_fewer_cpus_than_ranks_says_nothing_is_pinned(compose_train,
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
     cfg = compose_train([*SMOKE, "threads.pin=true", "strategy=ddp", "trainer.devices=2"])
-    plan = thread_plan_for(cfg, build_run_plan(cfg).shape, env={})
+    plan = thread_plan_for(cfg, _plan(cfg).shape, env={})
     assert plan is not None and plan.cpu_sets == ()
     expected = "not pinned: `threads.pin=true` gives each rank CPUs of its own, and the 1 CPU(s) here (0) cannot be "
     assert expected + "split between 2 ranks" in plan.describe()

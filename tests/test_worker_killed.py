@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 import lightning_accel.checks as checks
+import lightning_accel.checks.worker_memory as worker_memory
 from lightning_accel.errors import WorkerKilledError
 from lightning_accel.system.cgroup import read_oom_kills
 
@@ -49,7 +50,7 @@ def test_the_error_names_the_memory_limit_only_when_it_killed(tmp_path: Path, mo
     last.write_text("x")
     trainer = SimpleNamespace(global_step=7, checkpoint_callback=SimpleNamespace(last_model_path=str(last)))
     died = RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
-    monkeypatch.setattr(checks, "CGROUP_ROOT", str(fake_cgroup(tmp_path / "root", oom_kill=3)))
+    monkeypatch.setattr(worker_memory, "CGROUP_ROOT", str(fake_cgroup(tmp_path / "root", oom_kill=3)))
     named = checks.worker_killed_error(died, trainer, oom_kills_before=2)
     assert isinstance(named, WorkerKilledError)
     assert str(named).startswith("DataLoader worker (pid 4242) was killed by the cgroup's memory limit: 1.00 GiB ("), (
@@ -70,7 +71,7 @@ def test_a_worker_that_kills_itself_gives_the_named_error_and_last_ckpt_stands(
     from lightning_accel.train import run
 
     root = fake_cgroup(tmp_path / "root", oom_kill=0)
-    monkeypatch.setattr(checks, "CGROUP_ROOT", str(root))
+    monkeypatch.setattr(worker_memory, "CGROUP_ROOT", str(root))
     real = checks.worker_killed_error
 
     def after_the_kill(*args, **kwargs):  # the kernel's count, as a real OOM kill would have raised it

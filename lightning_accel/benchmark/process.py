@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lightning_accel.benchmark.results import StageRun
-from lightning_accel.measure import InterferenceProbe
+from lightning_accel.system.interference import InterferenceProbe
 
 __all__ = ["DISTRIBUTED_ENV", "Launcher", "failure_reason", "launch", "run_once", "terminate_as_interrupt"]
 

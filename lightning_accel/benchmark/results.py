@@ -90,7 +90,7 @@ class StageRun:
     measurement: dict[str, Any] = field(default_factory=dict)
     """The run's `BenchMonitor` record."""
     interference: dict[str, Any] | None = None
-    """What else ran meanwhile (`lightning_accel.measure.Interference.as_dict()`)."""
+    """What else ran meanwhile (`lightning_accel.system.interference.Interference.as_dict()`)."""
     flagged: bool = False
     """Measured under interference (others took more than the threshold of the CPUs, steal, or GPU processes)."""
     replaced: bool = False

@@ -19,7 +19,7 @@ from lightning_accel.benchmark.results import StageResult, StageRun, finalize
 from lightning_accel.benchmark.stage_plan import BenchSettings, StagePlan, describe_changes, plan_stages
 from lightning_accel.errors import describe_os_error
 from lightning_accel.files import remove_stale_temporaries
-from lightning_accel.measure import InterferenceProbe, nvml_compute_pids
+from lightning_accel.system.interference import InterferenceProbe, nvml_compute_pids
 
 __all__ = ["BenchRun", "busy_note", "run_bench"]
 

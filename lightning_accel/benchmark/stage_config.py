@@ -86,6 +86,7 @@ def compose_user_config(overrides: Sequence[str], run_dir: str) -> DictConfig:
     """
     from lightning_accel.checks import check_config
     from lightning_accel.schema import composition_error
+    from lightning_accel.shape import run_shape
 
     try:
         cfg = compose_config(overrides, run_dir)
@@ -94,7 +95,7 @@ def compose_user_config(overrides: Sequence[str], run_dir: str) -> DictConfig:
         if named is not None:
             raise named from None
         raise ConfigError(f"the Hydra overrides {list(overrides)} do not compose: {err}") from None
-    check_config(cfg)
+    check_config(cfg, shape=run_shape(cfg))  # compose -> shape -> checks
     return cfg
 
 

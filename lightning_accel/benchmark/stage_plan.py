@@ -21,8 +21,10 @@ from lightning_accel.benchmark.stage_config import (
     hydra_value,
     stage_overrides,
 )
+from lightning_accel.checks import check_run
 from lightning_accel.errors import ConfigError
-from lightning_accel.run_plan import RunShape, build_run_plan, run_shape
+from lightning_accel.run_plan import build_run_plan
+from lightning_accel.shape import RunShape, run_shape
 
 __all__ = [
     "DEFAULT_SEED",
@@ -229,7 +231,8 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
         per_node = visible  # auto and -1: every visible GPU
     elif shape.distributed:  # Lightning's `auto` is 1 CPU process; a distributed stage gets 2 where 2 CPUs serve
         per_node = 2 if shape.cpus >= 2 else 1
-        extra = (f"trainer.devices={per_node}",)
+        extra = (f"trainer.devices={per_node}",)  # on the run's command line, not written into the config
+        shape = replace(shape, devices=per_node, devices_per_node=per_node)  # the shape of the run that gets it
     else:
         per_node = 1
     world_size = per_node * shape.num_nodes
@@ -250,9 +253,7 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
         reason = f"`{family}` with one device (`trainer.devices={shape.devices}`, {where}); it needs 2 or more"
         return StagePlan(**stage, status="skipped", reason=reason)
     try:
-        if extra:  # composed again with the process count the run gets, not written into the config
-            cfg = compose_config((*overrides, *extra), run_dir)
-        plan = build_run_plan(cfg, visible_cuda=visible)
+        plan = build_run_plan(cfg, check_run(cfg, shape))  # compose -> shape -> checks -> plan, each once
     except (ConfigError, ValueError) as err:
         return StagePlan(**stage, status="skipped", reason=str(err))
     shape, resolved = plan.shape, plan.precision
@@ -292,7 +293,7 @@ def plan_stage(name: str, overrides: Sequence[str], run_dir: str, visible_cuda: 
 def _compile_text(cfg: DictConfig) -> str:
     """`compile=<mode>` when the stage compiles the model (the Compile callback), else empty."""
     from lightning_accel.callbacks.compile import Compile
-    from lightning_accel.run_plan import target_class
+    from lightning_accel.targets import target_class
 
     for node in (cfg.get("callbacks") or {}).values():
         cls = target_class(node.get("_target_")) if node is not None else None

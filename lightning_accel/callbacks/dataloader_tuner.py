@@ -116,7 +116,7 @@ class DataLoaderTuner(Callback):
             at the next epoch start (every rank together) and the cache entry is replaced; when the fit ends before
             that, the entry is dropped so the next fit tunes again. 0: no check.
 
-    Interference: every trial runs under a `lightning_accel.measure.InterferenceProbe` (other ranks on the host are
+    Interference: every trial runs under a `system.interference.InterferenceProbe` (other ranks on the host are
     ours); a flagged trial shows "yes" in the table's interference column, comparisons near the noise or under load
     are repeated interleaved and decided on medians, and a decision made under interference is applied to the fit
     but neither cached nor reused from a checkpoint (the report line says "not cached").

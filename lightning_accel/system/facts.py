@@ -80,7 +80,7 @@ def collect_facts(
     if interference_s > 0:
         import time
 
-        from lightning_accel.measure import InterferenceProbe
+        from lightning_accel.system.interference import InterferenceProbe
 
         with InterferenceProbe() as probe:
             time.sleep(interference_s)

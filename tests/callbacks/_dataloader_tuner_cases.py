@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.errors import LightningAccelWarning
-from lightning_accel.measure import Interference, InterferenceProbe, Interval, interleaved, ratio, summarize
+from lightning_accel.measure import Interval, interleaved, ratio, summarize
+from lightning_accel.system.interference import Interference, InterferenceProbe
 from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 from lightning_accel.tuning.dataloader.loop import make_step, untouched
 from lightning_accel.tuning.dataloader.timing import frozen_rng, rebuild_loader, run_trial, trial_window

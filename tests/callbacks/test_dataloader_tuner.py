@@ -25,8 +25,8 @@ import lightning_accel.tuning.dataloader.loop as loop_module
 import lightning_accel.tuning.dataloader.trial_runner as runner_module
 from lightning_accel.callbacks.dataloader_tuner import DataLoaderTuner
 from lightning_accel.errors import LightningAccelWarning
-from lightning_accel.measure import Interference
 from lightning_accel.system import ShmInfo
+from lightning_accel.system.interference import Interference
 from lightning_accel.tuning.dataloader.cache import SCHEMA as CACHE_SCHEMA
 from lightning_accel.tuning.dataloader.cache import DecisionCache
 from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings

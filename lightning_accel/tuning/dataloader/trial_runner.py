@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lightning_accel.measure import InterferenceProbe
+from lightning_accel.system.interference import InterferenceProbe
 from lightning_accel.tuning.dataloader.loader_settings import LoaderSettings
 from lightning_accel.tuning.dataloader.timing import Sync, Trial, rebuild_loader, run_trial, trial_window
 
