@@ -176,7 +176,8 @@ def build(cfg: DictConfig, plan: RunPlan) -> tuple[Any, Any, Any, RunStats]:
     loggers = compose.instantiate_named(cfg.get("logger"))
     if not loggers:
         callbacks = _drop_logger_callbacks(callbacks)
-    callbacks += [cb for cb in plan.precision.callbacks if not any(type(have) is type(cb) for have in callbacks)]
+    needed = compose.precision_callbacks(plan.precision)
+    callbacks += [cb for cb in needed if not any(type(have) is type(cb) for have in callbacks)]
     stats = RunStats()
     with config_paths(cfg):  # a strategy's argument error names `trainer.strategy.<argument>`
         trainer: pl.Trainer = instantiate(

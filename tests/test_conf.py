@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from lightning_accel.callbacks import AccumulationScheduler
 from lightning_accel.checks import check_config
-from lightning_accel.compose import apply_precision, instantiate_named
+from lightning_accel.compose import apply_precision, instantiate_named, precision_callbacks
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system import read_cpu_info
 
@@ -122,8 +122,8 @@ def test_option_composes_and_builds_a_cpu_trainer(compose_train, group: str, opt
             return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        precision_callbacks = list(apply_precision(cfg).callbacks)
-    callbacks = instantiate_named(cfg.callbacks) + precision_callbacks
+        needed = precision_callbacks(apply_precision(cfg))
+    callbacks = instantiate_named(cfg.callbacks) + needed
     loggers = instantiate_named(cfg.logger)
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     assert isinstance(trainer, pl.Trainer)
