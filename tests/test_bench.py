@@ -249,6 +249,7 @@ def test_default_ladder_ends_with_the_best_model_parallel_stage() -> None:
     assert default_ladder(["amp", "baseline", "ddp", "pipeline"])[-1] == "model_parallel"  # pipeline: by name only
 
 
+@pytest.mark.slow
 def test_plan_skips_what_cannot_run_here_and_budgets_the_rest(tmp_path: Path) -> None:
     ladder = ["baseline", "ddp", "model_parallel"]
     overrides = ["trainer.accelerator=cpu", "trainer.devices=1", "precision=fp16_mixed"]
@@ -267,6 +268,7 @@ def test_plan_skips_what_cannot_run_here_and_budgets_the_rest(tmp_path: Path) ->
     assert f"++callbacks.bench_monitor.output_path={tmp_path / 'run0' / 'stage.json'}" in command
 
 
+@pytest.mark.slow
 def test_plan_matches_samples_across_stages_with_bigger_global_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -404,6 +406,7 @@ def quick_bench(
     return bench_run
 
 
+@pytest.mark.slow
 def test_quick_cli_reports_its_settings_and_every_stage(quick_bench: QuickBench) -> None:
     report = quick_bench.report()
     assert report["schema_version"] == 2 and report["reference"] == "baseline"
@@ -543,6 +546,7 @@ def test_your_own_model_from_your_own_config_directory(tmp_path: Path) -> None:
         assert "model=tiny_mlp" in command and not any(c.startswith("model.n_embd") for c in command)
 
 
+@pytest.mark.slow
 def test_gpu_profile_plans_gpt2_small_with_compile_kept_out_of_the_rates(tmp_path: Path, monkeypatch) -> None:
     """`--profile gpu` on a one-GPU machine (planned here with one visible CUDA device): GPT-2 small on every stage,
     amp + compile as a rung, the DDP rungs skipped with the reason, 10 warm-up batches and one batch in ten
@@ -572,6 +576,7 @@ def test_gpu_profile_plans_gpt2_small_with_compile_kept_out_of_the_rates(tmp_pat
     assert "model=gpt2_small" not in mine[0].command(tmp_path, 1) and "model=classifier" in mine[0].overrides
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
 @pytest.mark.parametrize("module", ["lightning_accel.bench", "lightning_accel.tune"])
 def test_gpu_profile_is_refused_without_a_gpu_before_anything_runs(run_cli, tmp_path: Path, module: str) -> None:

@@ -260,6 +260,7 @@ def test_schedule_keys_change_from_the_command_line(compose_train) -> None:
     }
 
 
+@pytest.mark.slow
 def test_precision_amp_builds_a_trainer_in_an_app_that_never_calls_apply_precision(tmp_path) -> None:
     """A lightning-hydra-template app with `precision=amp` instantiated its Trainer with `precision='amp'` and got
     Lightning's "Precision 'amp' is invalid": the resolver, registered by the search-path plugin Hydra imports in

@@ -259,6 +259,7 @@ def test_default_package_check() -> None:
     assert not precision_module._package_available("lightning_accel_no_such_package.sub")
 
 
+@pytest.mark.slow
 def test_cli_fp8_without_a_capable_gpu_exits_2_before_anything_is_built(run_cli, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli(["precision=fp8", "trainer.accelerator=cpu", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
@@ -268,6 +269,7 @@ def test_cli_fp8_without_a_capable_gpu_exits_2_before_anything_is_built(run_cli,
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "csv").exists()
 
 
+@pytest.mark.slow
 def test_cli_logs_the_resolved_precision_and_its_reason(run_cli, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["precision=amp", "trainer.accelerator=cpu", "fit=false", "test=false", f"hydra.run.dir={run_dir}"]

@@ -81,6 +81,7 @@ def test_the_entry_does_not_import_the_command(tmp_path: Path) -> None:
     assert not {name.split(".")[0] for name in loaded} & {*HEAVY, "hydra", "omegaconf"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["console", "module"])
 def test_the_wait_policy_is_set_before_torch_loads_in_a_run(entry: str, tmp_path: Path) -> None:
     """`accel-train` (the console entry) and `python -m lightning_accel.train`: libgomp loads with

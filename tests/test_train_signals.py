@@ -157,6 +157,7 @@ def _resume(tmp_path: Path, step: int) -> None:
 CASES = [(signal.SIGTERM, "rank1"), (signal.SIGINT, "group")]  # the rest, 10 times each: -m slow
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("signum", "target"), CASES, ids=[f"{s.name}-{t}" for s, t in CASES])
 def test_a_signal_ends_every_rank_with_its_code_and_the_last_checkpoint_resumes(tmp_path, signum, target) -> None:
     elapsed, code, step = interrupt_once(tmp_path, signum, target)  # every rank ended, or it fails

@@ -35,12 +35,49 @@ __all__ = [
 ]
 
 _HOMES = {
-    **dict.fromkeys(("ALERTS", "Alert", "AlertThresholds", "check_alerts",), "lightning_accel.telemetry.alerts"),
-    **dict.fromkeys(("GpuDevice", "resolve_devices",), "lightning_accel.telemetry.nvml"),
-    **dict.fromkeys(("PeakFlops", "compute_dtype", "lookup_peak_flops",), "lightning_accel.telemetry.peak_flops"),
-    **dict.fromkeys(("METRICS", "READINGS", "DeviceReader", "Metric",), "lightning_accel.telemetry.readings"),
-    **dict.fromkeys(("RunReport",,), "lightning_accel.telemetry.run_report"),
-    **dict.fromkeys(("NVMLSampler", "Stat", "Window", "open_sampler",), "lightning_accel.telemetry.sampler"),
+    **dict.fromkeys(
+        (
+            "ALERTS",
+            "Alert",
+            "AlertThresholds",
+            "check_alerts",
+        ),
+        "lightning_accel.telemetry.alerts",
+    ),
+    **dict.fromkeys(
+        (
+            "GpuDevice",
+            "resolve_devices",
+        ),
+        "lightning_accel.telemetry.nvml",
+    ),
+    **dict.fromkeys(
+        (
+            "PeakFlops",
+            "compute_dtype",
+            "lookup_peak_flops",
+        ),
+        "lightning_accel.telemetry.peak_flops",
+    ),
+    **dict.fromkeys(
+        (
+            "METRICS",
+            "READINGS",
+            "DeviceReader",
+            "Metric",
+        ),
+        "lightning_accel.telemetry.readings",
+    ),
+    **dict.fromkeys(("RunReport",), "lightning_accel.telemetry.run_report"),
+    **dict.fromkeys(
+        (
+            "NVMLSampler",
+            "Stat",
+            "Window",
+            "open_sampler",
+        ),
+        "lightning_accel.telemetry.sampler",
+    ),
 }
 """Each public name and the module it lives in: imported from there when first used, so importing one module of
 the package (`lightning_accel.system.cpuset` before torch loads) does not load the others."""

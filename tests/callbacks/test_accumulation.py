@@ -136,6 +136,7 @@ def test_single_process_resume_mid_schedule(single_process: dict[str, Any], sche
     _check_resume(single_process, schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "lr_schedule"), CASES)
 def test_two_ddp_processes(two_processes: list[dict[str, Any]], schedule: str, lr_schedule: str) -> None:
     rank0, rank1 = (r[f"{schedule}/{lr_schedule}"] for r in two_processes)

@@ -40,6 +40,7 @@ def test_reference_learns_and_clips(reference: tuple[list[float], int]) -> None:
     assert clipped > STEPS // 2  # gradient clipping acts, so it is checked across shards too
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dp2", "tp2"])
 def test_two_ranks_match_one_process_after_20_steps(two_ranks: list[dict[str, Any]], reference: Any, case: str) -> None:
     rank0, rank1 = (r[case] for r in two_ranks)

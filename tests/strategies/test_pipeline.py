@@ -128,6 +128,7 @@ def test_reference_learns_and_clips(reference: dict[str, Any]) -> None:
     assert reference["clipped"] > STEPS // 2  # clipping acts, so its norm must span both stages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES + ZERO_BUBBLE)
 def test_two_stages_match_one_process(two_ranks: Launch, reference: Any, schedule: str) -> None:
     if schedule in ZERO_BUBBLE and not _available(schedule):
