@@ -383,18 +383,78 @@ def _config_store_shared() -> Iterator[None]:
     this package's schemas), for each config group it lists: about 135 copies for accel-train's help, most of its
     time. Sharing changes nothing the help shows: `ConfigStore.load` hands out a copy of the node it loads, and Hydra's
     later releases read the live store the same way (facebookresearch/hydra#2928). The store is left as it was.
+
+    And each group's options are listed once: the help asks for them three times per group (listing Hydra's groups,
+    the app's, then each group's options), and nothing changes the tree while it writes.
     """
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.config_store import ConfigStore
+
+    from lightning_accel.patching import patch_attribute
 
     store = ConfigStore.instance()
     if "__deepcopy__" in vars(store):
         yield
         return
+    listed: dict[str, list[str]] = {}
+    original = ConfigLoaderImpl.get_group_options
+
+    def get_group_options(self: ConfigLoaderImpl, *args: Any, **kwargs: Any) -> list[str]:
+        key = repr((id(self), args, sorted(kwargs.items())))
+        if key not in listed:
+            listed[key] = original(self, *args, **kwargs)
+        return list(listed[key])
+
+    undo = patch_attribute(ConfigLoaderImpl, "get_group_options", get_group_options, why="listing the help's groups")
     setattr(store, "__deepcopy__", _LiveConfigStore())  # noqa: B010  (an instance attribute; `copy` looks it up)
     try:
         yield
     finally:
         vars(store).pop("__deepcopy__", None)
+        undo()
+
+
+@contextmanager
+def _composition_errors_at_once() -> Iterator[None]:
+    """While accel-train runs Hydra: a config that does not compose is reported from Hydra's first composition.
+
+    Hydra 1.3 composes a run's config twice: once to read `hydra.mode` (`Hydra.get_mode`, which swallows any error
+    and returns None), then again for the run, which raises the same error. A composition error (an unknown key or
+    option, a wrong type, an override it cannot parse) from the first is raised at once, halving the time to tell it;
+    any other outcome of the first is Hydra's own. The run's composition is stricter (it also refuses a sweep
+    outside `--multirun`), so nothing the first raises would have composed."""
+    from hydra._internal.hydra import Hydra
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    from lightning_accel.patching import patch_attribute
+
+    original = Hydra.get_mode
+
+    def get_mode(self: Hydra, *args: Any, **kwargs: Any) -> Any:
+        failed: list[Exception] = []
+        compose = self.compose_config
+
+        def compose_config(*c_args: Any, **c_kwargs: Any) -> Any:
+            try:
+                return compose(*c_args, **c_kwargs)
+            except (ConfigCompositionException, OverrideParseException) as err:
+                failed.append(err)
+                raise
+
+        undo = patch_attribute(self, "compose_config", compose_config, why="reading hydra.mode")
+        try:
+            mode = original(self, *args, **kwargs)
+        finally:
+            undo()
+        if failed:
+            raise failed[0]
+        return mode
+
+    undo = patch_attribute(Hydra, "get_mode", get_mode, why="telling a config that does not compose at once")
+    try:
+        yield
+    finally:
+        undo()
 
 
 def main() -> None:
@@ -415,7 +475,7 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises what it cannot compose, to be named here (exit 2)
     helping = any(arg in _HELP_FLAGS for arg in sys.argv[1:])
     try:
-        with _config_store_shared() if helping else nullcontext():
+        with _config_store_shared() if helping else nullcontext(), _composition_errors_at_once():
             _hydra_main()
     except Exception as err:
         named = None if users == "1" else _not_composed(err)
