@@ -417,12 +417,14 @@ def test_quick_cli_reports_its_settings_and_every_stage(quick_bench: QuickBench)
     assert ddp["status"] == "skipped" and "one device" in ddp["reason"]
 
 
+@pytest.mark.slow
 def test_quick_cli_runs_the_stages_round_by_round(quick_bench: QuickBench) -> None:
     lines = quick_bench.result.stdout.splitlines()
     order = [line.split("`")[1] for line in lines if line.startswith("accel-bench: run ")]
     assert order == ["baseline", "amp", "amp", "baseline"]  # interleaved, round by round, round 2 in reverse
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["baseline", "amp"])
 def test_quick_cli_stage_carries_its_runs_and_their_median(quick_bench: QuickBench, name: str) -> None:
     stage = quick_bench.stages()[name]
@@ -438,6 +440,7 @@ def test_quick_cli_stage_carries_its_runs_and_their_median(quick_bench: QuickBen
     assert stage["metric_interval"]["n"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["baseline", "amp"])
 def test_quick_cli_stage_measures_and_explains_what_it_cannot(quick_bench: QuickBench, name: str) -> None:
     stage = quick_bench.stages()[name]
@@ -449,12 +452,14 @@ def test_quick_cli_stage_measures_and_explains_what_it_cannot(quick_bench: Quick
     assert stage["mfu"] is None and "CPU" in stage["mfu_note"]
 
 
+@pytest.mark.slow
 def test_quick_cli_speedup_carries_its_interval_and_verdict(quick_bench: QuickBench) -> None:
     amp = quick_bench.stages()["amp"]
     assert amp["speedup_interval"]["low"] <= amp["speedup"] <= amp["speedup_interval"]["high"]
     assert amp["speedup_verdict"] in ("faster", "slower", "no clear difference")
 
 
+@pytest.mark.slow
 def test_quick_cli_writes_the_csv_the_table_and_the_png(quick_bench: QuickBench) -> None:
     out, amp = quick_bench.out, quick_bench.stages()["amp"]
     rows = list(csv.DictReader((out / "bench.csv").open()))

@@ -396,6 +396,7 @@ def test_a_full_disk_while_the_report_is_written_truncates_nothing(tmp_path: Pat
     assert not (out / "bench.csv").exists() and not list(out.glob(".*.tmp"))  # nothing half-written left
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module", ["lightning_accel.bench", pytest.param("lightning_accel.tune", marks=pytest.mark.slow)]
 )

@@ -407,6 +407,7 @@ def test_two_ddp_ranks_recover_together_when_only_rank_1_runs_out_of_memory(ddp_
     _assert_ranks_equal_whole([r["oom"] for r in ranks], whole)
 
 
+@pytest.mark.slow
 def test_two_ddp_ranks_take_the_smallest_ranks_size_from_their_peaks(ddp_ranks) -> None:
     """The first batch of 32 peaks over both ranks' budgets; rank 0's alone would take 8, rank 1's 4: both run 4 from
     the second batch on, and the update is the whole batches' still."""
