@@ -38,7 +38,6 @@ from lightning_accel.schema import composition_error
 from lightning_accel.shape import run_shape
 from lightning_accel.signals import exit_on_signals
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
-from lightning_accel.thread_env import apply_thread_plan, describe_plan, set_early_environment
 
 if TYPE_CHECKING:
     from lightning_accel.callbacks.run_stats import RunStats
@@ -79,6 +78,8 @@ def print_check(cfg: DictConfig, plan: RunPlan) -> None:
     callbacks = sorted(name for name, node in (cfg.get("callbacks") or {}).items() if node is not None)
     loggers = sorted(name for name, node in (cfg.get("logger") or {}).items() if node is not None)
     console.print(f"callbacks: {', '.join(callbacks) or 'none'}; loggers: {', '.join(loggers) or 'none'}")
+    from lightning_accel.thread_env import describe_plan
+
     console.print(describe_plan(plan.threads))
 
 
@@ -197,6 +198,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     from lightning_accel import compose
     from lightning_accel.checks import oom_kills, trainer_setting_error, training_step_error, worker_killed_error
     from lightning_accel.precision import apply_float32_matmul_precision
+    from lightning_accel.thread_env import apply_thread_plan
 
     started = time.perf_counter()
     plan = plan_run(cfg)
@@ -389,6 +391,7 @@ def _config_store_shared() -> Iterator[None]:
     """
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.config_store import ConfigStore
+    from hydra.core.object_type import ObjectType
 
     from lightning_accel.patching import patch_attribute
 
@@ -399,10 +402,16 @@ def _config_store_shared() -> Iterator[None]:
     listed: dict[str, list[str]] = {}
     original = ConfigLoaderImpl.get_group_options
 
-    def get_group_options(self: ConfigLoaderImpl, *args: Any, **kwargs: Any) -> list[str]:
-        key = repr((id(self), args, sorted(kwargs.items())))
+    def get_group_options(
+        self: ConfigLoaderImpl,
+        group_name: str,
+        results_filter: ObjectType | None = ObjectType.CONFIG,
+        config_name: str | None = None,
+        overrides: list[str] | None = None,
+    ) -> list[str]:
+        key = repr((id(self), group_name, results_filter, config_name, overrides))
         if key not in listed:
-            listed[key] = original(self, *args, **kwargs)
+            listed[key] = original(self, group_name, results_filter, config_name, overrides)
         return list(listed[key])
 
     undo = patch_attribute(ConfigLoaderImpl, "get_group_options", get_group_options, why="listing the help's groups")
@@ -491,5 +500,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from lightning_accel.thread_env import set_early_environment
+
     set_early_environment(sys.argv[1:])  # before the run loads torch (`train_entry.accel_train` does the same)
     main()
