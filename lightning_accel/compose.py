@@ -5,6 +5,7 @@ side effects.
 - `check_app_config(cfg)`: this package's checks on a composed config, and a warning for each group option whose
   callback the config dropped;
 - `apply_precision(cfg)`: resolve `amp`/`fp8` for this machine and apply `float32_matmul_precision`;
+  `precision_callbacks(resolved)`: the callbacks that choice needs in the Trainer;
 - `instantiate_callbacks(cfg)`, `instantiate_named(section)`: callbacks and loggers keyed by name;
 - `instantiate_datamodule(cfg.data)`: a preset's DataLoader settings the datamodule does not take go to its loaders;
 - `apply_nccl(cfg, undo)`: a preset's NCCL variables for a CUDA run, removed again when `undo` closes;
@@ -33,6 +34,8 @@ from lightning_accel.shape import runs_on_cuda
 from lightning_accel.tuning.dataloader.loader_settings import LOADER_KEYS
 
 if TYPE_CHECKING:
+    from lightning.pytorch import Callback
+
     from lightning_accel.precision import ResolvedPrecision
     from lightning_accel.strategies.nccl import NcclPlan
 
@@ -46,6 +49,7 @@ __all__ = [
     "instantiate_callbacks",
     "instantiate_datamodule",
     "instantiate_named",
+    "precision_callbacks",
     "split_data_config",
 ]
 
@@ -157,8 +161,8 @@ def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
 
     `amp` and `fp8` become a Lightning precision string (see `lightning_accel.precision.resolve_precision`), and
     the choice is logged with its reason. A Hydra app of your own that selects `precision=amp` or `precision=fp8`
-    (or `preset=amp`) calls this before it instantiates `cfg.trainer`, and adds `resolved.callbacks` to the
-    Trainer's callbacks.
+    (or `preset=amp`) calls this before it instantiates `cfg.trainer`, and adds `precision_callbacks(resolved)` to
+    the Trainer's callbacks.
 
     Raises:
         ConfigError: when the precision cannot run here (fp8 without a capable GPU or package, bf16 on a GPU without
@@ -175,6 +179,15 @@ def apply_precision(cfg: DictConfig) -> ResolvedPrecision:
         cfg.trainer.precision = resolved.value
     log.info("%s; float32_matmul_precision=%s", resolved.describe(), torch.get_float32_matmul_precision())
     return resolved
+
+
+def precision_callbacks(resolved: ResolvedPrecision) -> list[Callback]:
+    """The callbacks a resolved precision needs in the Trainer: `Float8Training` for fp8 through torchao, else none."""
+    if not resolved.float8_training:
+        return []
+    from lightning_accel.callbacks.float8 import Float8Training
+
+    return [Float8Training()]
 
 
 def apply_nccl(cfg: DictConfig, undo: ExitStack | None = None) -> NcclPlan | None:

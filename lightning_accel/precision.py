@@ -6,15 +6,12 @@ import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system.cpu import CpuInfo, read_cpu_info
-
-if TYPE_CHECKING:
-    from lightning.pytorch import Callback
 
 
 def _rank_zero_warn(message: str, **kwargs: Any) -> None:
@@ -115,8 +112,10 @@ class ResolvedPrecision:
     """The device type the choice was made for: `cuda`, `mps`, `cpu` or `tpu`."""
     reason: str
     """Why this value, in one sentence, for the run log."""
-    callbacks: tuple[Callback, ...] = ()
-    """Callbacks the choice needs in the Trainer (`Float8Training` for fp8 through torchao)."""
+    float8_training: bool = False
+    """The choice needs torchao's float8 `nn.Linear`: the Trainer takes a `callbacks.Float8Training`
+    (`lightning_accel.compose.precision_callbacks` builds it). The resolution names the callback and does not build
+    it, so `precision` imports nothing of `callbacks`."""
 
     def describe(self) -> str:
         """`precision 'amp' -> 'bf16-mixed' on cpu: <reason>`, the line `accel-train` logs."""
@@ -153,8 +152,10 @@ def resolve_precision(
 
     Example::
 
+        from lightning_accel.compose import precision_callbacks
+
         resolved = resolve_precision("amp")
-        trainer = Trainer(precision=resolved.value, callbacks=list(resolved.callbacks))
+        trainer = Trainer(precision=resolved.value, callbacks=precision_callbacks(resolved))
     """
     text = str(requested).strip()
     value = _LEGACY.get(text, text)
@@ -173,8 +174,10 @@ def resolve_precision(
             setting="accelerator",
         )
 
-    def done(value: str, reason: str, callbacks: tuple[Callback, ...] = ()) -> ResolvedPrecision:
-        return ResolvedPrecision(requested=text, value=value, device=device, reason=reason, callbacks=callbacks)
+    def done(value: str, reason: str, float8_training: bool = False) -> ResolvedPrecision:
+        return ResolvedPrecision(
+            requested=text, value=value, device=device, reason=reason, float8_training=float8_training
+        )
 
     if value == "amp":
         return _resolve_amp(setting, device, hardware, done)
@@ -266,10 +269,8 @@ def _resolve_fp8(
     if "transformer_engine" in installed:
         return done("transformer-engine", f"Transformer Engine is installed; fp8 matmuls on {cuda}")
     if "torchao" in installed:
-        from lightning_accel.callbacks.float8 import Float8Training
-
         reason = f"torchao is installed (Transformer Engine is not); bf16 autocast and float8 nn.Linear on {cuda}"
-        return done("bf16-mixed", reason, (Float8Training(),))
+        return done("bf16-mixed", reason, float8_training=True)
     commands = " or ".join(f"`{command}`" for command in _FP8_PACKAGES.values())
     raise ConfigError(
         f"`{setting}='fp8'` needs `transformer-engine` or `torchao`, and neither is installed; install one with "

@@ -309,8 +309,13 @@ def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
+    try:
+        stored = set(store.list(SCHEMA_GROUP))
+    except OSError:  # the group is not in the store yet
+        stored = set()
     for name, node in SCHEMAS.items():
-        store.store(group=SCHEMA_GROUP, name=name, node=node, provider="lightning_accel")
+        if f"{name}.yaml" not in stored:  # a structured config costs milliseconds to store: each once per process
+            store.store(group=SCHEMA_GROUP, name=name, node=node, provider="lightning_accel")
 
 
 # --- errors of composition ----------------------------------------------------------------------------------------

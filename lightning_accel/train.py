@@ -38,7 +38,6 @@ from lightning_accel.schema import composition_error
 from lightning_accel.shape import run_shape
 from lightning_accel.signals import exit_on_signals
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
-from lightning_accel.thread_env import apply_thread_plan, describe_plan, set_early_environment
 
 if TYPE_CHECKING:
     from lightning_accel.callbacks.run_stats import RunStats
@@ -79,6 +78,8 @@ def print_check(cfg: DictConfig, plan: RunPlan) -> None:
     callbacks = sorted(name for name, node in (cfg.get("callbacks") or {}).items() if node is not None)
     loggers = sorted(name for name, node in (cfg.get("logger") or {}).items() if node is not None)
     console.print(f"callbacks: {', '.join(callbacks) or 'none'}; loggers: {', '.join(loggers) or 'none'}")
+    from lightning_accel.thread_env import describe_plan
+
     console.print(describe_plan(plan.threads))
 
 
@@ -176,7 +177,8 @@ def build(cfg: DictConfig, plan: RunPlan) -> tuple[Any, Any, Any, RunStats]:
     loggers = compose.instantiate_named(cfg.get("logger"))
     if not loggers:
         callbacks = _drop_logger_callbacks(callbacks)
-    callbacks += [cb for cb in plan.precision.callbacks if not any(type(have) is type(cb) for have in callbacks)]
+    needed = compose.precision_callbacks(plan.precision)
+    callbacks += [cb for cb in needed if not any(type(have) is type(cb) for have in callbacks)]
     stats = RunStats()
     with config_paths(cfg):  # a strategy's argument error names `trainer.strategy.<argument>`
         trainer: pl.Trainer = instantiate(
@@ -196,6 +198,7 @@ def _run(cfg: DictConfig, job_env: ExitStack) -> RunSummary | None:
     from lightning_accel import compose
     from lightning_accel.checks import oom_kills, trainer_setting_error, training_step_error, worker_killed_error
     from lightning_accel.precision import apply_float32_matmul_precision
+    from lightning_accel.thread_env import apply_thread_plan
 
     started = time.perf_counter()
     plan = plan_run(cfg)
@@ -382,18 +385,85 @@ def _config_store_shared() -> Iterator[None]:
     this package's schemas), for each config group it lists: about 135 copies for accel-train's help, most of its
     time. Sharing changes nothing the help shows: `ConfigStore.load` hands out a copy of the node it loads, and Hydra's
     later releases read the live store the same way (facebookresearch/hydra#2928). The store is left as it was.
+
+    And each group's options are listed once: the help asks for them three times per group (listing Hydra's groups,
+    the app's, then each group's options), and nothing changes the tree while it writes.
     """
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.config_store import ConfigStore
+    from hydra.core.object_type import ObjectType
+
+    from lightning_accel.patching import patch_attribute
 
     store = ConfigStore.instance()
     if "__deepcopy__" in vars(store):
         yield
         return
+    listed: dict[str, list[str]] = {}
+    original = ConfigLoaderImpl.get_group_options
+
+    def get_group_options(
+        self: ConfigLoaderImpl,
+        group_name: str,
+        results_filter: ObjectType | None = ObjectType.CONFIG,
+        config_name: str | None = None,
+        overrides: list[str] | None = None,
+    ) -> list[str]:
+        key = repr((id(self), group_name, results_filter, config_name, overrides))
+        if key not in listed:
+            listed[key] = original(self, group_name, results_filter, config_name, overrides)
+        return list(listed[key])
+
+    undo = patch_attribute(ConfigLoaderImpl, "get_group_options", get_group_options, why="listing the help's groups")
     setattr(store, "__deepcopy__", _LiveConfigStore())  # noqa: B010  (an instance attribute; `copy` looks it up)
     try:
         yield
     finally:
         vars(store).pop("__deepcopy__", None)
+        undo()
+
+
+@contextmanager
+def _composition_errors_at_once() -> Iterator[None]:
+    """While accel-train runs Hydra: a config that does not compose is reported from Hydra's first composition.
+
+    Hydra 1.3 composes a run's config twice: once to read `hydra.mode` (`Hydra.get_mode`, which swallows any error
+    and returns None), then again for the run, which raises the same error. A composition error (an unknown key or
+    option, a wrong type, an override it cannot parse) from the first is raised at once, halving the time to tell it;
+    any other outcome of the first is Hydra's own. The run's composition is stricter (it also refuses a sweep
+    outside `--multirun`), so nothing the first raises would have composed."""
+    from hydra._internal.hydra import Hydra
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    from lightning_accel.patching import patch_attribute
+
+    original = Hydra.get_mode
+
+    def get_mode(self: Hydra, *args: Any, **kwargs: Any) -> Any:
+        failed: list[Exception] = []
+        compose = self.compose_config
+
+        def compose_config(*c_args: Any, **c_kwargs: Any) -> Any:
+            try:
+                return compose(*c_args, **c_kwargs)
+            except (ConfigCompositionException, OverrideParseException) as err:
+                failed.append(err)
+                raise
+
+        undo = patch_attribute(self, "compose_config", compose_config, why="reading hydra.mode")
+        try:
+            mode = original(self, *args, **kwargs)
+        finally:
+            undo()
+        if failed:
+            raise failed[0]
+        return mode
+
+    undo = patch_attribute(Hydra, "get_mode", get_mode, why="telling a config that does not compose at once")
+    try:
+        yield
+    finally:
+        undo()
 
 
 def main() -> None:
@@ -414,7 +484,7 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises what it cannot compose, to be named here (exit 2)
     helping = any(arg in _HELP_FLAGS for arg in sys.argv[1:])
     try:
-        with _config_store_shared() if helping else nullcontext():
+        with _config_store_shared() if helping else nullcontext(), _composition_errors_at_once():
             _hydra_main()
     except Exception as err:
         named = None if users == "1" else _not_composed(err)
@@ -430,5 +500,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from lightning_accel.thread_env import set_early_environment
+
     set_early_environment(sys.argv[1:])  # before the run loads torch (`train_entry.accel_train` does the same)
     main()

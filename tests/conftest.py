@@ -59,6 +59,19 @@ def _restore_signal_handlers() -> Iterator[None]:
             signal.signal(number, handler)
 
 
+@pytest.fixture(autouse=True)
+def _restore_float32_matmul_precision() -> Iterator[None]:
+    """Every test ends with torch's float32 matmul precision as it found it: an in-process run (`train.run`,
+    `compose.apply_precision`) sets it for the process, as accel-train does for its own, and a later test on the same
+    xdist worker (tests/callbacks/test_matmul_precision.py starts from `highest`) would start from `high`."""
+    torch = sys.modules.get("torch")
+    before = torch.get_float32_matmul_precision() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_float32_matmul_precision() != (before or "highest"):
+        torch.set_float32_matmul_precision(before or "highest")
+
+
 @pytest.fixture
 def compose_train(tmp_path: Path) -> Iterator:
     """compose_train(overrides) -> the resolved-ready `train` config, with HydraConfig set to a run in tmp_path."""

@@ -249,6 +249,7 @@ def test_default_ladder_ends_with_the_best_model_parallel_stage() -> None:
     assert default_ladder(["amp", "baseline", "ddp", "pipeline"])[-1] == "model_parallel"  # pipeline: by name only
 
 
+@pytest.mark.slow
 def test_plan_skips_what_cannot_run_here_and_budgets_the_rest(tmp_path: Path) -> None:
     ladder = ["baseline", "ddp", "model_parallel"]
     overrides = ["trainer.accelerator=cpu", "trainer.devices=1", "precision=fp16_mixed"]
@@ -267,6 +268,7 @@ def test_plan_skips_what_cannot_run_here_and_budgets_the_rest(tmp_path: Path) ->
     assert f"++callbacks.bench_monitor.output_path={tmp_path / 'run0' / 'stage.json'}" in command
 
 
+@pytest.mark.slow
 def test_plan_matches_samples_across_stages_with_bigger_global_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -404,6 +406,7 @@ def quick_bench(
     return bench_run
 
 
+@pytest.mark.slow
 def test_quick_cli_reports_its_settings_and_every_stage(quick_bench: QuickBench) -> None:
     report = quick_bench.report()
     assert report["schema_version"] == 2 and report["reference"] == "baseline"
@@ -414,12 +417,14 @@ def test_quick_cli_reports_its_settings_and_every_stage(quick_bench: QuickBench)
     assert ddp["status"] == "skipped" and "one device" in ddp["reason"]
 
 
+@pytest.mark.slow
 def test_quick_cli_runs_the_stages_round_by_round(quick_bench: QuickBench) -> None:
     lines = quick_bench.result.stdout.splitlines()
     order = [line.split("`")[1] for line in lines if line.startswith("accel-bench: run ")]
     assert order == ["baseline", "amp", "amp", "baseline"]  # interleaved, round by round, round 2 in reverse
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["baseline", "amp"])
 def test_quick_cli_stage_carries_its_runs_and_their_median(quick_bench: QuickBench, name: str) -> None:
     stage = quick_bench.stages()[name]
@@ -435,6 +440,7 @@ def test_quick_cli_stage_carries_its_runs_and_their_median(quick_bench: QuickBen
     assert stage["metric_interval"]["n"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["baseline", "amp"])
 def test_quick_cli_stage_measures_and_explains_what_it_cannot(quick_bench: QuickBench, name: str) -> None:
     stage = quick_bench.stages()[name]
@@ -446,12 +452,14 @@ def test_quick_cli_stage_measures_and_explains_what_it_cannot(quick_bench: Quick
     assert stage["mfu"] is None and "CPU" in stage["mfu_note"]
 
 
+@pytest.mark.slow
 def test_quick_cli_speedup_carries_its_interval_and_verdict(quick_bench: QuickBench) -> None:
     amp = quick_bench.stages()["amp"]
     assert amp["speedup_interval"]["low"] <= amp["speedup"] <= amp["speedup_interval"]["high"]
     assert amp["speedup_verdict"] in ("faster", "slower", "no clear difference")
 
 
+@pytest.mark.slow
 def test_quick_cli_writes_the_csv_the_table_and_the_png(quick_bench: QuickBench) -> None:
     out, amp = quick_bench.out, quick_bench.stages()["amp"]
     rows = list(csv.DictReader((out / "bench.csv").open()))
@@ -543,6 +551,7 @@ def test_your_own_model_from_your_own_config_directory(tmp_path: Path) -> None:
         assert "model=tiny_mlp" in command and not any(c.startswith("model.n_embd") for c in command)
 
 
+@pytest.mark.slow
 def test_gpu_profile_plans_gpt2_small_with_compile_kept_out_of_the_rates(tmp_path: Path, monkeypatch) -> None:
     """`--profile gpu` on a one-GPU machine (planned here with one visible CUDA device): GPT-2 small on every stage,
     amp + compile as a rung, the DDP rungs skipped with the reason, 10 warm-up batches and one batch in ten
@@ -572,6 +581,7 @@ def test_gpu_profile_plans_gpt2_small_with_compile_kept_out_of_the_rates(tmp_pat
     assert "model=gpt2_small" not in mine[0].command(tmp_path, 1) and "model=classifier" in mine[0].overrides
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
 @pytest.mark.parametrize("module", ["lightning_accel.bench", "lightning_accel.tune"])
 def test_gpu_profile_is_refused_without_a_gpu_before_anything_runs(run_cli, tmp_path: Path, module: str) -> None:

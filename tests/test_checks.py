@@ -65,6 +65,7 @@ def test_strategy_dict_needs_a_target(compose_train) -> None:
         check_config(cfg)
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_devices_before_any_process_starts(run_cli, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli(
@@ -229,6 +230,7 @@ def test_valid_combinations_pass(compose_train, monkeypatch: pytest.MonkeyPatch,
     check_config(compose_train(overrides))
 
 
+@pytest.mark.slow
 def test_check_only_validates_and_prints_the_non_default_trainer_settings(run_cli, tmp_path: Path) -> None:
     proc = run_cli(["check=true", "preset=amp", "trainer.max_steps=7"], tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -238,6 +240,7 @@ def test_check_only_validates_and_prints_the_non_default_trainer_settings(run_cl
     assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("metrics.csv"))
 
 
+@pytest.mark.slow
 def test_cli_rejects_a_bad_combination_before_launch(run_cli, tmp_path: Path) -> None:
     proc = run_cli(["trainer.accelerator=cpu", "trainer.strategy=fsdp", "trainer.devices=2"], tmp_path)
     assert proc.returncode == 2

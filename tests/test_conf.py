@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from lightning_accel.callbacks import AccumulationScheduler
 from lightning_accel.checks import check_config
-from lightning_accel.compose import apply_precision, instantiate_named
+from lightning_accel.compose import apply_precision, instantiate_named, precision_callbacks
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system import read_cpu_info
 
@@ -122,8 +122,8 @@ def test_option_composes_and_builds_a_cpu_trainer(compose_train, group: str, opt
             return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        precision_callbacks = list(apply_precision(cfg).callbacks)
-    callbacks = instantiate_named(cfg.callbacks) + precision_callbacks
+        needed = precision_callbacks(apply_precision(cfg))
+    callbacks = instantiate_named(cfg.callbacks) + needed
     loggers = instantiate_named(cfg.logger)
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     assert isinstance(trainer, pl.Trainer)
@@ -260,6 +260,7 @@ def test_schedule_keys_change_from_the_command_line(compose_train) -> None:
     }
 
 
+@pytest.mark.slow
 def test_precision_amp_builds_a_trainer_in_an_app_that_never_calls_apply_precision(tmp_path) -> None:
     """A lightning-hydra-template app with `precision=amp` instantiated its Trainer with `precision='amp'` and got
     Lightning's "Precision 'amp' is invalid": the resolver, registered by the search-path plugin Hydra imports in

@@ -6,7 +6,8 @@ A fenced block is one of:
 - `bash`: each command run the cheapest real way: `accel-train ...` composed and checked as accel-train does
   before launch (nothing trains), `accel-bench`/`accel-tune ...` with `--dry-run` (every stage composed and
   checked), `accel-doctor` and `python -m lightning_accel.gpu_check` for real, `python examples/...` for real (under
-  `-m slow`); commands of your own config tree (`model=my_model`) run against a small one made for the test;
+  `-m slow`, as are the python blocks and the GPU check's commands, each a process that loads torch); commands of your
+  own config tree (`model=my_model`) run against a small one made for the test;
 - `yaml`: parsed; `diff`: the template's patch, applied by tests/test_template_app.py; `text`: output, not code.
 
 A block that cannot run on a CPU machine without a cluster is marked on the line above it:
@@ -25,6 +26,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -112,6 +114,7 @@ def test_every_link_to_a_file_of_the_repo_resolves() -> None:
 PYTHON = [s for s in SNIPPETS if s.language == "python" and not s.marker]
 
 
+@pytest.mark.slow  # each starts an interpreter that loads torch and Lightning and fits: seconds each on 2 CPUs
 @pytest.mark.parametrize("snippet", PYTHON, ids=[s.id for s in PYTHON])
 def test_python_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
     done = _run_python(PRELUDE + snippet.body, tmp_path)
@@ -204,7 +207,14 @@ SCRIPTS = [(s, c) for s, c in BASH if c.startswith("python examples/")]
 CHEAP = [(s, c) for s, c in BASH if (s, c) not in SCRIPTS]
 
 
-@pytest.mark.parametrize(("snippet", "command"), CHEAP, ids=[f"{s.id}:{c[:60]}" for s, c in CHEAP])
+def _bash_params(pairs: list[tuple[Snippet, str]]) -> list[Any]:
+    """The commands, the GPU check's (a process of its own that loads torch, seconds each) carrying `slow`."""
+    return [
+        pytest.param(s, c, marks=pytest.mark.slow) if "lightning_accel.gpu_check" in c else (s, c) for s, c in pairs
+    ]
+
+
+@pytest.mark.parametrize(("snippet", "command"), _bash_params(CHEAP), ids=[f"{s.id}:{c[:60]}" for s, c in CHEAP])
 def test_bash_command_runs(snippet: Snippet, command: str, user_tree: Path) -> None:
     run_command(command, user_tree)
 

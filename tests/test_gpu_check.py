@@ -29,6 +29,7 @@ CUDA_PARTS = (
 FULL_CUDA_PARTS = ("gpu_monitor", "tune", "ladder")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skips of a machine without CUDA")
 def test_full_on_a_cpu_machine_skips_each_cuda_part_with_its_reason(tmp_path: Path) -> None:
     out = tmp_path / "check"

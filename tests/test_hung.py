@@ -25,6 +25,7 @@ wait_for_a_peer_that_never_comes(os.environ["RANK"])
 """
 
 
+@pytest.mark.slow
 def test_a_hung_torchrun_launch_reports_where_each_rank_waits(tmp_path: Path) -> None:
     script = tmp_path / "hangs.py"
     script.write_text(HANGS)

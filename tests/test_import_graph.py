@@ -41,12 +41,7 @@ FLOORS: dict[str, int] = {
 """Each room (a top-level module or package of `lightning_accel`) and its floor: ARCHITECTURE.md's table, mirrored.
 A module may import its own floor and those below."""
 
-KNOWN_ARROWS: dict[tuple[str, str], str] = {
-    # `precision.resolve_precision` builds `Float8Training` for fp8 with torchao (inside a function): importing
-    # `callbacks.float8` runs `callbacks/__init__`, whose callbacks import `precision`. Delete this entry when the
-    # resolution names the callback instead of building it.
-    ("lightning_accel.precision", "lightning_accel.callbacks"): "fp8 with torchao builds callbacks.float8's callback",
-}
+KNOWN_ARROWS: dict[tuple[str, str], str] = {}
 """Arrows the checks below leave out, each with why; the list only shrinks."""
 
 

@@ -77,6 +77,7 @@ def _sleeper(seconds: float) -> None:
     time.sleep(seconds)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["popen", "multiprocessing"])
 def test_waiting_for_child_ranks_takes_both_launchers_processes(kind: str) -> None:
     """`ddp` starts child ranks with Popen (`wait`), `ddp_spawn`/`ddp_fork` with multiprocessing (`join`): the

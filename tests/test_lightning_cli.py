@@ -29,6 +29,7 @@ def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_cli_example_trains_on_two_ranks_with_our_callbacks_and_lightnings_timeout(tmp_path: Path) -> None:
     done = _cli(
         tmp_path,

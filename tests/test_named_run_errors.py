@@ -99,6 +99,7 @@ class NoLoss(GPTLanguageModel):
 """
 
 
+@pytest.mark.slow
 def test_accel_train_names_a_training_step_without_loss_and_exits_1(tmp_path: Path) -> None:
     """A traceback ending in Lightning's MisconfigurationException, without what was returned."""
     (tmp_path / "nolossmod.py").write_text(_NO_LOSS)

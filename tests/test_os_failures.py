@@ -83,6 +83,7 @@ class FillDisk(pl.Callback):
 """
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_during_training_is_named_with_the_checkpoint_that_stands(tmp_path: Path) -> None:
     """It ended in a traceback saying "unexpected pos 128 vs 0", never "No space left on device" nor which file."""
     (tmp_path / "fillmod.py").write_text(_FILL)
@@ -345,6 +346,7 @@ def test_the_gpu_check_out(tmp_path, read_only, monkeypatch, capsys, kind: str) 
     _refused_as(kind, err)
 
 
+@pytest.mark.slow
 def test_the_exit_codes_from_the_command_line(tmp_path, read_only) -> None:
     """Two subprocess runs for the exit code and the absent traceback: `accel-tune --config-dir <a file>` and
     `accel-train logger.csv.save_dir=<read-only>`."""

@@ -8,6 +8,7 @@ import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
 from hydra.core.plugins import Plugins
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
@@ -114,6 +115,7 @@ def test_plugin_entry_point_is_declared() -> None:
     assert declared.get("lightning_accel_searchpath") == "hydra_plugins.lightning_accel_searchpath"
 
 
+@pytest.mark.slow
 def test_users_app_selects_packaged_presets_and_trains(tmp_path: Path, run_cli) -> None:
     import subprocess
     import sys

@@ -13,6 +13,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_accel import precision as precision_module
 from lightning_accel.callbacks.float8 import Float8Training
+from lightning_accel.compose import precision_callbacks
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.precision import Hardware, apply_float32_matmul_precision, resolve_precision
 from lightning_accel.system import CpuInfo, read_cpu_info
@@ -58,7 +59,7 @@ def test_amp_picks_per_hardware(recorded, hardware: Hardware, accelerator: str, 
     resolved = resolve_precision("amp", accelerator, hardware=hardware)
     assert (resolved.requested, resolved.value) == ("amp", value)
     assert reason in resolved.reason
-    assert resolved.callbacks == ()
+    assert not resolved.float8_training and precision_callbacks(resolved) == []
     assert not _ours(recorded)
     assert resolved.describe().startswith(f"precision 'amp' -> '{value}' on {resolved.device}: ")
 
@@ -134,7 +135,7 @@ def test_concrete_values_pass_through(recorded, requested: str, hardware: Hardwa
 
 def test_fp8_prefers_transformer_engine() -> None:
     resolved = resolve_precision("fp8", hardware=H100, package_available=installed("transformer_engine", "torchao"))
-    assert resolved.value == "transformer-engine" and resolved.callbacks == ()
+    assert resolved.value == "transformer-engine" and not resolved.float8_training
     assert "Transformer Engine" in resolved.reason
 
 
@@ -142,7 +143,8 @@ def test_fp8_through_torchao_adds_the_float8_callback() -> None:
     ada = Hardware(cpu=BF16_CPU, cuda_capability=(8, 9), cuda_name="NVIDIA L4")
     resolved = resolve_precision("fp8", hardware=ada, package_available=installed("torchao"))
     assert resolved.value == "bf16-mixed"
-    [callback] = resolved.callbacks
+    assert resolved.float8_training
+    [callback] = precision_callbacks(resolved)  # the resolution names the callback; the app's composition builds it
     assert isinstance(callback, Float8Training)
     assert "torchao" in resolved.reason and "NVIDIA L4" in resolved.reason
 
@@ -257,6 +259,7 @@ def test_default_package_check() -> None:
     assert not precision_module._package_available("lightning_accel_no_such_package.sub")
 
 
+@pytest.mark.slow
 def test_cli_fp8_without_a_capable_gpu_exits_2_before_anything_is_built(run_cli, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli(["precision=fp8", "trainer.accelerator=cpu", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
@@ -266,6 +269,7 @@ def test_cli_fp8_without_a_capable_gpu_exits_2_before_anything_is_built(run_cli,
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "csv").exists()
 
 
+@pytest.mark.slow
 def test_cli_logs_the_resolved_precision_and_its_reason(run_cli, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["precision=amp", "trainer.accelerator=cpu", "fit=false", "test=false", f"hydra.run.dir={run_dir}"]

@@ -71,6 +71,7 @@ def test_a_bad_value_is_refused_before_launch_naming_the_setting(compose_train, 
     assert message in str(err.value)
 
 
+@pytest.mark.slow
 def test_the_command_line_exits_2_with_the_message(tmp_path: Path) -> None:
     done = _train(["model.optimizer.lr=-1", "check=true"], tmp_path)
     assert done.returncode == 2 and "accel-train: error: `model.optimizer.lr=-1`" in done.stderr
@@ -90,6 +91,7 @@ def test_an_environment_that_would_misplace_the_run_is_refused(tmp_path: Path, e
     assert not Path("/runs").exists() or not any(Path("/runs").iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("module", "args", "message"),
     [
@@ -145,6 +147,7 @@ def test_a_checkpoint_of_another_architecture_is_refused_before_launch(trained: 
     assert "differ in shape" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_fit_false_tests_the_weights_of_ckpt_path(trained: Path, tmp_path: Path) -> None:
     """It tested untrained weights (test loss 5.58) and said `tested weights: final`."""
     done = _train(
@@ -285,6 +288,7 @@ class ReturnsNothing(GPTLanguageModel):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "message"),
     [
@@ -392,6 +396,7 @@ def test_a_full_disk_while_the_report_is_written_truncates_nothing(tmp_path: Pat
     assert not (out / "bench.csv").exists() and not list(out.glob(".*.tmp"))  # nothing half-written left
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module", ["lightning_accel.bench", pytest.param("lightning_accel.tune", marks=pytest.mark.slow)]
 )

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from _env import clean_env
 from _wait import wait_until
@@ -99,6 +100,7 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+@pytest.mark.slow
 def test_two_sigints_0_3_s_apart_exit_130_not_by_the_signal(tmp_path: Path) -> None:
     """The first was handled (`last.ckpt` at the step), then the second killed the process by SIGINT (exit -2)."""
     proc, log = _start(tmp_path, seconds=0.0)
@@ -117,6 +119,7 @@ def test_two_sigints_0_3_s_apart_exit_130_not_by_the_signal(tmp_path: Path) -> N
     assert _step(tmp_path / "run" / "checkpoints" / "last.ckpt") == stopped_at > 5
 
 
+@pytest.mark.slow
 def test_a_second_signal_during_the_save_is_said_and_the_exit_waits_for_the_checkpoint(tmp_path: Path) -> None:
     """It stopped at once without the checkpoint (a second Ctrl-C a second after the first: `KeyboardInterrupt`)."""
     proc, log = _start(tmp_path, seconds=4.0)
@@ -135,6 +138,7 @@ def test_a_second_signal_during_the_save_is_said_and_the_exit_waits_for_the_chec
     assert _step(tmp_path / "run" / "checkpoints" / "last.ckpt") > 5
 
 
+@pytest.mark.slow
 def test_a_third_signal_ends_the_process_at_once_and_the_last_checkpoint_stands(tmp_path: Path) -> None:
     proc, log = _start(tmp_path, seconds=60.0)
     try:

@@ -96,6 +96,7 @@ def test_the_guides_patch_applies_to_the_template_as_it_is(template: Path) -> No
     assert "- preset: null" in (template / "configs" / "train.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_ddp_sim_trains_on_two_processes_and_exits_zero(template: Path, tmp_path: Path) -> None:
     """The template's own `trainer=ddp_sim` (`ddp_spawn`): it crashed after a finished fit ("'SpawnProcess' object
     has no attribute 'wait'") and exited 1."""
@@ -154,6 +155,7 @@ class TestEverySettingIsApplied:
         assert "Compile" in records[0]["callbacks"] and records[0]["epochs"] == 2
 
 
+@pytest.mark.slow
 def test_a_dropped_callback_warns_and_one_removed_on_purpose_does_not(template: Path, tmp_path: Path) -> None:
     _, output = run_template(template, tmp_path / "a", "debug=default", "accumulation=schedule")
     assert "`accumulation=schedule` adds `callbacks.accumulation`, but the composed config has no such" in output
@@ -162,6 +164,7 @@ def test_a_dropped_callback_warns_and_one_removed_on_purpose_does_not(template: 
     assert "adds `callbacks.dataloader_tuner`" not in output  # removed on purpose: no warning
 
 
+@pytest.mark.slow
 def test_a_scheduler_nothing_reads_warns_naming_where_the_model_expects_it(template: Path, tmp_path: Path) -> None:
     """The template's own model config (without the guide's step 2) reads `model.scheduler`: `scheduler=onecycle`
     writes a key nothing reads, and says so."""

@@ -42,6 +42,7 @@ def test_the_wait_policy_is_set_before_torch_loads(argv: list[str], env: dict[st
     assert (PLANNED_ENV in env) == bool(added)
 
 
+@pytest.mark.slow
 def test_libgomp_reads_the_policy_only_if_set_before_import_torch() -> None:
     """Why accel-train sets the wait policy in its entry (`lightning_accel.train_entry`), before the command loads
     torch: OMP_DISPLAY_ENV=VERBOSE shows what libgomp read at load. Its `OMP_WAIT_POLICY` line says PASSIVE when
@@ -107,6 +108,7 @@ def test_apply_sets_torch_and_the_environment_and_the_undo_restores_them() -> No
     assert torch.get_num_threads() == before and env == {}
 
 
+@pytest.mark.slow
 def test_ddp_ranks_run_with_the_planned_threads_and_wait_policy(ddp_smoke_run) -> None:
     """Both ranks of a 2-process CPU DDP run (conftest's session run, `OMP_DISPLAY_ENV=VERBOSE`, started without
     OMP_WAIT_POLICY, OMP_NUM_THREADS, MKL_NUM_THREADS or a thread plan): libgomp loaded with OMP_WAIT_POLICY=PASSIVE

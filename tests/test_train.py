@@ -45,6 +45,7 @@ def test_default_run_beats_chance(run_cli, tmp_path: Path) -> None:
     assert (run_dir / "csv" / "version_0" / "metrics.csv").is_file()
 
 
+@pytest.mark.slow
 def test_ddp_two_cpu_processes_share_one_run_directory(ddp_smoke_run) -> None:
     """`SMOKE` with `DDP2` (conftest's session run, which tests/test_threads.py reads too)."""
     result, tmp_path = ddp_smoke_run.result, ddp_smoke_run.cwd
@@ -120,6 +121,7 @@ def test_micro_batch_auto_splits_every_batch_on_both_ddp_ranks_keeping_the_globa
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_multirun_with_ddp_keeps_one_sweep_directory(run_cli, tmp_path: Path) -> None:
     """Lightning #11300: child ranks must not start the sweep again, and job 2 must launch its own ranks."""
     result = run_cli(["-m", *SMOKE, *DDP2, "seed=1,2"], cwd=tmp_path)
@@ -137,6 +139,7 @@ def test_multirun_with_ddp_keeps_one_sweep_directory(run_cli, tmp_path: Path) ->
     assert digests[0]["train.log"] != digests[1]["train.log"]  # the jobs differ (seed)
 
 
+@pytest.mark.slow
 def test_killed_run_leaves_no_half_written_checkpoint(tmp_path: Path) -> None:
     """SIGKILL while checkpoints are written every step: every .ckpt file left behind loads."""
     run_dir = tmp_path / "run"
@@ -207,6 +210,7 @@ def _run_with_a_failing_rank(run_cli, tmp_path: Path) -> tuple[subprocess.Comple
     return proc, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_ends_the_job_and_is_named(run_cli, tmp_path: Path) -> None:
     proc, _ = _run_with_a_failing_rank(run_cli, tmp_path)
     assert proc.returncode != 0
@@ -278,6 +282,7 @@ def test_two_nodes_under_torchrun_share_one_run_directory(tmp_path: Path) -> Non
     assert len(digests) == 1
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_get_two_run_directories(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "ACCEL_RUN_ID", "SLURM_JOB_ID")}
     env["ACCEL_LOG_DIR"] = str(tmp_path / "outputs")
@@ -464,6 +469,7 @@ class _Payload:
         return (Path.touch, (self.marker,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["file", "distributed"])
 def test_a_planted_payload_in_a_checkpoint_never_runs_on_resume(run_cli, tmp_path: Path, fmt: str) -> None:
     """Every checkpoint format a run resumes from: a Lightning `.ckpt` file (DDP, one device, SLURM's hpc) and a

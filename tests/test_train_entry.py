@@ -81,6 +81,7 @@ def test_the_entry_does_not_import_the_command(tmp_path: Path) -> None:
     assert not {name.split(".")[0] for name in loaded} & {*HEAVY, "hydra", "omegaconf"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["console", "module"])
 def test_the_wait_policy_is_set_before_torch_loads_in_a_run(entry: str, tmp_path: Path) -> None:
     """`accel-train` (the console entry) and `python -m lightning_accel.train`: libgomp loads with
@@ -123,3 +124,40 @@ def test_help_shares_the_config_store_and_says_the_same(monkeypatch: pytest.Monk
         helps.append(capsys.readouterr().out)
     assert "== Configuration groups ==" in helps[0] and helps[0] == helps[1]
     assert "__deepcopy__" not in vars(store)
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("trainer.maxx_steps=3", "`trainer.maxx_steps`"),  # a key the config lacks
+        ("model=nope", "`model=nope` is not an option"),  # an option the group lacks
+        ("trainer.max_steps=[", "cannot be read"),  # an override Hydra cannot parse
+    ],
+)
+def test_a_config_that_does_not_compose_is_told_from_the_first_composition(
+    override: str, said: str, monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path
+) -> None:
+    """Hydra composes a run twice (to read `hydra.mode`, then for the run); the error comes from the first, once,
+    and Hydra's `get_mode` is put back after."""
+    from hydra._internal.hydra import Hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lightning_accel import train
+
+    original_get_mode, original_compose = Hydra.get_mode, Hydra.compose_config
+    composed = []
+
+    def counting(self: Hydra, *args, **kwargs):
+        composed.append(kwargs.get("run_mode"))
+        return original_compose(self, *args, **kwargs)
+
+    monkeypatch.setattr(Hydra, "compose_config", counting)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["accel-train", override])
+    GlobalHydra.instance().clear()
+    with pytest.raises(SystemExit) as exited:
+        train.main()
+    assert exited.value.code == 2
+    assert len(composed) == 1, composed
+    assert said in capsys.readouterr().err
+    assert Hydra.get_mode is original_get_mode

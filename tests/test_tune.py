@@ -78,6 +78,7 @@ def settings(tmp_path: Path, **kwargs) -> TuneSettings:
     )
 
 
+@pytest.mark.slow
 def test_the_search_follows_the_bottleneck_keeps_quality_and_writes_the_preset(tmp_path: Path) -> None:
     rates = {"baseline": 100.0, "precision=amp": 150.0, "precision=amp+strategy=ddp+devices=2": 260.0}
     metrics = {"compile=default": 3.0}  # faster but worse: must not win
@@ -130,6 +131,7 @@ def test_a_pick_the_confirmation_does_not_uphold_leaves_the_baseline(tmp_path: P
     assert "override" not in (tmp_path / "conf" / "preset" / "tuned_tiny.yaml").read_text()  # the user's config as is
 
 
+@pytest.mark.slow
 def test_the_search_and_its_confirmation_end_inside_the_time_budget_and_ctrl_c_keeps_the_best_so_far(
     tmp_path: Path,
 ) -> None:
@@ -221,6 +223,7 @@ def test_the_command_line_refuses_bad_settings_before_anything_runs(
     assert not (tmp_path / "out" / "gen0").exists()
 
 
+@pytest.mark.slow
 def test_a_run_that_does_not_fit_is_tuned_to_one_that_does(tmp_path: Path) -> None:
     """The baseline runs out of memory; micro_batch=auto fits and becomes the pick (confirmed without a baseline)."""
     launcher, calls = world(
@@ -336,6 +339,7 @@ def test_a_row_measured_under_interference_cannot_win() -> None:
     assert _verdict(busy, base, base, {}).startswith("lost: measured under interference")
 
 
+@pytest.mark.slow
 def test_on_a_busy_machine_nothing_wins_and_the_report_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Every run measured under interference (reruns included): amp's 1.5x does not decide, the baseline stays."""
     from test_bench import _ScriptedProbe

@@ -28,7 +28,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
 from lightning_accel.checks import check_config
-from lightning_accel.compose import apply_precision
+from lightning_accel.compose import apply_precision, precision_callbacks
 from lightning_accel.errors import ConfigError
 from lightning_accel.system import read_cpu_info
 
@@ -104,7 +104,7 @@ def bench(preset: str, device: str, steps: int, warmup: int, root_dir: str, over
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     timer = StepTimer(warmup, cuda=device == "cuda")
-    trainer = instantiate(cfg.trainer, callbacks=[*resolved.callbacks, timer], logger=False)
+    trainer = instantiate(cfg.trainer, callbacks=[*precision_callbacks(resolved), timer], logger=False)
     trainer.fit(model, datamodule=datamodule)
     seconds = (timer.ended - timer.started) / max(timer.timed_steps, 1)
     loss = float(trainer.callback_metrics["train/loss"])

@@ -136,6 +136,7 @@ def test_single_process_resume_mid_schedule(single_process: dict[str, Any], sche
     _check_resume(single_process, schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "lr_schedule"), CASES)
 def test_two_ddp_processes(two_processes: list[dict[str, Any]], schedule: str, lr_schedule: str) -> None:
     rank0, rank1 = (r[f"{schedule}/{lr_schedule}"] for r in two_processes)
@@ -147,6 +148,7 @@ def test_two_ddp_processes(two_processes: list[dict[str, Any]], schedule: str, l
         assert sum(ends for _, ends in result["syncs"]) == len(result["steps"])
 
 
+@pytest.mark.slow
 def test_two_processes_fsdp2_under_model_parallel_strategy(two_processes: list[dict[str, Any]]) -> None:
     rank0, rank1 = (r["step/fsdp"] for r in two_processes)
     _check_case(rank0, "step", "cosine")  # the same weights as big-batch steps, from sharded parameters
@@ -155,6 +157,7 @@ def test_two_processes_fsdp2_under_model_parallel_strategy(two_processes: list[d
         assert [sync for sync, _ in result["syncs"]] == [ends for _, ends in result["syncs"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["epoch", "step", "global_batch"])
 def test_two_ddp_processes_resume_mid_schedule(two_processes: list[dict[str, Any]], schedule: str) -> None:
     for results in two_processes:

@@ -261,6 +261,7 @@ class _CudaBenchMonitor(BenchMonitor):
         self._cuda = True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("every", [1, 5])
 def test_split_every_n_batches_counts_the_queued_device_work_with_fewer_synchronisations(
     tmp_path, monkeypatch: pytest.MonkeyPatch, every: int

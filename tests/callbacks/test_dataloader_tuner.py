@@ -97,6 +97,7 @@ def _tune_and_referee(dataset: Any, tmp_path: Path, **kwargs: Any) -> tuple[Data
     return tuner, referee
 
 
+@pytest.mark.slow
 def test_io_bound_dataset_gets_more_workers_than_cpus(tmp_path: Path) -> None:
     tuner, _ = _tune(cases.SleepyDataset(delay_s=0.006), tmp_path)  # 48 ms a batch per worker
     assert tuner.decision is not None and tuner.decision.num_workers > CPUS, tuner.trials
@@ -152,6 +153,7 @@ def _count_trials(monkeypatch: pytest.MonkeyPatch) -> list[LoaderSettings]:
     return ran
 
 
+@pytest.mark.slow
 def test_cache_hit_skips_tuning_and_force_tunes_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ran = _count_trials(monkeypatch)
     data = cases.SleepyDataset(400, 0.002)
@@ -174,6 +176,7 @@ def test_cache_hit_skips_tuning_and_force_tunes_again(tmp_path: Path, monkeypatc
     assert ran and forced.trials and not forced.cache_hit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "text",
     ['{"entries": ["a list"]}', "[1, 2]", "not json", '{"entries": {"KEY": {"settings": {"num_threads": 3}}}}'],
@@ -205,6 +208,7 @@ def test_a_cache_of_ours_with_entries_of_another_shape_is_a_miss_and_rewritten(t
     assert entry["settings"] == tuner.decision.as_dict()
 
 
+@pytest.mark.slow
 def test_an_unreadable_cache_warns_and_tunes(tmp_path: Path) -> None:
     folder = tmp_path / "cache"
     (folder / "dataloader_tuner.json").mkdir(parents=True)  # a folder where the file should be
@@ -214,6 +218,7 @@ def test_an_unreadable_cache_warns_and_tunes(tmp_path: Path) -> None:
     assert tuner.trials and tuner.decision is not None
 
 
+@pytest.mark.slow
 def test_a_tuned_fit_trains_exactly_like_an_untuned_one(tmp_path: Path) -> None:
     data = cases.SleepyDataset(200, 0.0005)  # shuffled: the trials must not move the RNG, the weights or BatchNorm
     _, plain = cases.fit(data, [], str(tmp_path), max_steps=12, val=cases.SleepyDataset(16, 0.0))
@@ -246,6 +251,7 @@ def test_trials_put_back_parameters_the_step_updates_itself(tmp_path: Path) -> N
     assert torch.equal(plain.ema, tuned.ema) and torch.equal(plain.layer.weight, tuned.layer.weight)
 
 
+@pytest.mark.slow
 def test_a_cached_decision_is_not_reused_by_a_search_with_other_bounds(tmp_path: Path) -> None:
     data = cases.SleepyDataset(400, 0.002)
     first = _tuner(steps_per_trial=4, cache_dir=tmp_path / "cache")
@@ -398,6 +404,7 @@ class _Metrics(Logger):
         pass
 
 
+@pytest.mark.slow
 def test_table_is_printed_and_settings_are_logged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     logger = _Metrics()
     tuner = _tuner(steps_per_trial=4, use_cache=False, print_table=True)
@@ -456,6 +463,7 @@ def _torchrun_cases(*args: str) -> subprocess.CompletedProcess[str]:
     return torchrun(cases.__file__, *args, env={"OMP_NUM_THREADS": "1"}, timeout=300)
 
 
+@pytest.mark.slow
 def test_two_ddp_processes_agree(tmp_path: Path) -> None:
     proc = _torchrun_cases(str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -473,6 +481,7 @@ def test_two_ddp_processes_agree(tmp_path: Path) -> None:
     assert cached["decision"] == tuned["decision"]
 
 
+@pytest.mark.slow
 def test_two_ddp_ranks_tune_again_together_when_a_reused_decision_fails_its_check(tmp_path: Path) -> None:
     """A cached decision of 2 workers fails its check on the live loop (forced): both ranks tune again at the next
     epoch start, switch to the same new setting and train to the last step in lockstep (a hang here once ended the
@@ -491,6 +500,7 @@ def test_two_ddp_ranks_tune_again_together_when_a_reused_decision_fails_its_chec
     assert entry["settings"]["num_workers"] == rank0[1]["decision"]["num_workers"]  # the planted entry replaced
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_ddp_rank_stops_the_run_instead_of_hanging_it(tmp_path: Path) -> None:
     """Rank 1 fails between the tuner's collectives while rank 0 waits in one: the run ends, naming the rank."""
     proc = _torchrun_cases(str(tmp_path), "diverge")  # a hang would hit the 300 s timeout
@@ -529,6 +539,7 @@ def _stalled_trial() -> float:
     return time.perf_counter() - started
 
 
+@pytest.mark.slow
 def test_a_stalled_worker_fails_its_trial_instead_of_blocking_it() -> None:
     loader = torch.utils.data.DataLoader(_StallsAt(stall=8), batch_size=4)
     assert rebuild_loader(loader, LoaderSettings(num_workers=1), stall_timeout_s=2).timeout == 2
@@ -593,6 +604,7 @@ class _FlaggingProbe(cases.QuietProbe):
         return self.result
 
 
+@pytest.mark.slow
 def test_a_decision_under_interference_is_applied_but_not_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -613,6 +625,7 @@ def test_a_decision_under_interference_is_applied_but_not_cached(
     assert not again.cache_hit and again.trials and again.result is not None and again.result.confident
 
 
+@pytest.mark.slow
 def test_a_decision_beside_a_real_busy_process_is_not_cached(
     tmp_path: Path, real_probe: None, busy_process: int
 ) -> None:
@@ -623,6 +636,7 @@ def test_a_decision_beside_a_real_busy_process_is_not_cached(
     assert not (tmp_path / "cache" / "dataloader_tuner.json").exists()
 
 
+@pytest.mark.slow
 def test_a_wrong_decision_planted_in_the_cache_is_replaced(tmp_path: Path) -> None:
     data, folder = cases.SleepyDataset(400, 0.003), tmp_path / "cache"  # 50 batches an epoch, 24 ms each unloaded
     first = _tuner(steps_per_trial=8, cache_dir=folder)
@@ -642,6 +656,7 @@ def test_a_wrong_decision_planted_in_the_cache_is_replaced(tmp_path: Path) -> No
     assert json.loads(path.read_text())["entries"][key]["settings"]["num_workers"] == second.decision.num_workers
 
 
+@pytest.mark.slow
 def test_a_right_cached_decision_passes_its_check(tmp_path: Path) -> None:
     data, folder = cases.SleepyDataset(400, 0.003), tmp_path / "cache"
     first = _tuner(steps_per_trial=8, cache_dir=folder)
@@ -722,6 +737,7 @@ def _tuner_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("DataLoaderTuner (")]
 
 
+@pytest.mark.slow
 def test_a_loader_waiting_10_percent_of_the_step_is_credited_no_more_than_1_11x(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -852,6 +868,7 @@ class _Manual(cases.Regression):
         return loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "loader", "message"),
     [

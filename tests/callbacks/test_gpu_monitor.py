@@ -478,6 +478,7 @@ def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["node", "nodes"])
 def test_ddp_one_sampler_per_node_and_no_duplicate_keys(
     ddp_runs: dict[str, list[dict[str, Any]]], topology: str

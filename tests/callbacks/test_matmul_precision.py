@@ -44,6 +44,7 @@ def test_set_for_the_stage_and_restored_after_it(tmp_path, caplog: pytest.LogCap
     assert "precision=32-true (amp: " in line and "float32_matmul_precision=high: fp32 matmuls may use TF32" in line
 
 
+@pytest.mark.slow
 def test_each_spawned_rank_gets_it(tmp_path) -> None:
     """`ddp_spawn` ranks are fresh interpreters: a setting made in the launching process would not reach them."""
     trainer = pl.Trainer(

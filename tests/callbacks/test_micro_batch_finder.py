@@ -392,6 +392,7 @@ def _assert_ranks_equal_whole(ranks: list[dict[str, Any]], whole: BudgetedModel)
         torch.testing.assert_close(torch.tensor(ranks[0]["weights"][name]), value.flatten(), rtol=TOL, atol=TOL)
 
 
+@pytest.mark.slow
 def test_two_ddp_ranks_recover_together_when_only_rank_1_runs_out_of_memory(ddp_ranks) -> None:
     """2 gloo ranks x batches of 32 under a budget of 4, rank 1 out of memory at step 5: both ranks redo the step at
     2, and their weights equal each other and one process's on whole batches of 64."""
@@ -406,6 +407,7 @@ def test_two_ddp_ranks_recover_together_when_only_rank_1_runs_out_of_memory(ddp_
     _assert_ranks_equal_whole([r["oom"] for r in ranks], whole)
 
 
+@pytest.mark.slow
 def test_two_ddp_ranks_take_the_smallest_ranks_size_from_their_peaks(ddp_ranks) -> None:
     """The first batch of 32 peaks over both ranks' budgets; rank 0's alone would take 8, rank 1's 4: both run 4 from
     the second batch on, and the update is the whole batches' still."""

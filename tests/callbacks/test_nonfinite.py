@@ -244,6 +244,7 @@ with open({ckpt_dir!r} + f"/rank{{trainer.global_rank}}.txt", "w") as f:  # the 
 """
 
 
+@pytest.mark.slow
 def test_ddp_a_nan_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
     script = tmp_path / "ddp_nonfinite.py"
     here = Path(__file__)

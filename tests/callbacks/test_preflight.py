@@ -165,6 +165,7 @@ def test_results_are_grouped_by_check_and_name_their_nodes() -> None:
     assert _grouped(rows, ("WARN",)) == ""
 
 
+@pytest.mark.slow
 def test_two_ddp_ranks_stop_together_and_name_the_bad_one(tmp_path: Path) -> None:
     proc = torchrun(__file__, str(tmp_path), timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]

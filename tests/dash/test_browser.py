@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import pytest
 from _dash_server import dash_server
 from _jobs import DDP2, job, kill, log_of
 from _tools import missing, tool
@@ -82,6 +83,7 @@ def _job_view(page: Any, run_name: str) -> dict[str, Any]:
     )
 
 
+@pytest.mark.slow
 def test_a_real_browser_sees_every_job_live(tmp_path: Path) -> None:
     chromium = tool("chromium", "chromium-browser")
     sync_playwright = _playwright()

@@ -60,6 +60,7 @@ def test_missing_sklearn_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
         dm.setup("fit")
 
 
+@pytest.mark.slow
 def test_importing_the_examples_does_not_import_sklearn() -> None:
     code = "import sys, lightning_accel.examples; assert 'sklearn' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

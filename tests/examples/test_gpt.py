@@ -145,6 +145,7 @@ def test_fit_with_cosine_schedule_logs_val_and_test_metrics(tmp_path: Path) -> N
     assert result["test/bpc"] < 8.0
 
 
+@pytest.mark.slow
 def test_train_plain_script_runs(tmp_path: Path) -> None:
     script = Path(__file__).parents[2] / "examples" / "train_plain.py"
     args = ["--max_steps", "12", "--max_chars", "60000", "--n_embd", "32", "--val_check_interval", "6"]

@@ -21,6 +21,7 @@ MODEL_PARALLEL = [
 ]
 
 
+@pytest.mark.slow
 def test_model_parallel_two_cpu_processes_share_one_run_directory(run_cli, tmp_path: Path) -> None:
     result = run_cli(MODEL_PARALLEL, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -40,6 +40,7 @@ def test_reference_learns_and_clips(reference: tuple[list[float], int]) -> None:
     assert clipped > STEPS // 2  # gradient clipping acts, so it is checked across shards too
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dp2", "tp2"])
 def test_two_ranks_match_one_process_after_20_steps(two_ranks: list[dict[str, Any]], reference: Any, case: str) -> None:
     rank0, rank1 = (r[case] for r in two_ranks)
@@ -56,10 +57,12 @@ def test_two_ranks_match_one_process_after_20_steps(two_ranks: list[dict[str, An
     assert rank0["fsdp_units"] == (FSDP_UNITS if case == "dp2" else 0)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_keeps_the_curve(two_ranks: list[dict[str, Any]]) -> None:
     assert _relative(two_ranks[0]["dp2_ac"]["losses"], two_ranks[0]["dp2"]["losses"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_the_same_curve(two_ranks: list[dict[str, Any]]) -> None:
     for results in two_ranks:
         assert results["dp2_checkpoint_is_sharded"]  # a directory of per-rank shards
@@ -72,6 +75,7 @@ def test_sharded_checkpoint_resumes_the_same_curve(two_ranks: list[dict[str, Any
         assert _relative(resumed["losses"], full["losses"][STEPS // 2 :]) < 1e-5
 
 
+@pytest.mark.slow
 def test_sync_switch_cuts_reduce_scatters_under_accumulation(two_ranks: list[dict[str, Any]]) -> None:
     for results in two_ranks:
         every, boundary = results["accumulate4_syncTrue"], results["accumulate4_syncFalse"]

@@ -81,6 +81,7 @@ def test_picklable_and_stateless() -> None:
     assert Parallelize("Block").block_classes == ["Block"] and Parallelize(None).block_classes == []
 
 
+@pytest.mark.slow
 def test_single_device_fit_with_checkpointing_keeps_the_losses_and_restores_the_module() -> None:
     expected = _fit(_model())
     callback = Parallelize(["Block"], activation_checkpointing=True)

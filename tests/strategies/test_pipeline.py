@@ -128,6 +128,7 @@ def test_reference_learns_and_clips(reference: dict[str, Any]) -> None:
     assert reference["clipped"] > STEPS // 2  # clipping acts, so its norm must span both stages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES + ZERO_BUBBLE)
 def test_two_stages_match_one_process(two_ranks: Launch, reference: Any, schedule: str) -> None:
     if schedule in ZERO_BUBBLE and not _available(schedule):
@@ -151,6 +152,7 @@ def test_two_stages_match_one_process(two_ranks: Launch, reference: Any, schedul
     assert rank0["n_params"] + rank1["n_params"] == full and 0 < rank0["n_params"] < full
 
 
+@pytest.mark.slow
 def test_a_short_last_validation_batch_runs_under_1f1b(two_ranks: Launch, reference: Any) -> None:
     """3 samples left over: fewer than 1F1B's 2 stages need as micro-batches; they go through the stages in order."""
     rank0, rank1 = two_ranks.case("short_val")
@@ -180,6 +182,7 @@ def test_micro_batch_rules_of_each_schedule_are_config_errors(compose_train) -> 
         )
 
 
+@pytest.mark.slow
 def test_split_points_make_uneven_stages(two_ranks: Launch, reference: Any) -> None:
     """`split_points=["blocks.1"]`: stage 0 runs the embeddings and 1 block, stage 1 the other 3 and the head."""
     rank0, rank1 = two_ranks.case("split_points")
@@ -189,6 +192,7 @@ def test_split_points_make_uneven_stages(two_ranks: Launch, reference: Any) -> N
     assert _relative(rank0["val"], reference["val"]) < TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["accumulate", "accumulation_scheduler"])
 def test_accumulation_adds_batches_after_micro_batches(two_ranks: Launch, reference: Any, case: str) -> None:
     """2 batches of 4 (each 4 micro-batches of 1) per optimizer step train as one batch of 8, whether
@@ -200,6 +204,7 @@ def test_accumulation_adds_batches_after_micro_batches(two_ranks: Launch, refere
     assert _relative(run["val"], reference["val"]) < TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("precision", "tolerance"), [("bf16-mixed", 2e-3), ("bf16-true", 2e-2)])
 def test_bf16_presets_follow_the_fp32_curve(
     two_ranks: Launch, reference: Any, precision: str, tolerance: float
@@ -213,6 +218,7 @@ def test_bf16_presets_follow_the_fp32_curve(
     assert _relative(run["losses"], reference["losses"]) < tolerance
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_and_consolidates(two_ranks: Launch, reference: Any) -> None:
     runs = two_ranks.case("resume")
     for resume in runs:
@@ -234,6 +240,7 @@ def test_checkpoint_resumes_and_consolidates(two_ranks: Launch, reference: Any) 
     assert abs(consolidated["consolidated_val"] - consolidated["full"]["val"][-1]) < TOLERANCE * reference["val"][-1]
 
 
+@pytest.mark.slow
 def test_no_patch_remains_after_a_fit_that_raises_mid_epoch(two_ranks: Launch) -> None:
     """The clipping patch is undone by the strategy's `on_exception` itself: the case holds `teardown` back (Lightning
     calls it after an exception too), so that it cannot be what undid it."""

@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
 from _fake_train import POWER_W
 from _jobs import DDP2, job, log_of
 from _tools import tool
@@ -162,6 +163,7 @@ def _dashboard() -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
     return exprs, variables
 
 
+@pytest.mark.slow
 def test_a_real_prometheus_scrapes_a_training_job(tmp_path: Path) -> None:
     promtool = tool("promtool")
     targets, runs = tmp_path / "targets", tmp_path / "runs"

@@ -120,7 +120,16 @@ def _ids(value: str) -> str:
     return re.sub(r"\W+", "-", value)
 
 
-@pytest.mark.parametrize(("column", "module"), sorted(CELLS), ids=_ids)
+HEAVY = frozenset({"lstm", "transformer", "resnet", "glue"})
+"""The zoo's modules whose fits take seconds each on 2 CPUs: their cells carry `slow` (CI runs them), the default tier
+keeps every column on the light modules."""
+
+
+def _cell_params(cells: Any) -> list[Any]:
+    return [pytest.param(*cell, marks=pytest.mark.slow) if cell[1] in HEAVY else cell for cell in sorted(cells)]
+
+
+@pytest.mark.parametrize(("column", "module"), _cell_params(CELLS), ids=_ids)
 def test_zoo_cell(column: str, module: str, tmp_path: Path) -> None:
     _check_cell(column, module, tmp_path, defaults=False)
 
