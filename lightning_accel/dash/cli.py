@@ -7,6 +7,7 @@ import argparse
 import errno
 import json
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -148,7 +149,12 @@ def _serve(args: argparse.Namespace, state: DashState) -> int:
         )
     print(f"accel-dash: http://{shown}:{port}/ reading {state.runs_dir} (Ctrl-C stops)", flush=True)
     config = uvicorn.Config(make_app(state, loopback=loopback), log_level="warning", access_log=False, lifespan="off")
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    # uvicorn takes SIGINT itself and shuts down; some releases re-raise it afterwards, others return (exit 0 when
+    # the signal came while the server started): a Ctrl-C it caught is told as one (exit 130) either way.
+    if signal.SIGINT in getattr(server, "_captured_signals", ()):
+        raise KeyboardInterrupt
     return 0
 
 
