@@ -48,7 +48,10 @@ class KillDuringSave(pl.Callback):
 
         def file_target(obj, f, *a, **k):
             name = getattr(f, "name", f)  # os.fdopen's handle is named by its descriptor
-            return os.readlink(f"/proc/self/fd/{name}") if isinstance(name, int) else os.fspath(name)
+            if isinstance(name, int):
+                return os.readlink(f"/proc/self/fd/{name}")
+            # a buffer (distributed checkpoint's planner torch.saves each object into a BytesIO) is no file
+            return os.fspath(name) if isinstance(name, (str, bytes, os.PathLike)) else ""
 
         def file_half(obj, f, *a, **k):  # torch.save takes a path or an open file
             with open(f, "wb") if isinstance(f, (str, os.PathLike)) else contextlib.nullcontext(f) as out:

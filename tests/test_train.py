@@ -112,7 +112,7 @@ def test_micro_batch_auto_splits_every_batch_on_both_ddp_ranks_keeping_the_globa
     result = run_cli([*SMOKE, *DDP2, *overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (run_dir / "train.log").read_text() + result.stderr
-    assert "MicroBatchFinder: micro-batch 4 of the loader's 32 (8 micro-batch(es) per batch; given)" in log
+    assert "MicroBatchFinder: micro-batch 4 of the loader's 32 (8 per batch), given." in log
     assert "global batch 128 = 32 per device x 2 device(s) x 2 micro-batches" in log
     rows = (run_dir / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
