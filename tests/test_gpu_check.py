@@ -180,7 +180,14 @@ def test_the_ladder_part_end_to_end_on_a_cpu(tmp_path: Path) -> None:
     """The ladder part's machinery (accel-bench subprocess, bench.json, verdict) on the CPU profile; the verdict's
     GPU targets are not met on a CPU, so the part fails naming them."""
     ctx = gpu_check.CheckContext(out_dir=tmp_path)
-    part = run_ladder(ctx, ["--quick", "--steps", "4", "trainer.accelerator=cpu"], timeout=900)
+    part = run_ladder(
+        ctx,
+        # the tiniest quick run (as tests/test_bench.py's): the machinery, not the figures; no reruns under the
+        # other xdist worker's load
+        ["--quick", "--steps", "4", "--max-reruns", "0", "trainer.accelerator=cpu"]
+        + ["data.max_chars=120000", "model.n_layer=1"],
+        timeout=900,
+    )
     stages = {s["name"]: s for s in ctx.facts["ladder"]}  # type: ignore[union-attr]
     assert list(stages) == ["baseline", "amp", "amp_compile"], part.detail
     assert all(s["status"] == "ok" for s in stages.values()), part.detail

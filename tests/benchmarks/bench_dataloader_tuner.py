@@ -22,7 +22,12 @@ Run:
     python tests/benchmarks/bench_dataloader_tuner.py [--cases gpt digits gpt-latency] [--repeats 2] [--threads N]
         [--max-tuning-time-s 60] [--latency-batches 300] [--table]
     python tests/benchmarks/bench_dataloader_tuner.py --cases io-busy [--runs 10] [--max-tuning-time-s 30]
-        [--sweep-rounds 3] [--busy 1]
+        [--sweep-rounds 3] [--busy 1] [--dataset io|cpu]
+
+The tests keep the tuner's decisions (more workers than CPUs for I/O, both 0 and the CPU count timed for CPU work); the
+share-of-best figures, which need the machine to themselves, are this benchmark's: `--busy 0` on a quiet machine (the
+I/O-bound choice at >= 90% of the best), `--busy 1` (>= 80% beside a busy process), `--dataset cpu --busy 0` (>= 90%,
+or the paired rounds reaching it).
 """
 
 from __future__ import annotations
@@ -127,9 +132,15 @@ def one_epoch(name: str, tuner: DataLoaderTuner | None, latency_batches: int) ->
 
 
 def io_busy(
-    runs: int, max_tuning_time_s: float, table: bool = False, sweep_rounds: int = 3, busy_processes: int = 1
+    runs: int,
+    max_tuning_time_s: float,
+    table: bool = False,
+    sweep_rounds: int = 3,
+    busy_processes: int = 1,
+    dataset: str = "io",
 ) -> list[tuple[LoaderSettings, float, bool]]:
     """The tuner's criterion: (choice, share of the sweep's best, flagged) of `runs` tunings of an I/O-bound dataset
+    (`dataset="io"`; `"cpu"`: ~20 ms of Python a batch beside a ~8 ms CPU step, where 0, 2 and 8 workers lie close)
     beside `busy_processes` CPU-bound processes that are not ours (started through a shell that exits, so init adopts
     them)."""
     tests = Path(__file__).resolve().parents[1]
@@ -138,8 +149,13 @@ def io_busy(
     from _busy import start_busy_processes, stop_processes
 
     space = [LoaderSettings(num_workers=w, prefetch_factor=2 if w else None) for w in range(9)]
+    bar = 0.8 if busy_processes else 0.9  # the tests' criteria: 80% beside a busy process, 90% on a quiet machine
     busy, results = start_busy_processes(busy_processes), []
-    print(f"io-busy: {runs} runs beside {busy_processes} CPU-bound process(es) (pids {busy})", flush=True)
+    make, fit_kwargs = {
+        "io": (lambda: cases.SleepyDataset(delay_s=0.003), {}),
+        "cpu": (cases.BusyDataset, {"batch_size": 16, "step_loops": 150_000}),
+    }[dataset]
+    print(f"io-busy ({dataset}): {runs} runs beside {busy_processes} CPU-bound process(es) (pids {busy})", flush=True)
     try:
         time.sleep(0.5)
         with tempfile.TemporaryDirectory() as root:
@@ -147,7 +163,7 @@ def io_busy(
                 tuner = DataLoaderTuner(max_tuning_time_s=max_tuning_time_s, use_cache=False, print_table=table)
                 referee = cases.Referee(tuner, space, rounds=sweep_rounds)
                 load = os.getloadavg()[0]
-                cases.fit(cases.SleepyDataset(delay_s=0.003), [tuner, referee], root, max_steps=2)
+                cases.fit(make(), [tuner, referee], root, max_steps=2, **fit_kwargs)
                 assert tuner.decision is not None and referee.best is not None
                 flagged = any(t.flag for t in tuner.trials)
                 share, paired, best = referee.share_of_best, referee.share_interval, referee.sweep[referee.best]
@@ -158,18 +174,19 @@ def io_busy(
                     f"{tuner.decision.prefetch_factor}) in {len(tuner.trials)} trials, {tuner.tuning_time_s:.1f} s; "
                     f"{100 * share:.0f}% of the sweep's best ({referee.best.num_workers} workers, median "
                     f"{best.format('.0f')} samples/s; paired rounds {100 * paired.low:.0f}-{100 * paired.high:.0f}%)"
-                    f"; {'>= 80%' if share >= 0.8 else '< 80%'}; interference flagged: {'yes' if flagged else 'no'};"
+                    f"; {'>=' if share >= bar else '<'} {100 * bar:.0f}%; "
+                    f"interference flagged: {'yes' if flagged else 'no'};"
                     f" widest sweep spread {100 * spread:.0f}% of its median; load {load:.1f}",
                     flush=True,
                 )
                 print(f"        {referee.summary()}", flush=True)
     finally:
         stop_processes(busy)
-    reached, choices = sum(share >= 0.8 for _, share, _ in results), [d.num_workers for d, _, _ in results]
+    reached, choices = sum(share >= bar for _, share, _ in results), [d.num_workers for d, _, _ in results]
     print(
-        f"\nio-busy beside {busy_processes} busy process(es): {reached} of {len(results)} runs >= 80% of the "
-        f"exhaustive sweep's best (its median over {sweep_rounds} interleaved rounds; criterion: >= 9 of 10); "
-        f"choices: {choices} workers; flagged under "
+        f"\nio-busy ({dataset}) beside {busy_processes} busy process(es): {reached} of {len(results)} runs >= "
+        f"{100 * bar:.0f}% of the exhaustive sweep's best (its median over {sweep_rounds} interleaved rounds; "
+        f"criterion: >= 9 of 10); choices: {choices} workers; flagged under "
         f"interference (not cached): {sum(f for _, _, f in results)} of {len(results)}."
     )
     return results
@@ -180,7 +197,7 @@ def main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if "io-busy" in args.cases:
-        io_busy(args.runs, args.max_tuning_time_s, args.table, args.sweep_rounds, args.busy)
+        io_busy(args.runs, args.max_tuning_time_s, args.table, args.sweep_rounds, args.busy, args.dataset)
         args.cases = [c for c in args.cases if c != "io-busy"]
         if not args.cases:
             return
@@ -242,5 +259,11 @@ if __name__ == "__main__":
     parser.add_argument("--table", action="store_true", help="print the tuner's table of trials")
     parser.add_argument("--runs", type=int, default=10, help="tunings of the io-busy case")
     parser.add_argument("--sweep-rounds", type=int, default=3, help="interleaved rounds of the io-busy sweep")
-    parser.add_argument("--busy", type=int, default=1, help="CPU-bound processes beside the io-busy case")
+    parser.add_argument("--busy", type=int, default=1, help="CPU-bound processes beside the io-busy case (0: quiet)")
+    parser.add_argument(
+        "--dataset",
+        choices=["io", "cpu"],
+        default="io",
+        help="the io-busy case's dataset: io (a sleep per item) or cpu (Python work per item, a CPU step)",
+    )
     main(parser.parse_args())
