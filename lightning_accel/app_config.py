@@ -210,14 +210,22 @@ def _composed_without_preset() -> DictConfig | None:
     from hydra import compose
 
     overrides = [o for o in hydra.overrides.task if _key(o) != "preset"]
-    try:
-        own = compose(config_name=hydra.job.config_name, overrides=overrides, return_hydra_config=True)
-        if own.hydra.runtime.choices.get("preset") not in (None, "null"):  # the app's defaults list chose it
-            own = compose(
-                config_name=hydra.job.config_name, overrides=[*overrides, "~preset"], return_hydra_config=True
-            )
-    except Exception as err:  # a check that cannot run must not stop the app
-        log.debug("could not compose the config without the preset: %s", err)
+    # an override of a key the preset brings (`callbacks.dataloader_tuner.max_tuning_time_s=10`) has nothing to
+    # override without it: then the group choices and the trainer's and Hydra's own keys, all the devices depend on
+    trainer_only = [o for o in overrides if "." not in _key(o) or _key(o).startswith(("trainer.", "hydra."))]
+    own = None
+    for attempt in (overrides, trainer_only) if trainer_only != overrides else (overrides,):
+        try:
+            own = compose(config_name=hydra.job.config_name, overrides=attempt, return_hydra_config=True)
+            if own.hydra.runtime.choices.get("preset") not in (None, "null"):  # the app's defaults list chose it
+                own = compose(
+                    config_name=hydra.job.config_name, overrides=[*attempt, "~preset"], return_hydra_config=True
+                )
+            break
+        except Exception as err:  # a check that cannot run must not stop the app
+            log.debug("could not compose the config without the preset from %s: %s", attempt, err)
+            own = None
+    if own is None:
         return None
     with open_dict(own):
         del own["hydra"]
