@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -34,7 +35,7 @@ from lightning_accel.errors import (
 )
 from lightning_accel.launch import check_output_root, hydra_safe_launch, register_resolvers
 from lightning_accel.run_plan import RunPlan, build_run_plan, effective_trainer_settings
-from lightning_accel.schema import composition_error
+from lightning_accel.schema import composition_error, register_schemas
 from lightning_accel.shape import run_shape
 from lightning_accel.signals import exit_on_signals
 from lightning_accel.summary import RunSummary, collect_summary, print_summary, write_summary
@@ -338,7 +339,27 @@ _task_started = False
 """Whether Hydra has composed a config and called the task: an error before that is the config's (see `main`)."""
 
 
-@hydra.main(version_base="1.3", config_path="pkg://lightning_accel.conf", config_name="train")
+CONFIG_PACKAGE = "pkg://lightning_accel.conf"
+"""accel-train's config tree, as a package: what Hydra reads when the tree is not a directory on disk (a zipped
+install)."""
+
+
+def config_path() -> str:
+    """The directory of accel-train's config tree (`lightning_accel.conf`), or `CONFIG_PACKAGE` where it is not one.
+
+    Hydra reads a directory through its file source: `accel-train --help` answers about a quarter of a second sooner
+    than through `pkg://` (importlib.resources lists each group anew; tests/benchmarks/bench_startup.py). The package
+    is located, not imported: the schemas its `__init__` registers come with this module (`register_schemas` in
+    `main`) and with the search-path plugin.
+    """
+    spec = importlib.util.find_spec("lightning_accel.conf")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        if os.path.isfile(os.path.join(location, "train.yaml")):
+            return os.path.abspath(location)
+    return CONFIG_PACKAGE
+
+
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
     global _task_started
     _task_started = True
@@ -475,6 +496,7 @@ def main() -> None:
     checkpoint is written, a third at once.
     """
     exit_on_signals()  # kept to the process's end (a stop unwinding): a signal no callback holds exits 128 + N
+    register_schemas()  # what the config tree's `__init__` does, which Hydra's file source never imports
     try:
         check_output_root(sys.argv[1:])  # Hydra creates the run directory before `run` can check anything
     except ConfigError as err:

@@ -145,3 +145,33 @@ def test_users_app_selects_packaged_presets_and_trains(tmp_path: Path, run_cli) 
 
     baseline = app("preset=baseline", "precision=fp16_mixed")
     assert baseline["precision"] == "16-mixed" and baseline["marker"] is None and baseline["num_workers"] == 0
+
+
+def test_accel_train_reads_its_tree_by_directory_and_the_plugin_adds_it_no_second_time(monkeypatch) -> None:
+    """accel-train's tree is a directory on disk here (file source: `--help` answers sooner than through `pkg://`),
+    and the plugin knows that directory as its own tree: it appends `pkg://lightning_accel.conf` once, for apps that
+    do not already hold it."""
+    import importlib.util
+
+    from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
+
+    from hydra_plugins.lightning_accel_searchpath import searchpath
+    from lightning_accel import train
+
+    directory = train.config_path()
+    assert os.path.isfile(os.path.join(directory, "train.yaml")), directory
+
+    for main in (directory, f"file://{directory}", searchpath.PATH):
+        path = ConfigSearchPathImpl()
+        path.append(provider="main", path=main)
+        searchpath.LightningAccelSearchPathPlugin().manipulate_search_path(path)
+        assert [element.path for element in path.get_path()] == [main], main
+
+    other = ConfigSearchPathImpl()
+    other.append(provider="main", path=str(Path(directory).parent / "tests"))
+    searchpath.LightningAccelSearchPathPlugin().manipulate_search_path(other)
+    assert [element.path for element in other.get_path()][-1] == searchpath.PATH
+
+    # a tree that is not a directory (a zipped install): the package, as before
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert train.config_path() == train.CONFIG_PACKAGE

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Any
 
 from hydra.core.config_search_path import ConfigSearchPath
@@ -53,5 +55,18 @@ class LightningAccelSearchPathPlugin(SearchPathPlugin):
     """
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        if not any(element.path == PATH for element in search_path.get_path()):
+        if not any(_is_this_tree(element.path) for element in search_path.get_path()):
             search_path.append(provider=PROVIDER, path=PATH)
+
+
+def _is_this_tree(path: str) -> bool:
+    """Whether a search-path entry is this package's tree: `PATH`, or its directory (accel-train reads the tree by
+    its directory, `lightning_accel.train.config_path`)."""
+    if path == PATH:
+        return True
+    directory = path.removeprefix("file://")
+    if not os.path.isabs(directory):
+        return False
+    spec = importlib.util.find_spec("lightning_accel.conf")
+    locations = (spec.submodule_search_locations or []) if spec is not None else []
+    return any(os.path.realpath(directory) == os.path.realpath(location) for location in locations)
