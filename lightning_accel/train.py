@@ -45,9 +45,11 @@ if TYPE_CHECKING:
     from lightning_accel.shape import RunShape
 
 __all__ = [
+    "CONFIG_PACKAGE",
     "build",
     "check_learned",
     "config_digest",
+    "config_path",
     "main",
     "plan_run",
     "print_check",
