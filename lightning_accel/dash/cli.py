@@ -15,6 +15,7 @@ from pathlib import Path
 
 from lightning_accel.dash.state import DashState, page_dict, text_report
 from lightning_accel.telemetry.heartbeat import DEFAULT_KEEP_S, DEFAULT_STALE_AFTER_S, default_runs_dir
+from lightning_accel.telemetry.idle_held import DEFAULT_IDLE_AFTER_S, DEFAULT_IDLE_PCT, IdleHeldTracker
 
 __all__ = ["DEFAULT_PORT", "build_parser", "main"]
 
@@ -28,6 +29,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage, got {text!r}") from None
+    if not 0 < value <= 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], e.g. 5, got {text}")
     return value
 
 
@@ -80,6 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_KEEP_S,
         help=f"list stale, finished and failed jobs this long after their last heartbeat (default "
         f"{DEFAULT_KEEP_S:.0f} s)",
+    )
+    parser.add_argument(
+        "--idle-pct",
+        type=_percent,
+        default=DEFAULT_IDLE_PCT,
+        help=f"a held card whose SM activity (utilisation where the card has no GPM) stays below this is idle "
+        f"(default {DEFAULT_IDLE_PCT:g}%%)",
+    )
+    parser.add_argument(
+        "--idle-after",
+        type=_seconds,
+        default=DEFAULT_IDLE_AFTER_S,
+        help=f"a card held and idle this long is flagged idle-held, with its owner and the idle GPU-hours "
+        f"(default {DEFAULT_IDLE_AFTER_S:.0f} s)",
     )
     parser.add_argument(
         "--no-host-gpus",
@@ -208,6 +233,7 @@ def _main(argv: Sequence[str] | None) -> int:
         host_cards_problem=(lambda: cards.problem) if cards else None,
         stale_after_s=args.stale_after,
         keep_s=args.keep,
+        idle=IdleHeldTracker(args.idle_pct, args.idle_after),
     )
     try:
         if args.json:

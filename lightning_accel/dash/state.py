@@ -16,12 +16,24 @@ from lightning_accel.telemetry.heartbeat import (
     DEFAULT_KEEP_S,
     DEFAULT_STALE_AFTER_S,
     STATUSES,
+    Job,
     ReadCache,
     lead_signal,
     read_heartbeats,
 )
+from lightning_accel.telemetry.idle_held import CardSeen, IdleHeldTracker
 
-__all__ = ["MAX_JOBS", "MAX_PAGE_BYTES", "SCHEMA", "DashState", "card_line", "page_dict", "page_json", "text_report"]
+__all__ = [
+    "MAX_JOBS",
+    "MAX_PAGE_BYTES",
+    "SCHEMA",
+    "DashState",
+    "card_line",
+    "cards_seen",
+    "page_dict",
+    "page_json",
+    "text_report",
+]
 
 SCHEMA = "lightning_accel.dash/1"
 """`schema` of the page data (`/api/state`, `--json`)."""
@@ -45,6 +57,7 @@ class DashState:
         host: this machine's name, as jobs write it.
         max_jobs: jobs shown at most; the rest are counted in a note.
         max_bytes: heartbeat text shown at most; the jobs past it are counted in the same note.
+        idle: flags idle-held cards (`telemetry.idle_held`); None: the tracker's defaults (5% for 300 s).
     """
 
     def __init__(
@@ -58,6 +71,7 @@ class DashState:
         host: str | None = None,
         max_jobs: int = MAX_JOBS,
         max_bytes: int = MAX_PAGE_BYTES,
+        idle: IdleHeldTracker | None = None,
     ) -> None:
         self.runs_dir, self.stale_after_s, self.keep_s, self.min_age_s = runs_dir, stale_after_s, keep_s, min_age_s
         self.max_jobs, self.max_bytes = max_jobs, max_bytes
@@ -66,6 +80,7 @@ class DashState:
         self._cache: ReadCache = {}
         self._lock = threading.Lock()
         self._last: tuple[float, str] | None = None
+        self.idle = idle if idle is not None else IdleHeldTracker()
 
     def get(self, now: float | None = None) -> str:
         """The page data as JSON (`page_json(self.build())`), at most `min_age_s` old."""
@@ -79,10 +94,12 @@ class DashState:
 
     def build(self, now: float | None = None) -> dict[str, Any]:
         """`{"schema", "generated", "host", "runs_dir", "stale_after_s", "hosts": [{"host", "jobs", "cards"}],
-        "notes", "cards_problem"}`: `jobs` are `telemetry.heartbeat.Job`s (a heartbeat, its status now and its file),
-        running jobs first, at most `max_jobs` of them and `max_bytes` of heartbeats; `cards` (this host's only) are the
-        cards no running or stale job of ours holds, with their processes. `page_json` and `page_dict` turn it into
-        the page's JSON.
+        "notes", "cards_problem", "idle_held", "idle_threshold_pct", "idle_after_s"}`: `jobs` are
+        `telemetry.heartbeat.Job`s (a heartbeat, its status now and its file), running jobs first, at most `max_jobs`
+        of them and `max_bytes` of heartbeats; `cards` (this host's only) are the cards no running or stale job of ours
+        holds, with their processes; `idle_held` the cards held and idle past the tracker's threshold
+        (`telemetry.idle_held.IdleHeld.as_dict`), longest first. `page_json` and `page_dict` turn it into the page's
+        JSON.
         """
         now = time.time() if now is None else now
         jobs, notes = read_heartbeats(self.runs_dir, now, self.stale_after_s, self.keep_s, self._cache)
@@ -112,6 +129,7 @@ class DashState:
             hosts[self.host]["cards"] = [card for card in self._host_cards() if card["uuid"] not in held]
             cards_problem = self._host_cards_problem() if self._host_cards_problem is not None else None
         ordered = [hosts.pop(self.host), *(hosts[name] for name in sorted(hosts))]
+        idle_held = self.idle.update(now, cards_seen(ordered, now))
         return {
             "schema": SCHEMA,
             "generated": now,
@@ -121,7 +139,69 @@ class DashState:
             "hosts": ordered,
             "notes": notes,
             "cards_problem": cards_problem,
+            "idle_held": [card.as_dict() for card in idle_held],
+            "idle_threshold_pct": self.idle.threshold_pct,
+            "idle_after_s": self.idle.after_s,
         }
+
+
+def _lead_history(gpu: Mapping[str, Any], label: str, times: list[float], shift: float) -> list[tuple[float, Any]]:
+    """A job's card's history of its lead signal, on the reader's clock (`shift` added to the writer's times)."""
+    series = gpu["history"].get("sm_activity_pct" if label == "SM active" else "utilization_pct") or []
+    return [(t + shift, value) for t, value in zip(times, series, strict=False)]
+
+
+def cards_seen(hosts: list[dict[str, Any]], now: float) -> list[CardSeen]:
+    """Every held card of the page, for the idle-held tracker: the cards of each running job (held by the job; its
+    history dated on this reader's clock by the heartbeat's age), and the cards no job of ours holds that processes
+    hold memory on."""
+    seen: list[CardSeen] = []
+    for host in hosts:
+        job: Job
+        for job in host["jobs"]:
+            if job.status != "running":
+                continue
+            beat = job.heartbeat
+            shift = (now - job.age_s) - beat["updated"]  # the writer's clock to the reader's
+            for gpu in beat["gpus"]:
+                label, value = lead_signal(gpu["latest"])
+                used = gpu["latest"].get("memory_used_mib")
+                seen.append(
+                    CardSeen(
+                        host=host["host"],
+                        uuid=gpu["uuid"],
+                        index=gpu["index"],
+                        name=gpu["name"],
+                        owner=beat["user"],
+                        holder=f"{beat['name']} {beat['run_id']}",
+                        job=beat["run_id"],
+                        activity_pct=value,
+                        signal=label,
+                        held=used is None or used > 0,
+                        history=_lead_history(gpu, label, beat["history"]["t"], shift),
+                    )
+                )
+        for card in host["cards"]:
+            processes = card.get("processes") or []
+            holding = [p for p in processes if p.get("memory_mib") is None or p["memory_mib"] > 0]
+            if not holding:
+                continue
+            label, value = lead_signal(card["latest"])
+            seen.append(
+                CardSeen(
+                    host=host["host"],
+                    uuid=card["uuid"],
+                    index=card["index"],
+                    name=card["name"],
+                    owner=", ".join(sorted({str(p["user"]) for p in holding})),
+                    holder=", ".join(f"pid {p['pid']} {p['name']}" for p in holding),
+                    job=None,
+                    activity_pct=value,
+                    signal=label,
+                    held=True,
+                )
+            )
+    return seen
 
 
 def page_dict(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -243,6 +323,27 @@ def text_report(state: Mapping[str, Any], width: int | None = None) -> str:
                     Text(processes),
                 )
             console.print(free)
+    if state.get("idle_held"):
+        idle = Table(
+            title=Text(
+                f"idle-held cards: held, {state['idle_threshold_pct']:g}% or less active for "
+                f"{_duration(state['idle_after_s'])} or more"
+            ),
+            title_justify="left",
+        )
+        for column in ("host", "gpu", "owner", "held by", "idle for", "idle GPU-h", "now"):
+            idle.add_column(column, overflow="fold")
+        for card in state["idle_held"]:
+            idle.add_row(
+                Text(_plain(card["host"])),
+                Text(f"{card['index']} {_plain(card['name'], 30)}"),
+                Text(_plain(card["owner"], 32)),
+                Text(_plain(card["holder"], 60)),
+                Text(_duration(card["for_s"])),
+                Text(f"{card['idle_gpu_hours']:.2f}"),
+                Text(f"{card['signal']} {card['activity_pct']:.0f}%"),
+            )
+        console.print(idle)
     if state.get("cards_problem"):
         console.print(Text(f"this host's cards are not shown: {_plain(state['cards_problem'], 300)}"))
     for note in state["notes"]:

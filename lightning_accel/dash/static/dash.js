@@ -173,6 +173,29 @@
     return table;
   }
 
+  // The cards held while idle past the threshold: owner, what holds it, host, card, for how long, GPU-hours idle.
+  function idleHeld(state) {
+    const cards = state.idle_held || [];
+    document.getElementById("idle-title").textContent =
+      `Idle-held cards (held, under ${state.idle_threshold_pct} % active for ${duration(state.idle_after_s)} or more)`;
+    const table = document.getElementById("idle");
+    const head = el("tr");
+    for (const title of ["owner", "held by", "host", "GPU", "idle for", "idle GPU-hours", "now"]) {
+      head.append(el("th", "", title));
+    }
+    const rows = cards.map((card) => {
+      const row = el("tr");
+      row.dataset.uuid = card.uuid;
+      row.dataset.host = card.host;
+      row.append(el("td", "owner", card.owner), el("td", "holder", card.holder), el("td", "", card.host),
+        el("td", "", `${card.index} ${card.name}`), el("td", "num for", duration(card.for_s)),
+        el("td", "num", num(card.idle_gpu_hours, 2)), el("td", "num", `${card.signal} ${num(card.activity_pct, 0)} %`));
+      return row;
+    });
+    table.replaceChildren(head, ...rows);
+    document.getElementById("idle-section").hidden = cards.length === 0;
+  }
+
   function render(state) {
     generation += 1;
     const now = state.generated;
@@ -194,6 +217,7 @@
     }
     if (state.cards_problem) hosts.append(el("p", "muted", `this host's cards are not shown: ${state.cards_problem}`));
     document.getElementById("hosts").replaceWith(hosts);
+    idleHeld(state);
     for (const [key, chart] of charts) {
       if (chart.seen !== generation) {
         chart.plot.destroy();

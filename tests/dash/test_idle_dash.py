@@ -1,0 +1,128 @@
+"""accel-dash flags idle-held cards: a running job's card (dated back through its heartbeat's history) and a card
+that another process holds, in the page data, `--json` and `--once`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_accel.dash.cli import main
+from lightning_accel.dash.state import DashState, page_json, text_report
+from lightning_accel.telemetry.heartbeat import SCHEMA, heartbeat_path, write_json_atomic
+from lightning_accel.telemetry.idle_held import IdleHeldTracker
+
+
+def publish(runs: Path, sm: list[float], step_s: float = 10.0, user: str = "ada", age_s: float = 1.0) -> float:
+    """A running job on host `here` whose card's SM activity was `sm` (one point per `step_s`, the last `age_s` ago
+    by the file's time); written with a clock 1000 s off the reader's, as another host's may be. Returns now."""
+    now = time.time()
+    skew = -1000.0
+    updated = now - age_s + skew
+    times = [updated - step_s * (len(sm) - 1 - i) for i in range(len(sm))]
+    data: dict[str, Any] = {
+        "schema": SCHEMA,
+        "run_id": "r1",
+        "name": "gpt",
+        "host": "here",
+        "user": user,
+        "pid": 11,
+        "command": "accel-train",
+        "node_rank": 0,
+        "num_nodes": 1,
+        "rank": 0,
+        "started": times[0],
+        "updated": updated,
+        "interval_s": 2.0,
+        "status": "running",
+        "reason": "",
+        "slurm_job_id": None,
+        "metrics_url": None,
+        "ranks": [{"rank": 0, "local_rank": 0, "device": "cuda:0", "uuid": "GPU-1"}],
+        "gpus": [
+            {
+                "index": 0,
+                "uuid": "GPU-1",
+                "name": "H100",
+                "latest": {"sm_activity_pct": sm[-1], "memory_used_mib": 30000.0},
+                "energy_j": None,
+                "history": {"sm_activity_pct": sm},
+            }
+        ],
+        "step": 10,
+        "max_steps": None,
+        "samples": 320,
+        "samples_per_s": 1.0,
+        "eta_s": None,
+        "alerts": [],
+        "history": {"t": times, "samples_per_s": [1.0] * len(sm)},
+    }
+    runs.mkdir(parents=True, exist_ok=True)
+    path = heartbeat_path(runs, "r1", "here", 0)
+    write_json_atomic(path, data)
+    os.utime(path, (now - age_s, now - age_s))
+    return now
+
+
+def test_a_jobs_card_idle_through_its_history_is_flagged_with_its_owner_and_duration(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    now = publish(runs, [90.0, 80.0, 1.0, 0.0, 2.0, 1.0, 0.0])  # idle for the last 5 points: 40 s + 1 s of age
+    state = DashState(runs, host="here", idle=IdleHeldTracker(5.0, 30.0, 15.0)).build(now)
+    (idle,) = state["idle_held"]
+    assert (idle["owner"], idle["holder"], idle["host"], idle["job"]) == ("ada", "gpt r1", "here", "r1")
+    assert abs(idle["for_s"] - 41.0) < 0.5 and abs(idle["idle_gpu_hours"] - 41.0 / 3600) < 1e-3
+    assert json.loads(page_json(state))["idle_held"][0]["uuid"] == "GPU-1"
+    report = text_report(state)
+    assert "idle-held cards" in report and "gpt r1" in report and "0m41s" in report
+
+    busy = publish(runs, [1.0, 0.0, 0.0, 0.0, 0.0, 60.0])  # working again
+    assert DashState(runs, host="here", idle=IdleHeldTracker(5.0, 30.0, 15.0)).build(busy)["idle_held"] == []
+    short = publish(runs, [90.0, 0.0, 0.0])  # idle 21 s: under the 30 s threshold
+    assert DashState(runs, host="here", idle=IdleHeldTracker(5.0, 30.0, 15.0)).build(short)["idle_held"] == []
+
+
+def test_a_card_another_process_holds_is_flagged_across_builds_and_a_free_card_never(tmp_path: Path) -> None:
+    def cards() -> list[dict[str, Any]]:
+        return [
+            {
+                "index": 3,
+                "uuid": "GPU-3",
+                "name": "A100",
+                "mig": False,
+                "latest": {"utilization_pct": 0.0},
+                "processes": [{"pid": 77, "user": "bob", "name": "jupyter", "memory_mib": 1200.0}],
+            },
+            {
+                "index": 4,
+                "uuid": "GPU-4",
+                "name": "A100",
+                "mig": False,
+                "latest": {"utilization_pct": 0.0},
+                "processes": [],
+            },
+        ]
+
+    state = DashState(tmp_path, host_cards=cards, host="here", idle=IdleHeldTracker(5.0, 20.0, 15.0))
+    t0 = time.time()
+    assert [state.build(t0 + dt)["idle_held"] for dt in (0.0, 10.0)] == [[], []]
+    (idle,) = state.build(t0 + 20.0)["idle_held"]
+    assert (idle["owner"], idle["holder"], idle["index"], idle["signal"]) == (
+        "bob",
+        "pid 77 jupyter",
+        3,
+        "util (fallback)",
+    )
+    assert idle["for_s"] == 20.0 and idle["job"] is None
+
+
+def test_json_and_once_carry_the_options(tmp_path: Path, capsys) -> None:
+    runs = tmp_path / "runs"
+    publish(runs, [0.0] * 8)
+    assert main(["--runs-dir", str(runs), "--json", "--no-host-gpus", "--idle-pct", "3", "--idle-after", "30"]) == 0
+    page = json.loads(capsys.readouterr().out)
+    assert (page["idle_threshold_pct"], page["idle_after_s"]) == (3.0, 30.0)
+    assert [c["owner"] for c in page["idle_held"]] == ["ada"]
+    assert main(["--runs-dir", str(runs), "--once", "--no-host-gpus", "--idle-after", "600"]) == 0
+    assert "idle-held" not in capsys.readouterr().out  # 71 s idle: under 10 minutes
