@@ -5,7 +5,8 @@ DDP child ranks re-run this module (accel-train starts them with `python -m <the
 the same fake. `ACCEL_FAKE_GPUS` names the GPUs (`GPU-<letter><index>...`: two jobs on one machine get two pairs of
 cards); their readings are functions of the real clock: SM and tensor activity, utilisation and temperature swing
 over a few seconds, power is constant per card (`power_w`), and the energy counter grows at exactly that power, so
-`rate(accel_gpu_energy_joules_total)` must give it back.
+`rate(accel_gpu_energy_joules_total)` must give it back. While the file `ACCEL_FAKE_IDLE_FILE` names exists, the
+activity readings (utilisation, SM, tensor, DRAM) read 0.5%: the job still holds its memory and does nothing.
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ POWER_W = (300.0, 350.0)  # per card
 
 
 def fake_gpus(letter: str, started: float) -> list[FakeGPU]:
+    idle_file = os.environ.get("ACCEL_FAKE_IDLE_FILE")
     gpus = []
     for index, power_w in enumerate(POWER_W):
 
-        def swing(low: float, high: float, period_s: float, phase: float = index) -> object:
-            return lambda t: low + (high - low) * (0.5 + 0.5 * math.sin(2 * math.pi * (t - started) / period_s + phase))
+        def swing(low: float, high: float, period_s: float, phase: float = index, activity: bool = True) -> object:
+            def value(t: float) -> float:
+                if activity and idle_file and os.path.exists(idle_file):
+                    return 0.5  # the job holds its memory and does nothing
+                return low + (high - low) * (0.5 + 0.5 * math.sin(2 * math.pi * (t - started) / period_s + phase))
+
+            return value
 
         gpus.append(
             FakeGPU(
@@ -33,7 +40,7 @@ def fake_gpus(letter: str, started: float) -> list[FakeGPU]:
                 memory_used_mib=lambda t, i=index: 30_000.0 + 1_000 * i,
                 power_mw=power_w * 1000.0,
                 power_limit_mw=700_000.0,
-                temperature_c=swing(55.0, 75.0, 11.0),
+                temperature_c=swing(55.0, 75.0, 11.0, activity=False),
                 energy_mj=lambda t, p=power_w: 1e9 + p * 1000.0 * (t - started),
                 gpm={2: swing(40.0, 90.0, 5.0), 3: swing(20.0, 40.0, 9.0), 5: swing(10.0, 60.0, 6.0), 10: 30.0},
             )

@@ -179,6 +179,7 @@ def cards_seen(hosts: list[dict[str, Any]], now: float) -> list[CardSeen]:
                         signal=label,
                         held=used is None or used > 0,
                         history=_lead_history(gpu, label, beat["history"]["t"], shift),
+                        at=now - job.age_s,
                     )
                 )
         for card in host["cards"]:

@@ -57,6 +57,7 @@ class CardSeen:
         signal: the lead signal's label (`SM active`, `util (fallback)`).
         held: whether a process holds memory on it.
         history: earlier readings of the same signal, oldest first: (time, value or None).
+        at: when `activity_pct` was read (a heartbeat's time on the reader's clock); None: now.
     """
 
     host: str
@@ -70,6 +71,7 @@ class CardSeen:
     signal: str
     held: bool
     history: Sequence[tuple[float, float | None]] = ()
+    at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,8 @@ class IdleHeldTracker:
             if known is not None and now - known[1] <= self.max_gap_s:
                 since = known[0]  # watched: its own readings date the episode
             else:
-                since = trailing_below_since(card.history, now, self.threshold_pct, self.max_gap_s)
+                read_at = now if card.at is None else min(card.at, now)
+                since = trailing_below_since(card.history, read_at, self.threshold_pct, self.max_gap_s)
             episodes[key] = (since, now)
             idle_s = now - since
             if idle_s >= self.after_s:

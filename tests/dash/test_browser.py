@@ -194,3 +194,82 @@ def test_a_real_browser_sees_every_job_live(tmp_path: Path) -> None:
         requests
     )
     assert {urlsplit(r).path for r in requests} >= {"/", "/api/state", "/static/dash.js", "/static/uPlot.iife.min.js"}
+
+
+IDLE_AFTER_S = 10.0
+HEARTBEAT_S = 2.0  # the job's publish interval, accel-train's default
+PAGE_REFRESH_S = 2.0  # dash.js polls /api/state this often
+
+
+def _idle_rows(page: Any) -> list[dict[str, str]]:
+    return page.evaluate(
+        """() => document.getElementById("idle-section").hidden ? [] :
+            [...document.querySelectorAll("#idle tr[data-uuid]")].map((r) => ({
+                uuid: r.dataset.uuid, host: r.dataset.host, owner: r.querySelector(".owner").textContent,
+                holder: r.querySelector(".holder").textContent, for: r.querySelector(".for").textContent}))"""
+    )
+
+
+@pytest.mark.slow
+def test_a_real_browser_sees_a_card_held_idle_flagged_with_its_owner_and_cleared_when_it_works(
+    tmp_path: Path,
+) -> None:
+    """The fake NVML scripts the job's cards idle (the file `ACCEL_FAKE_IDLE_FILE` names exists) while the job holds
+    their memory: with the threshold at 10 s, the page flags both cards within the threshold and two heartbeats (and
+    one page refresh), with the job's owner and the duration, and the flag clears when the cards work again."""
+    import getpass
+
+    chromium = tool("chromium", "chromium-browser")
+    sync_playwright = _playwright()
+    runs, idle_file = tmp_path / "runs", tmp_path / "idle"
+    overrides = [
+        "callbacks.gpu_monitor.run_name=idle-job",
+        f"callbacks.gpu_monitor.publish_interval_s={HEARTBEAT_S}",
+        "data.read_delay_ms=4",
+        "+trainer.max_time=00:00:03:00",
+    ]
+    runs.mkdir()
+    with (
+        job(tmp_path / "job", runs, "c", overrides, env={"ACCEL_FAKE_IDLE_FILE": str(idle_file)}) as trained,
+        dash_server(
+            ["--runs-dir", str(runs), "--idle-after", str(IDLE_AFTER_S), "--idle-pct", "5"],
+            module="_fake_dash",
+            env={"ACCEL_FAKE_GPUS": "c"},
+        ) as (url, _),
+        sync_playwright() as playwright,
+    ):
+        wait_until(
+            lambda: _jobs_running(runs, 1),
+            timeout_s=180,
+            what="the job to train and publish",
+            detail=lambda: log_of(tmp_path / "job"),
+        )
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        page = browser.new_context(viewport={"width": 1400, "height": 1100}).new_page()
+        page.goto(url + "/")
+        wait_until(lambda: page.locator("article.job[data-status=running]").count() >= 1, 90, "the job on the page")
+        time.sleep(IDLE_AFTER_S + HEARTBEAT_S)
+        assert _idle_rows(page) == []  # working: never flagged
+
+        idle_file.touch()
+        idle_at = time.monotonic()
+        rows = wait_until(lambda: len(_idle_rows(page)) == 2 and _idle_rows(page), 60, "the idle cards flagged")
+        flagged_after_s = time.monotonic() - idle_at
+        print(f"flagged {flagged_after_s:.1f} s after the cards went idle (threshold {IDLE_AFTER_S:.0f} s)")
+        assert flagged_after_s <= IDLE_AFTER_S + 2 * HEARTBEAT_S + PAGE_REFRESH_S, flagged_after_s
+        assert sorted(r["uuid"][:6] for r in rows) == ["GPU-c0", "GPU-c1"]
+        assert {(r["owner"], r["host"]) for r in rows} == {(getpass.getuser(), socket.gethostname())}
+        assert all(r["holder"].startswith("idle-job ") and r["for"].startswith("0 min 1") for r in rows), rows
+        shot = tmp_path / "accel-dash-idle.png"
+        page.screenshot(path=str(shot), full_page=True)
+        if os.environ.get("ACCEL_DASH_IDLE_SCREENSHOT"):
+            shutil.copyfile(shot, os.environ["ACCEL_DASH_IDLE_SCREENSHOT"])
+
+        idle_file.unlink()
+        busy_at = time.monotonic()
+        wait_until(lambda: _idle_rows(page) == [], 30, "the flag to clear once the cards work again")
+        cleared_after_s = time.monotonic() - busy_at
+        print(f"cleared {cleared_after_s:.1f} s after the cards worked again")
+        assert cleared_after_s <= 2 * HEARTBEAT_S + PAGE_REFRESH_S, cleared_after_s
+        assert trained.poll() is None, log_of(tmp_path / "job")  # the job trained on throughout
+        browser.close()

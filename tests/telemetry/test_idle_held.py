@@ -14,7 +14,9 @@ from lightning_accel.telemetry.idle_held import (
 )
 
 
-def card(activity: float | None, held: bool = True, holder: str = "job r1", history=()) -> CardSeen:
+def card(
+    activity: float | None, held: bool = True, holder: str = "job r1", history=(), at: float | None = None
+) -> CardSeen:
     return CardSeen(
         host="h",
         uuid="GPU-1",
@@ -27,6 +29,7 @@ def card(activity: float | None, held: bool = True, holder: str = "job r1", hist
         signal="SM active",
         held=held,
         history=tuple(history),
+        at=at,
     )
 
 
@@ -111,3 +114,10 @@ def test_readings_further_apart_than_the_gap_restart_the_watch() -> None:
 def test_bad_settings_are_named(kwargs: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         IdleHeldTracker(**kwargs)
+
+
+def test_an_episode_starts_when_its_first_idle_reading_was_taken_not_when_it_was_read() -> None:
+    tracker = IdleHeldTracker(threshold_pct=5, after_s=10, max_gap_s=10)
+    assert tracker.update(13.0, [card(0.0, at=11.5)]) == []  # a heartbeat written at 11.5, read at 13
+    assert tracker.update(21.5, [card(0.0, at=21.0)])[0].since == 11.5
+    assert IdleHeldTracker(5, 10, 5).update(5.0, [card(0.0, at=9.0)]) == []  # a reader behind the writer: now

@@ -189,7 +189,7 @@
       row.dataset.host = card.host;
       row.append(el("td", "owner", card.owner), el("td", "holder", card.holder), el("td", "", card.host),
         el("td", "", `${card.index} ${card.name}`), el("td", "num for", duration(card.for_s)),
-        el("td", "num", num(card.idle_gpu_hours, 2)), el("td", "num", `${card.signal} ${num(card.activity_pct, 0)} %`));
+        el("td", "num", num(card.idle_gpu_hours, 3)), el("td", "num", `${card.signal} ${num(card.activity_pct, 0)} %`));
       return row;
     });
     table.replaceChildren(head, ...rows);
