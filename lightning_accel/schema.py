@@ -150,6 +150,7 @@ class GPUMonitorConfig:
     min_memory_headroom_pct: float | None = 5.0
     max_throttle_pct: float | None = 25.0
     max_rank_skew_pct: float | None = 20.0
+    hung_after_steps: float | None = 10.0
     warmup_steps: int = 50
     report_dir: str | None = None
     report_name: str = "gpu_report"

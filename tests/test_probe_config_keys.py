@@ -103,6 +103,7 @@ ACCEPTED: dict[tuple[str, str], str] = {
     ("callbacks.gpu_monitor.min_memory_headroom_pct", "1e300"): "an alert threshold above 100%: always alerts",
     ("callbacks.gpu_monitor.max_throttle_pct", "1e300"): "an alert threshold above 100%: never alerts",
     ("callbacks.gpu_monitor.max_rank_skew_pct", "1e300"): "a skew threshold as large as asked: never alerts",
+    ("callbacks.gpu_monitor.hung_after_steps", "1e300"): "a hung-job threshold as long as asked: never alerts",
     ("callbacks.gpu_monitor.device_indices", f"[{HUGE_INT}]"): "a CUDA ordinal; on a CPU run no card is watched",
     ("callbacks.dataloader_tuner.cache_dir", "*"): _TEXT,
     ("callbacks.dataloader_tuner.max_tuning_time_s", "1e300"): "a tuning bound as long as asked",

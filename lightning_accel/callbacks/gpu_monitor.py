@@ -33,6 +33,7 @@ from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.telemetry import nvml
 from lightning_accel.telemetry.alerts import AlertThresholds, check_alerts
 from lightning_accel.telemetry.heartbeat import default_runs_dir
+from lightning_accel.telemetry.heartbeat_alerts import HeartbeatAlerts, HeartbeatAlertSettings
 from lightning_accel.telemetry.publisher import PublishSettings, RunPublisher
 from lightning_accel.telemetry.ranks import allocated_by_device, pack_row, rank_stats, unpack_rows, window_metrics
 from lightning_accel.telemetry.readings import READINGS
@@ -91,6 +92,10 @@ class GPUMonitor(Callback):
         max_throttle_pct: alert when a GPU's clocks are held down more than this % of a window; None: off.
         max_rank_skew_pct: alert when the slowest rank needs more than this % of the median step time in extra host
             time per step; None: off.
+        hung_after_steps: the heartbeat's `no_progress` alert: no optimizer step for this many median step times
+            (and 60 s at least); None: off. The heartbeat's alerts (`telemetry.heartbeat_alerts`: throttling,
+            memory headroom, a non-finite loss NonFiniteGuard counted, a hung job) are checked on the publisher's
+            thread, with or without `log_metrics`: nothing per step.
         warmup_steps: no alert on windows before this global step (start-up is slow by nature).
         report_dir: where the report files go; None: the Trainer's `log_dir`.
         report_name: file name of the report files, without suffix.
@@ -169,6 +174,7 @@ class GPUMonitor(Callback):
         min_memory_headroom_pct: float | None = 5.0,
         max_throttle_pct: float | None = 25.0,
         max_rank_skew_pct: float | None = 20.0,
+        hung_after_steps: float | None = 10.0,
         warmup_steps: int = 50,
         report_dir: str | Path | None = None,
         report_name: str = "gpu_report",
@@ -205,6 +211,16 @@ class GPUMonitor(Callback):
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
             ):
                 raise ConfigError(f"`{name}={value!r}` must be a percentage >= 0, or None to turn the alert off.")
+        if hung_after_steps is not None and (
+            isinstance(hung_after_steps, bool)
+            or not isinstance(hung_after_steps, (int, float))
+            or not hung_after_steps > 0
+            or not math.isfinite(hung_after_steps)
+        ):
+            raise ConfigError(
+                f"`hung_after_steps={hung_after_steps!r}` must be a number of median step times > 0 (e.g. 10), or None "
+                "to turn the hung-job alert off."
+            )
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ConfigError(f"`warmup_steps={warmup_steps!r}` must be an integer >= 0.")
         if not report_name or "/" in report_name:
@@ -215,6 +231,7 @@ class GPUMonitor(Callback):
         self.readings = None if readings is None else list(readings)
         self.log_min_max = log_min_max
         self.thresholds = AlertThresholds(**thresholds)
+        self.hung_after_steps = None if hung_after_steps is None else float(hung_after_steps)
         self.warmup_steps = warmup_steps
         self.report_dir = report_dir
         self.report_name = report_name
@@ -311,8 +328,25 @@ class GPUMonitor(Callback):
         job = job_info(trainer, run_id, self.run_name or self._dir.resolve().name, self._gpus)
         view = 1 if self.log_metrics else 0
         alerts = (lambda: self.report.alerts) if trainer.global_rank == 0 else None  # rank zero checks the alerts
+        callbacks: list[Any] = getattr(trainer, "callbacks", [])
+        guard = next((c for c in callbacks if isinstance(getattr(c, "nonfinite_losses", None), int)), None)
+        checks = HeartbeatAlerts(
+            HeartbeatAlertSettings(  # the window alerts' own, where log_metrics checks those already
+                max_throttle_pct=None if self.log_metrics else self.thresholds.max_throttle_pct,
+                min_memory_headroom_pct=None if self.log_metrics else self.thresholds.min_memory_headroom_pct,
+                hung_after_steps=self.hung_after_steps,
+            ),
+            nonfinite=None if guard is None else (lambda: int(guard.nonfinite_losses)),
+        )
         return RunPublisher(
-            settings, job, self.sampler, view, alerts=alerts, warn=warn_publishing, warn_nvml=not self.log_metrics
+            settings,
+            job,
+            self.sampler,
+            view,
+            alerts=alerts,
+            checks=checks,
+            warn=warn_publishing,
+            warn_nvml=not self.log_metrics,
         )
 
     def _start_sampler(self, uuids: list[str] | None, views: int = 1) -> NVMLSampler | None:

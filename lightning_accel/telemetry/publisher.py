@@ -32,6 +32,7 @@ from lightning_accel.telemetry.heartbeat import (
     safe_component,
     write_json_atomic,
 )
+from lightning_accel.telemetry.heartbeat_alerts import HeartbeatAlerts
 from lightning_accel.telemetry.readings import METRICS
 from lightning_accel.telemetry.sampler import NVMLSampler
 
@@ -102,6 +103,7 @@ class RunPublisher:
         sampler: the node's NVML sampler (None: a job without GPUs, or without NVML); the publisher closes `view`.
         view: the sampler view this publisher closes windows of.
         alerts: returns the alerts fired so far (`{"name", "step", "message"}`); None: none known on this node.
+        checks: the heartbeat's own alerts, checked on this thread at each heartbeat (`HeartbeatAlerts`); None: none.
         warn: called once per kind of problem with a message (the caller warns; it may be called from the thread).
         warn_nvml: warn when the sampler fails mid-run (False where the caller warns of it already).
         clock: wall-clock time (s since the epoch) written into heartbeats.
@@ -114,6 +116,7 @@ class RunPublisher:
         sampler: NVMLSampler | None = None,
         view: int = 0,
         alerts: Callable[[], Sequence[dict[str, Any]]] | None = None,
+        checks: HeartbeatAlerts | None = None,
         warn: Callable[[str], None] = lambda message: None,
         warn_nvml: bool = True,
         clock: Callable[[], float] = time.time,
@@ -132,6 +135,7 @@ class RunPublisher:
         self.metrics_url: str | None = None
         self.exporter: Any = None
         self._alerts = alerts or (lambda: ())
+        self._checks = checks
         self._warn = warn
         self._warned: set[str] = set() if warn_nvml else {"nvml"}
         self._clock = clock
@@ -236,6 +240,8 @@ class RunPublisher:
     def _build(self, now: float) -> dict[str, Any]:
         self._read_window()
         step, samples = self.progress.step, self.progress.samples
+        if self._checks is not None and self.status == "running":
+            self._checks.check(now, step, self._latest)
         self._rates.append((now, step, samples))
         while len(self._rates) > 2 and self._rates[1][0] < now - _RATE_SPAN_S:
             self._rates.popleft()
@@ -295,7 +301,7 @@ class RunPublisher:
             "eta_s": None if eta_s is None else round(eta_s, 1),
             "alerts": [
                 {"name": str(a["name"]), "step": int(a["step"]), "message": str(a["message"])}
-                for a in list(self._alerts())
+                for a in [*self._alerts(), *(self._checks.alerts if self._checks is not None else ())]
             ],
             "history": {
                 "t": [round(t, 2) for t in self._history.t],
