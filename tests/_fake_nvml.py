@@ -16,7 +16,12 @@ Where the real module is unkind, so is this one (tests/telemetry/test_fake_nvml_
   SLURM jobs): `nvmlDeviceGetCount` still counts them, as nvml.h says;
 - calls return the real binding's types: ctypes structs from nvidia-ml-py (`c_nvmlMemory_t`, `c_nvmlUtilization_t`,
   `c_nvmlGpmMetricsGet_t` with its NVML_GPM_METRIC_MAX slots), str names under `binding="13"` and bytes under "12";
-- `nvmlDeviceGetPcieThroughput` blocks for `pcie_block_s` (the real call samples for about 20 ms).
+- `nvmlDeviceGetPcieThroughput` blocks for `pcie_block_s` (the real call samples for about 20 ms);
+- health: `xids=[(t, 79)]` and `ecc_events=[(t, nvmlEventTypeDoubleBitEccError)]` are events at fake-clock times,
+  delivered through event sets as the real ones are (only to a set registered for that type before the event, once,
+  in time order; `nvmlEventSetWait_v2` raises TIMEOUT when none waits, GPU_IS_LOST after `fail_at`); `ecc` holds
+  the ECC counts by (`corrected`|`uncorrected`, `volatile`|`aggregate`); remapped rows answer from Ampere
+  (`architecture` 7) on and retired pages before it, each NOT_SUPPORTED on the other side, as on real cards.
 
 The driver's version and the CUDA version it supports, compute capabilities, NVLink links and the PCIe topology serve
 lightning_accel.system (accel-doctor and Preflight).
@@ -53,6 +58,11 @@ NVML_CLOCK_SM = _real.NVML_CLOCK_SM
 NVML_CLOCK_MEM = _real.NVML_CLOCK_MEM
 NVML_PCIE_UTIL_TX_BYTES = _real.NVML_PCIE_UTIL_TX_BYTES
 NVML_PCIE_UTIL_RX_BYTES = _real.NVML_PCIE_UTIL_RX_BYTES
+NVML_ERROR_TIMEOUT = _real.NVML_ERROR_TIMEOUT
+NVML_DEVICE_ARCH_AMPERE = _real.NVML_DEVICE_ARCH_AMPERE
+nvmlEventTypeXidCriticalError = _real.nvmlEventTypeXidCriticalError
+nvmlEventTypeSingleBitEccError = _real.nvmlEventTypeSingleBitEccError
+nvmlEventTypeDoubleBitEccError = _real.nvmlEventTypeDoubleBitEccError
 nvmlMemory_v2 = _real.nvmlMemory_v2
 nvmlTemperature_v1 = _real.nvmlTemperature_v1
 _GPM_SLOTS_12 = 98  # NVML_GPM_METRIC_MAX of the 12.x binding (13.x: 477)
@@ -127,6 +137,19 @@ class FakeGPU:
     processes: list[int] = field(default_factory=list)
     """PIDs of the compute processes on it (`nvmlDeviceGetComputeRunningProcesses`)."""
     nvlinks: int = 0  # active NVLink links; 0: the GPU has none (NVML says NotSupported)
+    xids: list[tuple[float, int]] = field(default_factory=list)
+    """XID critical errors as (fake-clock time, XID code)."""
+    ecc_events: list[tuple[float, int]] = field(default_factory=list)
+    """ECC events as (fake-clock time, `nvmlEventTypeSingleBitEccError` or `nvmlEventTypeDoubleBitEccError`)."""
+    event_types: int = nvmlEventTypeXidCriticalError | nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError
+    """The event types the GPU supports (`nvmlDeviceGetSupportedEventTypes`)."""
+    ecc: dict[tuple[str, str], Reading] = field(default_factory=dict)
+    """ECC error counts by (`corrected`|`uncorrected`, `volatile`|`aggregate`); 0 where not given."""
+    remapped_rows: tuple[Reading, Reading, int, int] = (0, 0, 0, 0)
+    """(corrected, uncorrected, pending, failure) of `nvmlDeviceGetRemappedRows` (Ampere and newer)."""
+    retired_pages: dict[str, int] = field(default_factory=dict)
+    """Retired pages by cause, `single_bit` or `double_bit` (before Ampere); 0 where not given."""
+    retired_pages_pending: bool = False
 
 
 class FakeNVML:
@@ -183,6 +206,8 @@ class FakeNVML:
         self.inits = 0
         self.shutdowns = 0
         self._samples: dict[int, tuple[float, FakeGPU]] = {}
+        self._event_sets: dict[int, _EventSet] = {}
+        self._c_handles: dict[int, Any] = {}  # id(FakeGPU) -> the c_nvmlDevice_t an event names it by
         for gpu in gpus:
             for mig in gpu.mig:
                 mig.parent = gpu
@@ -432,6 +457,111 @@ class FakeNVML:
             metric.nvmlReturn = NVML_ERROR_NOT_SUPPORTED if reading is None else 0
             metric.value = 0.0 if reading is None else float(self._at(reading, t))
         return metricsGet
+
+    # health
+    def c_handle(self, device: FakeGPU) -> Any:
+        """The `c_nvmlDevice_t` that names `device` in event data (the real binding's type, not the fake handle)."""
+        if id(device) not in self._c_handles:
+            self._c_handles[id(device)] = _real.c_nvmlDevice_t(_real.struct_c_nvmlDevice_t())
+        return self._c_handles[id(device)]
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: FakeGPU) -> int:
+        self._whole_gpu_only("nvmlDeviceGetSupportedEventTypes", handle)
+        return handle.event_types
+
+    def nvmlEventSetCreate(self) -> Any:
+        self._call("nvmlEventSetCreate")
+        event_set = _real.c_nvmlEventSet_t(_real.struct_c_nvmlEventSet_t())  # an opaque pointer, as the real one
+        self._event_sets[ctypes.addressof(event_set.contents)] = _EventSet()
+        return event_set
+
+    def _event_set(self, event_set: Any) -> _EventSet:
+        if not isinstance(event_set, _real.c_nvmlEventSet_t) or not event_set:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        found = self._event_sets.get(ctypes.addressof(event_set.contents))
+        if found is None:  # freed, or never created here
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return found
+
+    def nvmlDeviceRegisterEvents(self, handle: FakeGPU, eventTypes: int, eventSet: Any) -> None:  # noqa: N803
+        now = self._whole_gpu_only("nvmlDeviceRegisterEvents", handle)
+        state = self._event_set(eventSet)
+        if not isinstance(eventTypes, int) or eventTypes & ~handle.event_types:  # nvml.h: "some of requested types"
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        state.registered.append((handle, eventTypes, now))
+
+    def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:  # noqa: N803
+        return self._wait("nvmlEventSetWait_v2", eventSet, timeoutms)
+
+    def nvmlEventSetWait(self, eventSet: Any, timeoutms: int) -> Any:  # noqa: N803
+        return self._wait("nvmlEventSetWait", eventSet, timeoutms)
+
+    def _wait(self, function: str, event_set: Any, timeout_ms: int) -> Any:
+        """The earliest undelivered event of the set (never blocks: TIMEOUT at once when none waits)."""
+        now = self._call(function)
+        assert isinstance(timeout_ms, int) and timeout_ms >= 0, timeout_ms  # the binding's c_uint
+        state = self._event_set(event_set)
+        waiting = []
+        for device, mask, since in state.registered:
+            if function in device.errors:
+                raise NVMLError(device.errors[function])
+            scripted = [(t, nvmlEventTypeXidCriticalError, code) for t, code in device.xids]
+            scripted += [(t, kind, 0) for t, kind in device.ecc_events]
+            for number, (t, kind, value) in enumerate(sorted(scripted, key=lambda e: e[0])):
+                key = (id(device), number)
+                if kind & mask and since <= t <= now and key not in state.delivered:
+                    waiting.append((t, key, device, kind, value))
+        if waiting:
+            _, key, device, kind, value = min(waiting, key=lambda e: e[0])
+            state.delivered.add(key)
+            data = _real.c_nvmlEventData_t()
+            data.device, data.eventType, data.eventData = self.c_handle(device), kind, value
+            return data
+        if state.registered and self.fail_at is not None and now >= self.fail_at:
+            raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+        raise NVMLError(NVML_ERROR_TIMEOUT)
+
+    def nvmlEventSetFree(self, eventSet: Any) -> None:  # noqa: N803
+        self._call("nvmlEventSetFree")
+        self._event_set(eventSet)
+        del self._event_sets[ctypes.addressof(eventSet.contents)]
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: FakeGPU, errorType: int, counterType: int) -> int:  # noqa: N803
+        now = self._whole_gpu_only("nvmlDeviceGetTotalEccErrors", handle)
+        kinds, counters = {0: "corrected", 1: "uncorrected"}, {0: "volatile", 1: "aggregate"}
+        if errorType not in kinds or counterType not in counters:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return int(self._at(handle.ecc.get((kinds[errorType], counters[counterType]), 0), now))
+
+    def nvmlDeviceGetRemappedRows(self, device: FakeGPU) -> tuple[int, int, int, int]:
+        now = self._whole_gpu_only("nvmlDeviceGetRemappedRows", device)
+        if device.architecture < NVML_DEVICE_ARCH_AMPERE:  # row remapping came with Ampere
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        corrected, uncorrected, pending, failure = device.remapped_rows
+        return (int(self._at(corrected, now)), int(self._at(uncorrected, now)), int(pending), int(failure))
+
+    def nvmlDeviceGetRetiredPages(self, device: FakeGPU, sourceFilter: int) -> list[int]:  # noqa: N803
+        self._whole_gpu_only("nvmlDeviceGetRetiredPages", device)
+        if device.architecture >= NVML_DEVICE_ARCH_AMPERE:  # Ampere and newer remap rows instead
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        causes = {0: "single_bit", 1: "double_bit"}
+        if sourceFilter not in causes:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return [0x1000 * (page + 1) for page in range(device.retired_pages.get(causes[sourceFilter], 0))]
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, device: FakeGPU) -> int:
+        self._whole_gpu_only("nvmlDeviceGetRetiredPagesPendingStatus", device)
+        if device.architecture >= NVML_DEVICE_ARCH_AMPERE:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return int(device.retired_pages_pending)  # NVML_FEATURE_ENABLED or _DISABLED
+
+
+@dataclass(eq=False)
+class _EventSet:
+    """An event set's registrations (device, event mask, time registered) and the events it has handed out."""
+
+    registered: list[tuple[FakeGPU, int, float]] = field(default_factory=list)
+    delivered: set[tuple[int, int]] = field(default_factory=set)
 
 
 def install(monkeypatch: Any, fake: FakeNVML) -> FakeNVML:

@@ -1,4 +1,4 @@
-"""GPU telemetry: NVML reading, device mapping, the background sampler, alerts, the run report; no Lightning imports."""
+"""GPU telemetry: NVML reading, device mapping, card health, the sampler, alerts, run reports; no Lightning imports."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_accel.telemetry.alerts import ALERTS, Alert, AlertThresholds, check_alerts
+    from lightning_accel.telemetry.health import CardHealth, HealthReader
     from lightning_accel.telemetry.nvml import GpuDevice, resolve_devices
     from lightning_accel.telemetry.peak_flops import PeakFlops, compute_dtype, lookup_peak_flops
     from lightning_accel.telemetry.readings import METRICS, READINGS, DeviceReader, Metric
@@ -19,8 +20,10 @@ __all__ = [
     "READINGS",
     "Alert",
     "AlertThresholds",
+    "CardHealth",
     "DeviceReader",
     "GpuDevice",
+    "HealthReader",
     "Metric",
     "NVMLSampler",
     "PeakFlops",
@@ -44,6 +47,7 @@ _HOMES = {
         ),
         "lightning_accel.telemetry.alerts",
     ),
+    **dict.fromkeys(("CardHealth", "HealthReader"), "lightning_accel.telemetry.health"),
     **dict.fromkeys(
         (
             "GpuDevice",

@@ -6,6 +6,10 @@ celsius, seconds), `_total` on counters, ratios in 0-1. Every series carries `ho
 `slurm_job_id` under SLURM); GPU series also `gpu` (the CUDA ordinal of the publishing process) and `uuid` (NVML's,
 the key dcgm-exporter's `UUID` joins on). None is called `job` or `instance`: Prometheus sets those for the target.
 A scrape reads the latest heartbeat in memory; it never calls NVML.
+
+Health series (XID, ECC, remapped rows, retired pages, a lost card) come from a GPU's `health` entry, the
+`telemetry.health.CardHealth.to_json()` of its last poll, where the heartbeat has one; a reading the card does not give
+is left out, as the others are.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ __all__ = [
     "TARGET_SCHEMA",
     "Exporter",
     "PromMetric",
+    "health_samples",
     "metric_families",
     "write_file_sd",
 ]
@@ -134,6 +139,71 @@ PROMETHEUS_METRICS: tuple[PromMetric, ...] = (
         "Energy the GPU used since the job started (NVML total-energy counter); rate() gives watts.",
     ),
     PromMetric(
+        "accel_gpu_xid_last",
+        "gauge",
+        "1",
+        GPU_LABELS,
+        "The last XID critical error of the card (NVML event), shown for the reader's xid_hold_s (default an hour) "
+        "after it was seen, then absent.",
+    ),
+    PromMetric(
+        "accel_gpu_xid_last_time_seconds",
+        "gauge",
+        "seconds",
+        GPU_LABELS,
+        "Unix time a poll saw the last XID; time() minus this is its age.",
+    ),
+    PromMetric(
+        "accel_gpu_ecc_errors_total",
+        "counter",
+        "errors",
+        (*GPU_LABELS, "kind", "counter"),
+        "ECC errors by `kind` (corrected, uncorrected) and `counter`: volatile (since the driver loaded) or "
+        "aggregate (over the card's life).",
+    ),
+    PromMetric(
+        "accel_gpu_remapped_rows",
+        "gauge",
+        "rows",
+        (*GPU_LABELS, "kind"),
+        "Memory rows remapped, by the `kind` of error that caused it: corrected, uncorrected (Ampere or newer).",
+    ),
+    PromMetric(
+        "accel_gpu_row_remap_pending",
+        "gauge",
+        "1",
+        GPU_LABELS,
+        "1 while a row remap waits for the next GPU reset (Ampere or newer).",
+    ),
+    PromMetric(
+        "accel_gpu_row_remap_failure",
+        "gauge",
+        "1",
+        GPU_LABELS,
+        "1 when a row remap failed: the card needs service (Ampere or newer).",
+    ),
+    PromMetric(
+        "accel_gpu_retired_pages",
+        "gauge",
+        "pages",
+        (*GPU_LABELS, "cause"),
+        "Memory pages retired, by `cause`: single_bit (repeated corrected errors), double_bit (before Ampere).",
+    ),
+    PromMetric(
+        "accel_gpu_retired_pages_pending",
+        "gauge",
+        "1",
+        GPU_LABELS,
+        "1 while a page retirement waits for the next GPU reset (before Ampere).",
+    ),
+    PromMetric(
+        "accel_gpu_lost",
+        "gauge",
+        "1",
+        GPU_LABELS,
+        "1 once NVML answered GPU_IS_LOST for the card (fallen off the bus), else 0.",
+    ),
+    PromMetric(
         "accel_run_info",
         "gauge",
         "1",
@@ -163,6 +233,36 @@ _THROTTLE = {
     "hw_slowdown": "throttle_hw_slowdown_frac",
     "any": "throttle_any_frac",
 }
+
+
+_HEALTH_GAUGES = {
+    "accel_gpu_xid_last": "xid",
+    "accel_gpu_xid_last_time_seconds": "xid_time",
+    "accel_gpu_row_remap_pending": "row_remap_pending",
+    "accel_gpu_row_remap_failure": "row_remap_failure",
+    "accel_gpu_retired_pages_pending": "retired_pages_pending",
+    "accel_gpu_lost": "lost",
+}
+_HEALTH_LABELLED = (
+    *(
+        ("accel_gpu_ecc_errors_total", (kind, counter), f"ecc_{kind}_{counter}")
+        for kind in ("corrected", "uncorrected")
+        for counter in ("volatile", "aggregate")
+    ),
+    *(("accel_gpu_remapped_rows", (kind,), f"remapped_rows_{kind}") for kind in ("corrected", "uncorrected")),
+    *(("accel_gpu_retired_pages", (cause,), f"retired_pages_{cause}") for cause in ("single_bit", "double_bit")),
+)
+"""Health series with labels of their own: (metric, label values, the `CardHealth.to_json()` key)."""
+
+
+def health_samples(health: Mapping[str, Any]) -> Iterator[tuple[str, tuple[str, ...], float]]:
+    """(metric, its own label values, value) for one card's `CardHealth.to_json()`; readings it lacks left out."""
+    for name, key in _HEALTH_GAUGES.items():
+        if health.get(key) is not None:
+            yield name, (), float(health[key])
+    for name, labels, key in _HEALTH_LABELLED:
+        if health.get(key) is not None:
+            yield name, labels, float(health[key])
 
 
 def _gpu_rank(heartbeat: Mapping[str, Any], index: int) -> str:
@@ -205,6 +305,8 @@ def metric_families(heartbeat: Mapping[str, Any] | None, node_share: float = 1.0
                 families["accel_gpu_throttle_ratio"].add_metric([*ids, reason, *slurm], float(latest[key]))
         if gpu.get("energy_j") is not None:
             families["accel_gpu_energy_joules_total"].add_metric([*ids, *slurm], float(gpu["energy_j"]))
+        for name, own, value in health_samples(gpu.get("health") or {}):
+            families[name].add_metric([*ids, *own, *slurm], value)
     families["accel_run_info"].add_metric([*run[:3], heartbeat["name"], heartbeat["user"], *slurm], 1.0)
     families["accel_run_start_time_seconds"].add_metric(run, float(heartbeat["started"]))
     families["accel_train_global_step"].add_metric(run, float(heartbeat["step"]))

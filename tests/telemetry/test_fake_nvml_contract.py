@@ -13,15 +13,17 @@ from _fake_nvml import FakeGPU, FakeNVML
 
 import lightning_accel
 from lightning_accel.system import gpu as system_gpu
-from lightning_accel.telemetry import readings
+from lightning_accel.telemetry import health, readings
 
 PACKAGE = Path(lightning_accel.__file__).parent
 FAKE_FUNCTIONS = sorted(n for n, v in vars(FakeNVML).items() if n.startswith("nvml") and callable(v))
 
 
 def _called_by_the_package() -> set[str]:
-    """Every `pynvml.nvmlX` the package's source calls."""
-    found = {m for path in PACKAGE.rglob("*.py") for m in re.findall(r"pynvml\.(nvml\w+)", path.read_text())}
+    """Every `pynvml.nvmlX` the package's source calls, and every NVML function it names in quotes (telemetry/health.py
+    calls them by name: `getattr(nvml.pynvml, "nvmlDeviceGetRemappedRows")`)."""
+    pattern = r"pynvml\.(nvml\w+)|[\"'](nvml[A-Z]\w+)[\"']"
+    found = {a or b for path in PACKAGE.rglob("*.py") for a, b in re.findall(pattern, path.read_text())}
     return found - {"nvmlX"}  # `pynvml.nvmlX(...)` in comments
 
 
@@ -130,3 +132,80 @@ def test_return_types_and_struct_sizes(binding: str, text: type, gpm_slots: int)
         assert ctypes.sizeof(request) == ctypes.sizeof(pynvml.c_nvmlGpmMetricsGet_t)
     assert isinstance(fake.nvmlDeviceGetCudaComputeCapability(gpu), tuple)
     assert isinstance(fake.nvmlDeviceGetMigMode(gpu), list)
+
+
+def test_the_health_readers_numbers_are_nvmls() -> None:
+    assert (health._SINGLE_BIT_EVENT, health._DOUBLE_BIT_EVENT, health._XID_EVENT) == (
+        pynvml.nvmlEventTypeSingleBitEccError,
+        pynvml.nvmlEventTypeDoubleBitEccError,
+        pynvml.nvmlEventTypeXidCriticalError,
+    )
+    assert dict(health._ERROR_TYPES) == {
+        "corrected": pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+        "uncorrected": pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+    }
+    assert dict(health._COUNTERS) == {"volatile": pynvml.NVML_VOLATILE_ECC, "aggregate": pynvml.NVML_AGGREGATE_ECC}
+    assert dict(health._CAUSES) == {
+        "single_bit": pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+        "double_bit": pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+    }
+    assert (health._TIMEOUT, health._GPU_IS_LOST, health._FEATURE_ENABLED) == (
+        pynvml.NVML_ERROR_TIMEOUT,
+        pynvml.NVML_ERROR_GPU_IS_LOST,
+        pynvml.NVML_FEATURE_ENABLED,
+    )
+
+
+def test_health_calls_return_the_real_types() -> None:
+    """The fake's answers are the types the real functions build (read from nvidia-ml-py's source)."""
+    xid, dbe = pynvml.nvmlEventTypeXidCriticalError, pynvml.nvmlEventTypeDoubleBitEccError
+    volta = FakeGPU("GPU-b", architecture=pynvml.NVML_DEVICE_ARCH_VOLTA, retired_pages={"double_bit": 2})
+    fake = FakeNVML([FakeGPU("GPU-a", xids=[(0.0, 79)], ecc_events=[(0.0, dbe)]), volta])
+    gpu = fake.gpus[0]
+    assert type(fake.nvmlDeviceGetSupportedEventTypes(gpu)) is int
+    event_set = fake.nvmlEventSetCreate()
+    assert type(event_set) is pynvml.c_nvmlEventSet_t and "c_nvmlEventSet_t()" in inspect.getsource(
+        pynvml.nvmlEventSetCreate
+    )
+    assert fake.nvmlDeviceRegisterEvents(gpu, xid | dbe, event_set) is None
+    data = fake.nvmlEventSetWait_v2(event_set, 0)
+    assert type(data) is pynvml.c_nvmlEventData_t and "c_nvmlEventData_t()" in inspect.getsource(
+        pynvml.nvmlEventSetWait_v2
+    )
+    assert (data.eventType, data.eventData) == (xid, 79) and type(data.device) is pynvml.c_nvmlDevice_t
+    assert fake.nvmlEventSetWait(event_set, 0).eventType == dbe
+    count = fake.nvmlDeviceGetTotalEccErrors(gpu, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC)
+    assert type(count) is int and "c_count.value" in inspect.getsource(pynvml.nvmlDeviceGetTotalEccErrors)
+    rows = fake.nvmlDeviceGetRemappedRows(gpu)
+    assert type(rows) is tuple and len(rows) == 4 and all(type(v) is int for v in rows)
+    pages = fake.nvmlDeviceGetRetiredPages(volta, pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+    assert len(pages) == 2 and all(type(p) is int for p in pages)
+    assert "list(map(int" in inspect.getsource(pynvml.nvmlDeviceGetRetiredPages)
+    assert fake.nvmlDeviceGetRetiredPagesPendingStatus(volta) == pynvml.NVML_FEATURE_DISABLED
+    assert fake.nvmlEventSetFree(event_set) is None
+
+
+def test_health_calls_fail_as_the_real_ones_do() -> None:
+    xid = pynvml.nvmlEventTypeXidCriticalError
+    ampere, volta = FakeGPU("GPU-a", event_types=xid), FakeGPU("GPU-b", architecture=pynvml.NVML_DEVICE_ARCH_VOLTA)
+    fake = FakeNVML([ampere, volta], fail_at=10.0)
+    event_set = fake.nvmlEventSetCreate()
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # nvml.h: "some of the requested event types" unsupported
+        fake.nvmlDeviceRegisterEvents(ampere, xid | pynvml.nvmlEventTypeDoubleBitEccError, event_set)
+    fake.nvmlDeviceRegisterEvents(ampere, xid, event_set)
+    with pytest.raises(pynvml.NVMLError_Timeout):  # nothing waiting: the non-blocking poll's answer
+        fake.nvmlEventSetWait_v2(event_set, 0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        fake.nvmlDeviceGetRemappedRows(volta)  # before Ampere
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        fake.nvmlDeviceGetRetiredPages(ampere, pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        fake.nvmlDeviceGetTotalEccErrors(ampere, pynvml.NVML_MEMORY_ERROR_TYPE_COUNT, pynvml.NVML_VOLATILE_ECC)
+    fake.clock.advance(10.0)  # type: ignore[attr-defined]
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        fake.nvmlEventSetWait_v2(event_set, 0)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetTotalEccErrors(ampere, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC)
+    fake.nvmlEventSetFree(event_set)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):  # a freed set
+        fake.nvmlEventSetWait_v2(event_set, 0)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from lightning_accel.telemetry.health import CardHealth
 from lightning_accel.telemetry.prometheus import GPU_LABELS, PROMETHEUS_METRICS, RUN_LABELS, Exporter
 
 ALL_READINGS = {
@@ -33,6 +34,25 @@ ALL_READINGS = {
     "pcie_tx_mb_s": 1.0,
 }
 
+HEALTH = CardHealth(
+    0,
+    "GPU-a",
+    xid=79,
+    xid_time=1.7e9 + 60,
+    xid_age_s=5.0,
+    ecc_corrected_volatile=3,
+    ecc_uncorrected_volatile=1,
+    ecc_corrected_aggregate=40,
+    ecc_uncorrected_aggregate=2,
+    remapped_rows_corrected=5,
+    remapped_rows_uncorrected=1,
+    row_remap_pending=True,
+    row_remap_failure=False,
+    retired_pages_single_bit=4,  # not on the same card as remapped rows in life; here for the full table
+    retired_pages_double_bit=0,
+    retired_pages_pending=False,
+).to_json()
+
 
 def heartbeat(**changes: Any) -> dict[str, Any]:
     data = {
@@ -51,7 +71,14 @@ def heartbeat(**changes: Any) -> dict[str, Any]:
             {"rank": 3, "local_rank": 1, "device": "cuda:1", "uuid": "GPU-b"},
         ],
         "gpus": [
-            {"index": 0, "uuid": "GPU-a", "name": "NVIDIA H100", "latest": ALL_READINGS, "energy_j": 5000.0},
+            {
+                "index": 0,
+                "uuid": "GPU-a",
+                "name": "NVIDIA H100",
+                "latest": ALL_READINGS,
+                "energy_j": 5000.0,
+                "health": HEALTH,
+            },
             {"index": 1, "uuid": "GPU-b", "name": "NVIDIA A100", "latest": {"utilization_pct": 50.0}, "energy_j": None},
         ],
     }
@@ -92,6 +119,38 @@ def test_every_documented_metric_with_its_labels_and_base_units() -> None:
     assert info.labels["name"] == 'say "hi"\n' and info.labels["user"] == "ada"  # escaped by the client, read back
     ranks = {s.labels["uuid"]: s.labels["rank"] for s in samples["accel_gpu_info"]}
     assert ranks == {"GPU-a": "2", "GPU-b": "3"}  # the rank on each card
+
+
+def test_health_series_with_their_labels() -> None:
+    samples = scrape(heartbeat(slurm_job_id="9"))
+    [xid] = samples["accel_gpu_xid_last"]
+    assert (xid.value, xid.labels["uuid"], xid.labels["gpu"], xid.labels["slurm_job_id"]) == (79.0, "GPU-a", "0", "9")
+    assert [s.value for s in samples["accel_gpu_xid_last_time_seconds"]] == [1.7e9 + 60]
+    ecc = {(s.labels["kind"], s.labels["counter"]): s.value for s in samples["accel_gpu_ecc_errors_total"]}
+    assert ecc == {
+        ("corrected", "volatile"): 3.0,
+        ("uncorrected", "volatile"): 1.0,
+        ("corrected", "aggregate"): 40.0,
+        ("uncorrected", "aggregate"): 2.0,
+    }
+    rows = {s.labels["kind"]: s.value for s in samples["accel_gpu_remapped_rows"]}
+    assert rows == {"corrected": 5.0, "uncorrected": 1.0}
+    assert [s.value for s in samples["accel_gpu_row_remap_pending"]] == [1.0]
+    assert [s.value for s in samples["accel_gpu_row_remap_failure"]] == [0.0]
+    assert {s.labels["cause"]: s.value for s in samples["accel_gpu_retired_pages"]} == {
+        "single_bit": 4.0,
+        "double_bit": 0.0,
+    }
+    assert [(s.labels["uuid"], s.value) for s in samples["accel_gpu_lost"]] == [("GPU-a", 0.0)]  # GPU-b: no health
+
+
+def test_health_readings_a_card_lacks_are_left_out() -> None:
+    lost = CardHealth(1, "GPU-b", lost=True).to_json()
+    gpus = [{"index": 1, "uuid": "GPU-b", "name": "NVIDIA A100", "latest": {}, "energy_j": None, "health": lost}]
+    samples = scrape(heartbeat(gpus=gpus))
+    assert [s.value for s in samples["accel_gpu_lost"]] == [1.0]
+    health = {name for name in samples if name.startswith(("accel_gpu_xid", "accel_gpu_ecc", "accel_gpu_re"))}
+    assert health == set()  # no XID, no ECC, no rows or pages: absent, not 0
 
 
 def test_readings_a_card_lacks_are_left_out_not_zero() -> None:
