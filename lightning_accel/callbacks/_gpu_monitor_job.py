@@ -18,13 +18,18 @@ import torch
 
 from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.system.host import external_run_id, hostname
+from lightning_accel.telemetry.alerts import AlertThresholds
+from lightning_accel.telemetry.health import HealthReader
 from lightning_accel.telemetry.heartbeat import current_user
+from lightning_accel.telemetry.heartbeat_alerts import HeartbeatAlerts, HeartbeatAlertSettings
 from lightning_accel.telemetry.publisher import JobInfo, process_command
 
 __all__ = [
     "allocated_pct",
     "check_publishing",
     "cuda_uuids",
+    "health_reader",
+    "heartbeat_checks",
     "job_info",
     "shared_run_id",
     "total_steps",
@@ -53,6 +58,33 @@ def check_publishing(interval_s: Any, port: Any, addr: Any, file_sd_dir: Any) ->
 
 def warn_publishing(message: str) -> None:
     warnings.warn(f"GPUMonitor: {message}. Training goes on.", LightningAccelWarning, stacklevel=2)
+
+
+def heartbeat_checks(
+    trainer: pl.Trainer, thresholds: AlertThresholds, log_metrics: bool, hung_after_steps: float | None
+) -> HeartbeatAlerts:
+    """The heartbeat's own alerts: the window alerts' thresholds where `log_metrics` does not check those already,
+    the hung-job alert, and the non-finite losses the Trainer's NonFiniteGuard (if any) counts."""
+    callbacks: list[Any] = getattr(trainer, "callbacks", [])
+    guard = next((c for c in callbacks if isinstance(getattr(c, "nonfinite_losses", None), int)), None)
+    settings = HeartbeatAlertSettings(
+        max_throttle_pct=None if log_metrics else thresholds.max_throttle_pct,
+        min_memory_headroom_pct=None if log_metrics else thresholds.min_memory_headroom_pct,
+        hung_after_steps=hung_after_steps,
+    )
+    return HeartbeatAlerts(settings, nonfinite=None if guard is None else (lambda: int(guard.nonfinite_losses)))
+
+
+def health_reader(devices: Sequence[Any]) -> HealthReader | None:
+    """The node's card-health reader (XID events, ECC, remapped rows, a lost card) for the publisher's thread; None
+    without cards, or where it cannot start (warned: training goes on)."""
+    if not devices:
+        return None
+    try:
+        return HealthReader(devices)
+    except Exception as err:  # NVML refused the event sets: health is left out, nothing else
+        warn_publishing(f"no card health in the heartbeat ({type(err).__name__}: {err})")
+        return None
 
 
 def shared_run_id(trainer: pl.Trainer) -> str:

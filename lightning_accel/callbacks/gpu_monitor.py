@@ -23,6 +23,8 @@ from lightning_accel.callbacks._gpu_monitor_job import (
     allocated_pct,
     check_publishing,
     cuda_uuids,
+    health_reader,
+    heartbeat_checks,
     job_info,
     shared_run_id,
     total_steps,
@@ -33,7 +35,6 @@ from lightning_accel.errors import ConfigError, LightningAccelWarning
 from lightning_accel.telemetry import nvml
 from lightning_accel.telemetry.alerts import AlertThresholds, check_alerts
 from lightning_accel.telemetry.heartbeat import default_runs_dir
-from lightning_accel.telemetry.heartbeat_alerts import HeartbeatAlerts, HeartbeatAlertSettings
 from lightning_accel.telemetry.publisher import PublishSettings, RunPublisher
 from lightning_accel.telemetry.ranks import allocated_by_device, pack_row, rank_stats, unpack_rows, window_metrics
 from lightning_accel.telemetry.readings import READINGS
@@ -152,6 +153,11 @@ class GPUMonitor(Callback):
         `accel_gpu_sm_clock_hertz`, `accel_gpu_memory_clock_hertz` (Hz), `accel_gpu_throttle_ratio` (0-1, by
         `reason`), `accel_gpu_pcie_rx_bytes_per_second`, `accel_gpu_pcie_tx_bytes_per_second` (B/s),
         `accel_gpu_energy_joules_total` (J, a counter since the fit began), `accel_gpu_info` (1, with `name`);
+        per GPU's health (`telemetry.health`, read on the publisher's thread): `accel_gpu_xid_last` (the last XID,
+        shown for an hour), `accel_gpu_xid_last_time_seconds` (Unix s), `accel_gpu_ecc_errors_total` (by `kind`,
+        `counter`), `accel_gpu_remapped_rows` (by `kind`), `accel_gpu_row_remap_pending`,
+        `accel_gpu_row_remap_failure`, `accel_gpu_retired_pages` (by `cause`), `accel_gpu_retired_pages_pending`,
+        `accel_gpu_lost` (1 once the card answered GPU_IS_LOST);
         per node of a run: `accel_run_info` (1, with `name`, `user`), `accel_run_start_time_seconds` (Unix s),
         `accel_train_global_step` (steps), `accel_train_samples_total` (this node's samples, a counter),
         `accel_train_eta_seconds` (s).
@@ -270,6 +276,7 @@ class GPUMonitor(Callback):
         self._group: Any = None  # the gloo process group of the per-log-step gather; None: the strategy's
         self._own_group = False
         self._gpus: list[dict[str, Any]] = []  # the node's watched GPUs: index, uuid, name
+        self._devices: list[Any] = []  # their `nvml.GpuDevice`s, while the sampler holds NVML open
         self._publisher: RunPublisher | None = None
         self._replicas = 1
 
@@ -328,16 +335,8 @@ class GPUMonitor(Callback):
         job = job_info(trainer, run_id, self.run_name or self._dir.resolve().name, self._gpus)
         view = 1 if self.log_metrics else 0
         alerts = (lambda: self.report.alerts) if trainer.global_rank == 0 else None  # rank zero checks the alerts
-        callbacks: list[Any] = getattr(trainer, "callbacks", [])
-        guard = next((c for c in callbacks if isinstance(getattr(c, "nonfinite_losses", None), int)), None)
-        checks = HeartbeatAlerts(
-            HeartbeatAlertSettings(  # the window alerts' own, where log_metrics checks those already
-                max_throttle_pct=None if self.log_metrics else self.thresholds.max_throttle_pct,
-                min_memory_headroom_pct=None if self.log_metrics else self.thresholds.min_memory_headroom_pct,
-                hung_after_steps=self.hung_after_steps,
-            ),
-            nonfinite=None if guard is None else (lambda: int(guard.nonfinite_losses)),
-        )
+        checks = heartbeat_checks(trainer, self.thresholds, self.log_metrics, self.hung_after_steps)
+        devices, self._devices = self._devices, []  # the reader holds them (NVML handles do not pickle)
         return RunPublisher(
             settings,
             job,
@@ -345,6 +344,7 @@ class GPUMonitor(Callback):
             view,
             alerts=alerts,
             checks=checks,
+            health=health_reader(devices if self.sampler is not None else []),
             warn=warn_publishing,
             warn_nvml=not self.log_metrics,
         )
@@ -355,6 +355,7 @@ class GPUMonitor(Callback):
             self._indices, visible, uuids, self.readings, self.interval_s, clock=self._clock, views=views
         )
         self._gpus = [{"index": d.index, "uuid": d.uuid, "name": d.name} for d in devices]
+        self._devices = list(devices) if sampler is not None else []
         for device in devices:
             info = {"name": device.name, "uuid": device.uuid, "nvml_index": device.nvml_index}
             self._local_info[self._key(self._node, device.index)] = info
@@ -515,6 +516,7 @@ class GPUMonitor(Callback):
             if self.sampler.stop():
                 nvml.shutdown_nvml()
             self.sampler = None
+        self._devices = []
 
     def _all_gather(self, trainer: pl.Trainer, row: list[float]) -> list[list[float]]:
         tensor = torch.tensor(row, dtype=torch.float64)

@@ -289,7 +289,9 @@ def text_report(state: Mapping[str, Any], width: int | None = None) -> str:
             step = f"{job['step']:,}" + (f"/{job['max_steps']:,}" if job["max_steps"] else "")
             ranks = ", ".join(f"{r['rank']}:{_plain(r['device'], 12)}" for r in job["ranks"]) or "-"
             cards = "\n".join(
-                f"gpu {g['index']} {_plain(g['name'], 30)}: {card_line(g['latest'])}" for g in job["gpus"]
+                f"gpu {g['index']} {_plain(g['name'], 30)}: {card_line(g['latest'])}"
+                + "".join(f"\n  health: {_plain(problem, 120)}" for problem in g.get("health", {}).get("problems", []))
+                for g in job["gpus"]
             )
             notes = [f"{a['name']} (step {a['step']})" for a in job["alerts"]]
             if job["reason"]:

@@ -347,9 +347,26 @@ def _check(value: Any, spec: Any, where: str) -> Any:
     raise HeartbeatError(f"has `{where}` of type {type(value).__name__}, where {_kind(spec)} belongs")
 
 
+def _health(value: Any, where: str) -> dict[str, Any]:
+    """A GPU's `health` entry (`telemetry.health.CardHealth.to_json`), an optional key: names to numbers, booleans,
+    strings or null, and `problems`, a list of strings."""
+    if not isinstance(value, dict) or len(value) > 64:
+        raise HeartbeatError(f"has `{where}` that is not an object of at most 64 readings")
+    checked: dict[str, Any] = {}
+    for key, item in value.items():
+        name = str(key)[:64]
+        if key == "problems":
+            checked[name] = [_check(p, str, f"{where}.problems") for p in _check(item, _list(str), where)][:16]
+        elif item is None or isinstance(item, (bool, str)):
+            checked[name] = item[:_MAX_TEXT] if isinstance(item, str) else item
+        else:
+            checked[name] = _check(item, _NUM, f"{where}.{name}")
+    return checked
+
+
 def check_heartbeat(data: Any) -> dict[str, Any]:
     """`data` if it is a heartbeat of this schema with every field of the right type (unknown keys dropped, strings
-    cut to 2000 characters).
+    cut to 2000 characters; a GPU's optional `health` entry kept, checked).
 
     Raises:
         HeartbeatError: naming the first field that is missing or of the wrong type.
@@ -359,6 +376,9 @@ def check_heartbeat(data: Any) -> dict[str, Any]:
     if data.get("schema") != SCHEMA:
         raise HeartbeatError(f"has schema {str(data.get('schema'))[:80]!r}, not {SCHEMA!r}")
     checked = _check(data, _SHAPE, "")
+    for index, gpu in enumerate(data["gpus"]):
+        if isinstance(gpu, dict) and "health" in gpu:
+            checked["gpus"][index]["health"] = _health(gpu["health"], f"gpus[{index}].health")
     if checked["status"] not in ("running", "finished", "failed"):
         raise HeartbeatError(f"has `status` {checked['status'][:40]!r}, not running, finished or failed")
     return checked

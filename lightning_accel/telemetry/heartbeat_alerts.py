@@ -7,20 +7,22 @@ Each alert fires once per episode, when its condition starts to hold, and is arm
 - `memory_headroom`: a card's used memory is within `min_memory_headroom_pct` of its total;
 - `nonfinite_loss`: the count of non-finite losses (NonFiniteGuard's, read as an int) went up;
 - `no_progress`: no optimizer step for `hung_after_steps` times the median step time, and at least `min_hung_s` (a
-  hung job: a collective waiting on a dead rank, a deadlocked DataLoader).
+  hung job: a collective waiting on a dead rank, a deadlocked DataLoader);
+- `health`: a card's health has problems (`telemetry.health.CardHealth.problems`: an XID, a lost card, uncorrected
+  ECC errors, a pending or failed repair).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["HEARTBEAT_ALERTS", "MAX_KEPT", "HeartbeatAlertSettings", "HeartbeatAlerts"]
 
-HEARTBEAT_ALERTS = ("throttling", "memory_headroom", "nonfinite_loss", "no_progress")
+HEARTBEAT_ALERTS = ("throttling", "memory_headroom", "nonfinite_loss", "no_progress", "health")
 MAX_KEPT = 32
 """Alerts a heartbeat carries at most (the newest)."""
 
@@ -36,6 +38,7 @@ class HeartbeatAlertSettings:
     min_hung_s: float = 60.0
     """...and for at least this long (a first step that compiles, an evaluation between steps)."""
     nonfinite: bool = True
+    health: bool = True
 
 
 class HeartbeatAlerts:
@@ -60,11 +63,21 @@ class HeartbeatAlerts:
     def alerts(self) -> list[dict[str, Any]]:
         return list(self._fired)
 
-    def check(self, now: float, step: int, latest: Mapping[int, Mapping[str, float]]) -> None:
-        """One heartbeat's check: `latest` per card index is the window's means (`telemetry.readings` names)."""
+    def check(
+        self,
+        now: float,
+        step: int,
+        latest: Mapping[int, Mapping[str, float]],
+        health: Mapping[int, Sequence[str]] | None = None,
+    ) -> None:
+        """One heartbeat's check: `latest` per card index is the window's means (`telemetry.readings` names),
+        `health` per card index its health problems in words."""
         for index, values in sorted(latest.items()):
             self._throttling(step, index, values)
             self._memory(step, index, values)
+        for index, problems in sorted((health or {}).items()):
+            if self.settings.health:
+                self._health(step, index, problems)
         self._nonfinite_losses(step)
         self._progress(now, step)
 
@@ -109,6 +122,9 @@ class HeartbeatAlerts:
                 "or activation runs out; lower the micro-batch or turn on activation checkpointing"
             ),
         )
+
+    def _health(self, step: int, index: int, problems: Sequence[str]) -> None:
+        self._episode(f"health/{index}", bool(problems), "health", step, lambda: f"GPU {index}: " + "; ".join(problems))
 
     def _nonfinite_losses(self, step: int) -> None:
         if self._nonfinite is None:

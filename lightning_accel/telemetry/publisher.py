@@ -104,6 +104,8 @@ class RunPublisher:
         view: the sampler view this publisher closes windows of.
         alerts: returns the alerts fired so far (`{"name", "step", "message"}`); None: none known on this node.
         checks: the heartbeat's own alerts, checked on this thread at each heartbeat (`HeartbeatAlerts`); None: none.
+        health: reads each card's health at each heartbeat (`telemetry.health.HealthReader`, its `poll` never
+            raises), into the GPU's `health` entry and the checks; None: none. `finish` closes it.
         warn: called once per kind of problem with a message (the caller warns; it may be called from the thread).
         warn_nvml: warn when the sampler fails mid-run (False where the caller warns of it already).
         clock: wall-clock time (s since the epoch) written into heartbeats.
@@ -117,6 +119,7 @@ class RunPublisher:
         view: int = 0,
         alerts: Callable[[], Sequence[dict[str, Any]]] | None = None,
         checks: HeartbeatAlerts | None = None,
+        health: Any = None,
         warn: Callable[[str], None] = lambda message: None,
         warn_nvml: bool = True,
         clock: Callable[[], float] = time.time,
@@ -136,6 +139,8 @@ class RunPublisher:
         self.exporter: Any = None
         self._alerts = alerts or (lambda: ())
         self._checks = checks
+        self._health_reader = health
+        self._health: dict[int, dict[str, Any]] = {}
         self._warn = warn
         self._warned: set[str] = set() if warn_nvml else {"nvml"}
         self._clock = clock
@@ -198,6 +203,8 @@ class RunPublisher:
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
+        if self._health_reader is not None:
+            self._health_reader.close()
 
     def _at_exit(self) -> None:
         self.finish("failed", "the process exited before the fit ended")
@@ -240,8 +247,11 @@ class RunPublisher:
     def _build(self, now: float) -> dict[str, Any]:
         self._read_window()
         step, samples = self.progress.step, self.progress.samples
+        if self._health_reader is not None and self.status == "running":
+            self._health = {card.index: card.to_json() for card in self._health_reader.poll()}
         if self._checks is not None and self.status == "running":
-            self._checks.check(now, step, self._latest)
+            problems = {index: list(card.get("problems", ())) for index, card in self._health.items()}
+            self._checks.check(now, step, self._latest, problems)
         self._rates.append((now, step, samples))
         while len(self._rates) > 2 and self._rates[1][0] < now - _RATE_SPAN_S:
             self._rates.popleft()
@@ -272,6 +282,7 @@ class RunPublisher:
                     "latest": {k: round(v, 4) for k, v in self._latest.get(index, {}).items()},
                     "energy_j": self._energy.get(index),
                     "history": history,
+                    **({"health": self._health[index]} if index in self._health else {}),
                 }
             )
         job = self.job

@@ -95,6 +95,11 @@
     signalRow(grid, "throttled", throttled.length ? throttled.join(", ") : "no", "throttle", null);
     signalRow(grid, "energy", gpu.energy_j === null || gpu.energy_j === undefined ? "–"
       : `${num(gpu.energy_j / 3600, 2)} Wh`, "energy", null);
+    if (gpu.health) {  // XID, ECC, remapped rows, a lost card (the job's HealthReader)
+      const problems = gpu.health.problems || [];
+      signalRow(grid, "health", problems.length ? problems.join("; ") : "ok", "health", null);
+      if (problems.length) card.classList.add("unhealthy");
+    }
     card.append(grid);
     return card;
   }
