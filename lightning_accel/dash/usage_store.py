@@ -160,16 +160,6 @@ class UsageStore:
         from failed tries, in one transaction. Returns True when written, False when skipped (warned; kept)."""
         now = time.time() if now is None else now
         self._pending.append((now, tuple(observations)))
-        if len(self._pending) > self.max_pending:
-            dropped = self._pending[: -self.max_pending]
-            del self._pending[: -self.max_pending]
-            held_h = sum(obs.held_s for _, batch in dropped for obs in batch) / 3600
-            warnings.warn(
-                f"the usage database {self.path} has not been writable for {self.max_pending} intervals: the oldest "
-                f"{len(dropped)} ({held_h:.2f} GPU-hours held) are dropped.",
-                UsageStoreWarning,
-                stacklevel=2,
-            )
         try:
             connection = self._connect()
             connection.execute("BEGIN IMMEDIATE")
@@ -184,11 +174,26 @@ class UsageStore:
                 raise
         except sqlite3.Error as err:
             self._warn(err, "keeps this interval for the next try", stacklevel=3)
+            self._bound_pending()
             return False
         self._pending.clear()
         if self._pruned_at is None or now - self._pruned_at >= 3600 or day_of(now) != day_of(self._pruned_at):
             self.prune(now)
         return True
+
+    def _bound_pending(self) -> None:
+        """Drops the oldest kept intervals past `max_pending`, with a warning that says how much usage they held."""
+        if len(self._pending) <= self.max_pending:
+            return
+        dropped = self._pending[: -self.max_pending]
+        del self._pending[: -self.max_pending]
+        held_h = sum(obs.held_s for _, batch in dropped for obs in batch) / 3600
+        warnings.warn(
+            f"the usage database {self.path} has not been writable for {self.max_pending} intervals: the oldest "
+            f"{len(dropped)} ({held_h:.2f} GPU-hours held) are dropped.",
+            UsageStoreWarning,
+            stacklevel=4,
+        )
 
     def _warn(self, err: sqlite3.Error, outcome: str, stacklevel: int) -> None:
         kind = classify_error(err)
