@@ -19,6 +19,7 @@ __all__ = [
     "NETWORK_FILESYSTEMS",
     "SCHEMA",
     "SCHEMA_VERSION",
+    "JOB_TABLE",
     "TABLE",
     "UsageObservation",
     "classify_error",
@@ -26,13 +27,17 @@ __all__ = [
     "default_usage_dir",
     "default_usage_path",
     "filesystem_type",
+    "job_rows",
     "rollup_rows",
 ]
 
 SCHEMA_VERSION = 1
 """`PRAGMA user_version` of a usage database."""
 TABLE = "usage_daily"
-"""The rollup table: one row per UTC day, host, user, job and GPU."""
+"""The rollup table: one row per UTC day, host, user, job and GPU (the CSV's rows)."""
+JOB_TABLE = "usage_jobs"
+"""The same rollup summed over each job's GPUs: one row per UTC day, host, user and job (the page and the totals read
+it: 8 GPUs a job make it 8 times smaller). Its `steps` are the job's, not summed over its GPUs."""
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "fuse.sshfs", "9p", "beegfs")
 """Filesystem types (mountinfo's) on which SQLite's locks are unsafe."""
 SCHEMA = f"""
@@ -50,6 +55,18 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     steps INTEGER NOT NULL,
     updated REAL NOT NULL,        -- Unix time of the last interval added
     PRIMARY KEY (day, host, user, job, gpu)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS {JOB_TABLE} (
+    day TEXT NOT NULL,
+    host TEXT NOT NULL,
+    user TEXT NOT NULL,
+    job TEXT NOT NULL,
+    held_s REAL NOT NULL,         -- GPU-seconds: summed over the job's GPUs
+    idle_held_s REAL NOT NULL,
+    energy_j REAL NOT NULL,
+    samples INTEGER NOT NULL,
+    steps INTEGER NOT NULL,       -- the job's optimizer steps: each interval's most over its GPUs
+    PRIMARY KEY (day, host, user, job)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
@@ -86,7 +103,8 @@ class UsageObservation:
     samples: int = 0
     """Training samples the job processed on this GPU in the interval."""
     steps: int = 0
-    """Optimizer steps the job took in the interval (each GPU of a data-parallel job counts the same steps)."""
+    """Optimizer steps the job took in the interval, as each of its GPUs saw them (the GPUs of a data-parallel job
+    report the same steps: the job's steps are the most any of its GPUs reports, not their sum)."""
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "held_s", "energy_j"):
@@ -154,6 +172,20 @@ def rollup_rows(interval: tuple[float, tuple[UsageObservation, ...]]) -> dict[tu
             row[4] += samples[part]
             row[5] += steps[part]
     return rows
+
+
+def job_rows(rows: dict[tuple[str, ...], list[float]]) -> dict[tuple[str, ...], list[float]]:
+    """One interval's `rollup_rows` summed over each job's GPUs, per (day, host, user, job): [held_s, idle_held_s,
+    energy_j, samples, steps], the steps the most any GPU of the job took (they all take the same)."""
+    jobs: dict[tuple[str, ...], list[float]] = {}
+    for key, (_, held, idle, energy, samples, steps, _) in rows.items():
+        job = jobs.setdefault(key[:4], [0.0, 0.0, 0.0, 0, 0])
+        job[0] += held
+        job[1] += idle
+        job[2] += energy
+        job[3] += samples
+        job[4] = max(job[4], steps)
+    return jobs
 
 
 def classify_error(err: sqlite3.Error) -> str:

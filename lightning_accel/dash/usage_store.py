@@ -20,6 +20,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from lightning_accel.dash.usage_schema import (
+    JOB_TABLE,
     NETWORK_FILESYSTEMS,
     SCHEMA,
     SCHEMA_VERSION,
@@ -29,6 +30,7 @@ from lightning_accel.dash.usage_schema import (
     day_of,
     default_usage_path,
     filesystem_type,
+    job_rows,
     rollup_rows,
 )
 from lightning_accel.errors import ConfigError, UsageCorruptWarning, UsageStoreWarning
@@ -45,8 +47,8 @@ __all__ = [
 DEFAULT_RETENTION_DAYS = 90
 """Days kept before today (UTC): about a quarter, enough for a monthly report and the month before it."""
 DEFAULT_MAX_BYTES = 256 * 2**20
-"""The size cap of one database: 90 days of 8 GPUs and 40 jobs a day take about 2 MiB, so only a runaway (thousands
-of distinct jobs a day) meets it."""
+"""The size cap of one database: 90 days of 8 GPUs shared by 40 jobs a day (320 GPU rows a day) take about 4 MiB
+(tests/benchmarks/bench_usage.py), so only a runaway (thousands of distinct jobs a day) meets it."""
 DEFAULT_MAX_PENDING = 720
 """Intervals kept in memory while the database cannot be written (locked, read-only, corrupt): an hour at 5 s."""
 LOW_WATER = 0.9
@@ -62,6 +64,16 @@ ON CONFLICT (day, host, user, job, gpu) DO UPDATE SET
     samples = samples + excluded.samples,
     steps = steps + excluded.steps,
     updated = max(updated, excluded.updated)
+"""
+_UPSERT_JOB = f"""
+INSERT INTO {JOB_TABLE} (day, host, user, job, held_s, idle_held_s, energy_j, samples, steps)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (day, host, user, job) DO UPDATE SET
+    held_s = held_s + excluded.held_s,
+    idle_held_s = idle_held_s + excluded.idle_held_s,
+    energy_j = energy_j + excluded.energy_j,
+    samples = samples + excluded.samples,
+    steps = steps + excluded.steps
 """
 
 
@@ -165,7 +177,9 @@ class UsageStore:
             connection.execute("BEGIN IMMEDIATE")
             try:
                 for interval in self._pending:
-                    connection.executemany(_UPSERT, [(*key, *row) for key, row in rollup_rows(interval).items()])
+                    rows = rollup_rows(interval)
+                    connection.executemany(_UPSERT, [(*key, *row) for key, row in rows.items()])
+                    connection.executemany(_UPSERT_JOB, [(*key, *row) for key, row in job_rows(rows).items()])
                 connection.execute("INSERT OR REPLACE INTO meta VALUES ('last_interval_end', ?)", (repr(now),))
                 connection.execute("COMMIT")
             except BaseException:
@@ -233,7 +247,8 @@ class UsageStore:
         connection.execute("BEGIN IMMEDIATE")
         try:
             by_age = connection.execute(f"SELECT count(DISTINCT day) FROM {TABLE} WHERE day < ?", (cutoff,)).fetchone()
-            connection.execute(f"DELETE FROM {TABLE} WHERE day < ?", (cutoff,))
+            for table in (TABLE, JOB_TABLE):
+                connection.execute(f"DELETE FROM {table} WHERE day < ?", (cutoff,))
             by_size = self._drop_for_size(connection)
             connection.execute("COMMIT")
         except BaseException:
@@ -252,7 +267,8 @@ class UsageStore:
 
     def _drop_for_size(self, connection: sqlite3.Connection) -> int:
         """Deletes whole oldest days (never today's) until the data is under `LOW_WATER * max_bytes`; returns how
-        many. The bytes per day are estimated from the rows per day and the bytes per row in use."""
+        many. The bytes per day are estimated from the GPU rows per day and the bytes in use per GPU row (the job
+        rollup's share included)."""
         pages, free = (connection.execute(f"PRAGMA {name}").fetchone()[0] for name in ("page_count", "freelist_count"))
         used = (pages - free) * _page_size(connection)
         if used <= self.max_bytes:
@@ -267,7 +283,8 @@ class UsageStore:
                 break
             excess -= count * per_row
             dropped, last = dropped + 1, day
-        connection.execute(f"DELETE FROM {TABLE} WHERE day <= ?", (last,))
+        for table in (TABLE, JOB_TABLE):
+            connection.execute(f"DELETE FROM {table} WHERE day <= ?", (last,))
         return dropped
 
     def close(self) -> None:

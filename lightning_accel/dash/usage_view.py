@@ -7,6 +7,7 @@ A database that is locked, unreadable or corrupt is left out with a warning (`Us
 from __future__ import annotations
 
 import csv
+import heapq
 import sqlite3
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -15,7 +16,7 @@ from datetime import date, timedelta
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from lightning_accel.dash.usage_schema import SCHEMA_VERSION, TABLE, classify_error
+from lightning_accel.dash.usage_schema import JOB_TABLE, SCHEMA_VERSION, TABLE, classify_error
 from lightning_accel.errors import UsageCorruptWarning, UsageStoreWarning
 
 __all__ = [
@@ -86,14 +87,6 @@ class UsageTotal:
     hosts: set[str] = field(default_factory=set)
     """The hosts it ran on."""
 
-    def add(self, host: str, held_s: float, idle_held_s: float, energy_j: float, samples: int, steps: int) -> None:
-        self.held_s += held_s
-        self.idle_held_s += idle_held_s
-        self.energy_j += energy_j
-        self.samples += samples
-        self.steps += steps
-        self.hosts.add(host)
-
     def as_dict(self) -> dict[str, Any]:
         """Hours and kWh, as the page shows them."""
         return {
@@ -157,14 +150,14 @@ class UsageReader:
         self.databases: list[Path] = []
         """The databases the last query read."""
 
-    def _each(self, sql: str, params: Sequence[object]) -> Iterator[list[Any]]:
-        """The result of `sql` in each database that can be read; each that cannot is warned about and noted."""
+    def _each(self, queries: Sequence[str], params: Sequence[object]) -> Iterator[list[list[Any]]]:
+        """The results of `queries` (in one read transaction: one snapshot) in each database that can be read; each
+        that cannot is warned about and noted."""
         self.notes, self.databases = [], []
         for path in usage_databases(self.sources):
             try:
-                connection = sqlite3.connect(
-                    f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=self.busy_timeout_s
-                )
+                uri = f"{path.resolve().as_uri()}?mode=ro"
+                connection = sqlite3.connect(uri, uri=True, timeout=self.busy_timeout_s, isolation_level=None)
             except sqlite3.Error as err:
                 self._leave_out(path, err)
                 continue
@@ -173,14 +166,15 @@ class UsageReader:
                 if version > SCHEMA_VERSION:
                     self._leave_out(path, f"its schema {version} is newer than this reader's {SCHEMA_VERSION}")
                     continue
-                rows = connection.execute(sql, params).fetchall()
+                connection.execute("BEGIN")
+                results = [connection.execute(sql, params).fetchall() for sql in queries]
             except sqlite3.Error as err:
                 self._leave_out(path, err)
                 continue
             finally:
                 connection.close()
             self.databases.append(path)
-            yield rows
+            yield results
 
     def _leave_out(self, path: Path, why: sqlite3.Error | str) -> None:
         if isinstance(why, str):
@@ -203,7 +197,7 @@ class UsageReader:
             "SELECT day, host, user, job, gpu, gpu_index, held_s, idle_held_s, energy_j, samples, steps "
             f"FROM {TABLE} WHERE day BETWEEN ? AND ?"
         )
-        found = [UsageRow(*row) for rows in self._each(sql, _bounds(since, until)) for row in rows]
+        found = [UsageRow(*row) for (rows,) in self._each([sql], _bounds(since, until)) for row in rows]
         found.sort(key=lambda row: (row.day, row.host, row.user, row.job, row.gpu_index, row.gpu))
         return found
 
@@ -211,28 +205,34 @@ class UsageReader:
         self, by: Literal["user", "job", "host"], since: date | None = None, until: date | None = None
     ) -> list[UsageTotal]:
         """Usage added up per user, per job (`(user, job)`, across hosts) or per host over the days
-        `since`..`until`, most GPU-hours held first."""
-        columns = {"user": "user", "job": "user, job", "host": "host"}[by]
-        sql = f"SELECT {columns}, host, {_SUMS} FROM {TABLE} WHERE day BETWEEN ? AND ? GROUP BY {columns}, host"
-        width = len(columns.split(","))
-        merged: dict[tuple[str, ...], UsageTotal] = {}
-        for rows in self._each(sql, _bounds(since, until)):
-            for row in rows:
-                key = tuple(row[:width])
-                merged.setdefault(key, UsageTotal(key)).add(row[width], *row[width + 1 :])
-        return sorted(merged.values(), key=lambda total: (-total.held_s, total.key))
+        `since`..`until`, most GPU-hours held first. A job's steps are its own (the most of any host it ran on, as
+        each node of a multi-node job takes the same steps); a user's or a host's are the sum of their jobs'."""
+        bounds = _bounds(since, until)
+        if by == "host":
+            merged: dict[tuple[str, ...], list[Any]] = {}
+            for (rows,) in self._each([_HOST_SUMS], bounds):
+                for host, *amounts in rows:
+                    _add(merged, (host,), {host}, amounts)
+            return _ordered(merged)
+        jobs = _merge_jobs(results[0] for results in self._each([_JOB_SUMS], bounds))
+        if by == "job":
+            return _ordered(jobs)
+        users: dict[tuple[str, ...], list[Any]] = {}
+        for (user, _), (*amounts, hosts) in jobs.items():
+            _add(users, (user,), hosts, amounts)
+        return _ordered(users)
 
     def page(self, since: date | None = None, until: date | None = None, top: int = DEFAULT_TOP_JOBS) -> UsagePage:
         """The usage page: GPU-hours per user per UTC day, held and idle-held, over `since`..`until` (None: from the
-        first / to the last day found), and the `top` jobs by idle-held GPU-hours."""
-        sql = f"SELECT day, user, sum(held_s), sum(idle_held_s) FROM {TABLE} WHERE day BETWEEN ? AND ? GROUP BY 1, 2"
+        first / to the last day found), and the `top` jobs by idle-held GPU-hours; one snapshot of each database."""
         per_day: dict[tuple[str, str], list[float]] = {}
-        for rows in self._each(sql, _bounds(since, until)):
-            for day, user, held, idle in rows:
+        job_sums = []
+        for user_days, jobs_rows in self._each([_USER_DAYS, _JOB_SUMS], _bounds(since, until)):
+            job_sums.append(jobs_rows)
+            for day, user, held_s, idle_s in user_days:
                 sums = per_day.setdefault((day, user), [0.0, 0.0])
-                sums[0] += held
-                sums[1] += idle
-        databases, notes = [str(path) for path in self.databases], list(self.notes)
+                sums[0] += held_s
+                sums[1] += idle_s
         seen = sorted({day for day, _ in per_day})
         first = since or (date.fromisoformat(seen[0]) if seen else None)
         last = until or (date.fromisoformat(seen[-1]) if seen else None)
@@ -244,11 +244,57 @@ class UsageReader:
         for (day, user), (held_s, idle_s) in per_day.items():
             held[user][index[day]] = held_s / _HOUR
             idle[user][index[day]] = idle_s / _HOUR
-        jobs = [job for job in self.totals("job", since, until) if job.idle_held_s > 0]
-        jobs.sort(key=lambda job: (-job.idle_held_s, job.key))
-        notes += [note for note in self.notes if note not in notes]  # a database may fail on one query only
-        self.notes = notes
-        return UsagePage(days, held, idle, jobs[:top], databases, notes)
+        idle_jobs = [item for item in _merge_jobs(job_sums).items() if item[1][1] > 0]
+        chosen = heapq.nsmallest(top, idle_jobs, key=lambda item: (-item[1][1], item[0]))
+        top_jobs = [_total(key, entry) for key, entry in chosen]
+        return UsagePage(days, held, idle, top_jobs, [str(path) for path in self.databases], list(self.notes))
+
+
+_USER_DAYS = f"SELECT day, user, sum(held_s), sum(idle_held_s) FROM {JOB_TABLE} WHERE day BETWEEN ? AND ? GROUP BY 1, 2"
+_JOB_SUMS = f"SELECT user, job, host, {_SUMS} FROM {JOB_TABLE} WHERE day BETWEEN ? AND ? GROUP BY user, job, host"
+_HOST_SUMS = f"SELECT host, {_SUMS} FROM {JOB_TABLE} WHERE day BETWEEN ? AND ? GROUP BY host"
+
+
+def _add(
+    merged: dict[tuple[str, ...], list[Any]], key: tuple[str, ...], hosts: set[str], amounts: Sequence[Any]
+) -> None:
+    """Adds held, idle-held, energy, samples and steps (all summed) to `merged[key]`: `[..., hosts]`."""
+    entry = merged.get(key)
+    if entry is None:
+        merged[key] = [*amounts, set(hosts)]
+        return
+    for position in range(5):
+        entry[position] += amounts[position]
+    entry[5] |= hosts
+
+
+def _merge_jobs(results: Iterable[list[Any]]) -> dict[tuple[str, ...], list[Any]]:
+    """Each database's `(user, job, host, sums...)` rows merged per `(user, job)`: `[held_s, idle_held_s,
+    energy_j, samples, steps, hosts]`, the steps the most of any host (each node takes the job's steps)."""
+    jobs: dict[tuple[str, ...], list[Any]] = {}
+    for rows in results:
+        for user, job, host, held_s, idle_s, energy_j, samples, steps in rows:
+            entry = jobs.get((user, job))
+            if entry is None:
+                jobs[(user, job)] = [held_s, idle_s, energy_j, samples, steps, {host}]
+                continue
+            entry[0] += held_s
+            entry[1] += idle_s
+            entry[2] += energy_j
+            entry[3] += samples
+            entry[4] = max(entry[4], steps)
+            entry[5].add(host)
+    return jobs
+
+
+def _total(key: tuple[str, ...], entry: list[Any]) -> UsageTotal:
+    held_s, idle_held_s, energy_j, samples, steps, hosts = entry
+    return UsageTotal(key, held_s, idle_held_s, energy_j, samples, steps, hosts)
+
+
+def _ordered(merged: dict[tuple[str, ...], list[Any]]) -> list[UsageTotal]:
+    totals = [_total(key, entry) for key, entry in merged.items()]
+    return sorted(totals, key=lambda total: (-total.held_s, total.key))
 
 
 def _days(first: date, last: date) -> list[str]:

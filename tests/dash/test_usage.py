@@ -363,3 +363,18 @@ def test_a_writer_killed_mid_write_leaves_the_file_intact_and_at_most_the_last_i
         held = connection.execute("SELECT held_s, samples FROM usage_daily").fetchall()
     assert len(held) == 8 and len(set(held)) == 1  # each interval whole: every GPU's row alike
     assert held[0][1] in (acked, acked + 1)  # the interval it was killed in may have committed before its print
+
+
+def test_a_jobs_steps_are_its_own_not_the_sum_over_its_gpus_and_nodes(tmp_path: Path) -> None:
+    now = MIDNIGHT + 600
+    with UsageStore(tmp_path / "usage-a.sqlite") as a, UsageStore(tmp_path / "usage-b.sqlite") as b:
+        for store, host in ((a, "a"), (b, "b")):  # one two-node job of 2 GPUs a node: 10 steps, 16 samples a GPU
+            store.record([obs(host=host, gpu=gpu, steps=10, samples=16) for gpu in (0, 1)], now)
+        a.record([obs(host="a", job="r2", gpu=2, steps=5)], now)
+    jobs = {total.key: total for total in UsageReader([tmp_path]).totals("job")}
+    assert (jobs[("ada", "r1")].steps, jobs[("ada", "r1")].samples) == (10, 64)
+    assert jobs[("ada", "r1")].held_s == pytest.approx(4 * 60.0)
+    assert [(total.steps, total.samples) for total in UsageReader([tmp_path]).totals("user")] == [(15, 64)]
+    hosts = {total.key: total.steps for total in UsageReader([tmp_path]).totals("host")}
+    assert hosts == {("a",): 15, ("b",): 10}
+    assert {row.steps for row in UsageReader([tmp_path]).rows() if row.job == "r1"} == {10}  # each GPU's own view
