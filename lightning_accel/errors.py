@@ -23,6 +23,8 @@ __all__ = [
     "NothingLearnedError",
     "PreflightError",
     "RunFailedError",
+    "UsageCorruptWarning",
+    "UsageStoreWarning",
     "WorkerKilledError",
     "describe_os_error",
     "named_argument",
@@ -92,6 +94,15 @@ class PreflightError(LightningAccelError):
 
 class LightningAccelWarning(UserWarning):
     """Warnings of lightning_accel (filter them with `warnings.filterwarnings("ignore", category=...)`)."""
+
+
+class UsageStoreWarning(LightningAccelWarning):
+    """A usage database (accel-dash's usage kept) that cannot be read or written now: locked, read-only, on a network
+    filesystem; the writer keeps the interval for its next try, the view goes on without that database."""
+
+
+class UsageCorruptWarning(UsageStoreWarning):
+    """A usage database file that is not a SQLite database or is damaged; the view goes on without it."""
 
 
 class WorkerKilledError(LightningAccelError):

@@ -10,14 +10,19 @@ import os
 import signal
 import socket
 import sys
+import warnings
 from collections.abc import Sequence
+from datetime import date, datetime, timezone
 from pathlib import Path
+from typing import Literal
 
 from lightning_accel.dash.state import DashState, page_dict, text_report
+from lightning_accel.dash.usage_schema import default_usage_dir
+from lightning_accel.dash.usage_view import CSV_COLUMNS, UsageReader, usage_databases, write_csv
 from lightning_accel.telemetry.heartbeat import DEFAULT_KEEP_S, DEFAULT_STALE_AFTER_S, default_runs_dir
 from lightning_accel.telemetry.idle_held import DEFAULT_IDLE_AFTER_S, DEFAULT_IDLE_PCT, IdleHeldTracker
 
-__all__ = ["DEFAULT_PORT", "build_parser", "main"]
+__all__ = ["DEFAULT_PORT", "build_parser", "build_usage_parser", "main"]
 
 DEFAULT_PORT = 8765
 
@@ -52,12 +57,24 @@ def _port(text: str) -> int:
     return value
 
 
+def _utc_day(text: str) -> date:
+    try:
+        return date.fromisoformat(text)
+    except ValueError:
+        today = datetime.now(timezone.utc).date().isoformat()
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a date; pass a UTC day as YYYY-MM-DD, e.g. {today}"
+        ) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="accel-dash",
         description="Every running, stale and recently ended job that publishes into the runs directory, grouped by "
         "host, with its cards live, and this host's cards that no job of ours holds; on one read-only web page "
         "served on 127.0.0.1, or once as a text table (--once) or JSON (--json).",
+        epilog="`accel-dash usage --help`: the usage kept (GPU-hours held and idle-held, kWh, samples, steps per UTC "
+        "day, host, user, job and GPU), as CSV or totals.",
     )
     parser.add_argument(
         "--runs-dir",
@@ -112,6 +129,98 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not read this host's GPUs through NVML (only the jobs' own heartbeats)",
     )
     return parser
+
+
+def build_usage_parser() -> argparse.ArgumentParser:
+    """`accel-dash usage`: the usage kept, read from one or more machines' databases (read-only)."""
+    parser = argparse.ArgumentParser(
+        prog="accel-dash usage",
+        description="The usage kept per UTC day, host, user, job and GPU (GPU-hours held, of which idle-held, kWh, "
+        "samples, optimizer steps), read-only from one or more machines' usage databases: as CSV (--csv), or totals "
+        "per user, job or host (--by). A database that is locked or corrupt is left out with a warning.",
+    )
+    parser.add_argument(
+        "--csv",
+        action="store_true",
+        help=f"print every row as CSV to stdout, columns {','.join(CSV_COLUMNS)} (default: a table of totals)",
+    )
+    parser.add_argument(
+        "--since",
+        type=_utc_day,
+        default=None,
+        metavar="DATE",
+        help="the first UTC day, YYYY-MM-DD (default: the first day kept)",
+    )
+    parser.add_argument(
+        "--until",
+        type=_utc_day,
+        default=None,
+        metavar="DATE",
+        help="the last UTC day, included (default: the last day kept)",
+    )
+    parser.add_argument(
+        "--db",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="a usage database, or a directory of usage-<host>.sqlite files (one per machine, copied there with "
+        "sqlite3 FILE '.backup COPY'); repeat for more (default: $ACCEL_USAGE_DIR, else "
+        "$XDG_STATE_HOME/lightning_accel, i.e. ~/.local/state/lightning_accel)",
+    )
+    parser.add_argument(
+        "--by", choices=("user", "job", "host"), default="user", help="the totals' rows, without --csv (default user)"
+    )
+    return parser
+
+
+def _usage_main(argv: Sequence[str]) -> int:
+    parser = build_usage_parser()
+    args = parser.parse_args(argv)
+    if args.since and args.until and args.since > args.until:
+        parser.error(
+            f"`--since {args.since}` is after `--until {args.until}`; pass a --since on or before --until "
+            "(both days are included)."
+        )
+    for source in args.db or []:
+        if not source.exists():
+            parser.error(
+                f"`--db {source}` does not exist; pass a usage database or a directory of usage-<host>.sqlite files."
+            )
+    sources = args.db or [default_usage_dir()]
+    if not usage_databases(sources):
+        where = ", ".join(str(source) for source in sources)
+        print(f"accel-dash usage: no usage database in {where}", file=sys.stderr)
+    reader = UsageReader(sources)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if args.csv:
+            write_csv(reader.rows(args.since, args.until), sys.stdout)
+        else:
+            print(_totals_table(reader, args.by, args.since, args.until), end="")
+    for warning in caught:
+        print(f"accel-dash usage: warning: {warning.message}", file=sys.stderr)
+    return 0
+
+
+def _totals_table(
+    reader: UsageReader, by: Literal["user", "job", "host"], since: date | None, until: date | None
+) -> str:
+    """The totals per user, job or host as aligned text columns, most GPU-hours held first."""
+    heads = {"user": ["user"], "job": ["user", "job"], "host": ["host"]}[by]
+    lines = [[*heads, "hosts", "GPU-h held", "idle-held", "kWh", "samples", "steps"]]
+    for total in reader.totals(by, since, until):
+        numbers = [f"{total.held_s / 3600:,.2f}", f"{total.idle_held_s / 3600:,.2f}", f"{total.energy_j / 3.6e6:,.2f}"]
+        lines.append([*total.key, ",".join(sorted(total.hosts)), *numbers, f"{total.samples:,}", f"{total.steps:,}"])
+    widths = [max(len(line[column]) for line in lines) for column in range(len(lines[0]))]
+    text = len(heads) + 1
+    return "".join(
+        "  ".join(
+            cell.ljust(w) if i < text else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        + "\n"
+        for line in lines
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -205,8 +314,8 @@ def _runs_dir_problem(runs_dir: Path, given_by: str | None) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point of `accel-dash` (also `python -m lightning_accel.dash`); returns the exit code: 0, 2 for a
-    bad option, 130 for Ctrl-C (said in one line, without a traceback)."""
+    """Console entry point of `accel-dash` (also `python -m lightning_accel.dash`; `accel-dash usage ...`: the usage
+    kept); returns the exit code: 0, 2 for a bad option, 130 for Ctrl-C (said in one line, without a traceback)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -215,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["usage"]:
+        return _usage_main(argv[1:])
     args = build_parser().parse_args(argv)
     runs_dir = (args.runs_dir or default_runs_dir()).expanduser()
     given_by = "`--runs-dir`" if args.runs_dir else "`$ACCEL_RUNS_DIR`" if os.environ.get("ACCEL_RUNS_DIR") else None
