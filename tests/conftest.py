@@ -26,6 +26,19 @@ _DISTRIBUTED_ENV = DISTRIBUTED_ENV
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _usage_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Usage databases accel-dash records while a test serves its page go into a directory of the session, not the
+    user's `~/.local/state/lightning_accel`; subprocesses inherit it."""
+    before = os.environ.get("ACCEL_USAGE_DIR")
+    os.environ["ACCEL_USAGE_DIR"] = str(tmp_path_factory.mktemp("accel-usage"))
+    yield Path(os.environ["ACCEL_USAGE_DIR"])
+    if before is None:
+        os.environ.pop("ACCEL_USAGE_DIR", None)
+    else:
+        os.environ["ACCEL_USAGE_DIR"] = before
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Heartbeats of the tests' fits (GPUMonitor publishes by default, and accel-train's default callbacks hold one)
     go into a directory of the session, not the user's `~/.cache/lightning_accel/runs`; subprocesses inherit it."""

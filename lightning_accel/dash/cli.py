@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from lightning_accel.dash.state import DashState, page_dict, text_report
-from lightning_accel.dash.usage_schema import default_usage_dir
+from lightning_accel.dash.usage_schema import default_usage_dir, default_usage_path
 from lightning_accel.dash.usage_view import CSV_COLUMNS, UsageReader, usage_databases, write_csv
 from lightning_accel.telemetry.heartbeat import DEFAULT_KEEP_S, DEFAULT_STALE_AFTER_S, default_runs_dir
 from lightning_accel.telemetry.idle_held import DEFAULT_IDLE_AFTER_S, DEFAULT_IDLE_PCT, IdleHeldTracker
@@ -127,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-host-gpus",
         action="store_true",
         help="do not read this host's GPUs through NVML (only the jobs' own heartbeats)",
+    )
+    parser.add_argument(
+        "--usage-db",
+        type=Path,
+        default=None,
+        help="while the page is served, record this host's usage (GPU-hours held and idle-held, kWh, samples, steps) "
+        "into this SQLite file, on local disk (SQLite's locks are unsafe on network filesystems); default: "
+        "$ACCEL_USAGE_DIR/usage-<host>.sqlite, else $XDG_STATE_HOME/lightning_accel/ (~/.local/state/...)",
+    )
+    parser.add_argument(
+        "--no-usage", action="store_true", help="record no usage (`--once` and `--json` never record it)"
     )
     return parser
 
@@ -347,6 +358,13 @@ def _main(argv: Sequence[str] | None) -> int:
         keep_s=args.keep,
         idle=IdleHeldTracker(args.idle_pct, args.idle_after),
     )
+    store = None
+    if not (args.json or args.once or args.no_usage):
+        from lightning_accel.dash.usage_feed import UsageFeed
+        from lightning_accel.dash.usage_store import UsageStore
+
+        store = UsageStore(args.usage_db.expanduser() if args.usage_db else default_usage_path(state.host))
+        state.usage = UsageFeed(store, state.host)
     try:
         if args.json:
             print(json.dumps(page_dict(state.build()), indent=1))
@@ -358,6 +376,8 @@ def _main(argv: Sequence[str] | None) -> int:
     finally:
         if cards is not None:
             cards.close()
+        if store is not None:
+            store.close()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_accel.dash.usage_feed import UsageFeed
 from lightning_accel.telemetry.heartbeat import (
     DEFAULT_KEEP_S,
     DEFAULT_STALE_AFTER_S,
@@ -58,6 +59,7 @@ class DashState:
         max_jobs: jobs shown at most; the rest are counted in a note.
         max_bytes: heartbeat text shown at most; the jobs past it are counted in the same note.
         idle: flags idle-held cards (`telemetry.idle_held`); None: the tracker's defaults (5% for 300 s).
+        usage: records this host's usage at each build (`dash.usage_feed.UsageFeed`); None: nothing recorded.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class DashState:
         max_jobs: int = MAX_JOBS,
         max_bytes: int = MAX_PAGE_BYTES,
         idle: IdleHeldTracker | None = None,
+        usage: UsageFeed | None = None,
     ) -> None:
         self.runs_dir, self.stale_after_s, self.keep_s, self.min_age_s = runs_dir, stale_after_s, keep_s, min_age_s
         self.max_jobs, self.max_bytes = max_jobs, max_bytes
@@ -81,6 +84,7 @@ class DashState:
         self._lock = threading.Lock()
         self._last: tuple[float, str] | None = None
         self.idle = idle if idle is not None else IdleHeldTracker()
+        self.usage = usage
 
     def get(self, now: float | None = None) -> str:
         """The page data as JSON (`page_json(self.build())`), at most `min_age_s` old."""
@@ -130,6 +134,11 @@ class DashState:
             cards_problem = self._host_cards_problem() if self._host_cards_problem is not None else None
         ordered = [hosts.pop(self.host), *(hosts[name] for name in sorted(hosts))]
         idle_held = self.idle.update(now, cards_seen(ordered, now))
+        if self.usage is not None:
+            try:
+                self.usage.observe(now, ordered, [card.as_dict() for card in idle_held])
+            except Exception as err:  # the usage kept must never cost the live view
+                notes.append(f"usage not recorded this time ({type(err).__name__}: {err})")
         return {
             "schema": SCHEMA,
             "generated": now,

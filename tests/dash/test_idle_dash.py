@@ -126,3 +126,26 @@ def test_json_and_once_carry_the_options(tmp_path: Path, capsys) -> None:
     assert [c["owner"] for c in page["idle_held"]] == ["ada"]
     assert main(["--runs-dir", str(runs), "--once", "--no-host-gpus", "--idle-after", "600"]) == 0
     assert "idle-held" not in capsys.readouterr().out  # 71 s idle: under 10 minutes
+
+
+def test_the_page_records_this_hosts_usage_held_and_idle_held(tmp_path: Path) -> None:
+    from lightning_accel.dash.usage_feed import UsageFeed
+    from lightning_accel.dash.usage_store import UsageStore
+    from lightning_accel.dash.usage_view import UsageReader
+
+    runs, db = tmp_path / "runs", tmp_path / "usage-here.sqlite"
+    now = publish(runs, [0.0] * 8)  # idle-held for 71 s: flagged at a 30 s threshold
+    with UsageStore(db) as store:
+        state = DashState(runs, host="here", idle=IdleHeldTracker(5.0, 30.0, 15.0), usage=UsageFeed(store, "here"))
+        state.build(now)  # the first build starts the watch: nothing counted yet
+        state.build(now + 10.0)
+        state.build(now + 100.0)  # 90 s unwatched: not counted
+    (row,) = UsageReader([db]).rows()
+    assert (row.host, row.user, row.job, row.gpu_index) == ("here", "ada", "r1", 0)
+    assert row.held_s == 10.0 and row.idle_held_s == 10.0
+    other = tmp_path / "usage-else.sqlite"
+    with UsageStore(other) as store:
+        state = DashState(runs, host="elsewhere", usage=UsageFeed(store, "elsewhere"))
+        state.build(now)
+        state.build(now + 5.0)
+    assert not other.exists() or UsageReader([other]).rows() == []  # another host's job: its own machine records it
