@@ -7,6 +7,8 @@ cards); their readings are functions of the real clock: SM and tensor activity, 
 over a few seconds, power is constant per card (`power_w`), and the energy counter grows at exactly that power, so
 `rate(accel_gpu_energy_joules_total)` must give it back. While the file `ACCEL_FAKE_IDLE_FILE` names exists, the
 activity readings (utilisation, SM, tensor, DRAM) read 0.5%: the job still holds its memory and does nothing.
+`ACCEL_FAKE_XID=<code>@<s>` scripts an XID event on the first card every <s> seconds (a health reader registers
+its event set after the fake starts, and sees the events that come after).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ POWER_W = (300.0, 350.0)  # per card
 
 def fake_gpus(letter: str, started: float) -> list[FakeGPU]:
     idle_file = os.environ.get("ACCEL_FAKE_IDLE_FILE")
+    xid = os.environ.get("ACCEL_FAKE_XID")  # "<code>@<s>": an XID event on the first card every <s> seconds
+    code, every = (int(xid.split("@")[0]), float(xid.split("@")[1])) if xid else (0, 0.0)
+    xids = [(time.monotonic() + every * k, code) for k in range(1, 1000)] if xid else []
     gpus = []
     for index, power_w in enumerate(POWER_W):
 
@@ -43,6 +48,7 @@ def fake_gpus(letter: str, started: float) -> list[FakeGPU]:
                 temperature_c=swing(55.0, 75.0, 11.0, activity=False),
                 energy_mj=lambda t, p=power_w: 1e9 + p * 1000.0 * (t - started),
                 gpm={2: swing(40.0, 90.0, 5.0), 3: swing(20.0, 40.0, 9.0), 5: swing(10.0, 60.0, 6.0), 10: 30.0},
+                xids=xids if index == 0 else [],
             )
         )
     return gpus
