@@ -25,30 +25,29 @@ CONF_MODULE = "lightning_accel.conf"
 _DISTRIBUTED_ENV = DISTRIBUTED_ENV
 
 
+def _session_env_dir(tmp_path_factory: pytest.TempPathFactory, variable: str, name: str) -> Iterator[Path]:
+    """`variable` names a directory of the session while it runs (subprocesses inherit it), then is as it was."""
+    before = os.environ.get(variable)
+    os.environ[variable] = str(tmp_path_factory.mktemp(name))
+    yield Path(os.environ[variable])
+    if before is None:
+        os.environ.pop(variable, None)
+    else:
+        os.environ[variable] = before
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _usage_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Usage databases accel-dash records while a test serves its page go into a directory of the session, not the
-    user's `~/.local/state/lightning_accel`; subprocesses inherit it."""
-    before = os.environ.get("ACCEL_USAGE_DIR")
-    os.environ["ACCEL_USAGE_DIR"] = str(tmp_path_factory.mktemp("accel-usage"))
-    yield Path(os.environ["ACCEL_USAGE_DIR"])
-    if before is None:
-        os.environ.pop("ACCEL_USAGE_DIR", None)
-    else:
-        os.environ["ACCEL_USAGE_DIR"] = before
+    user's `~/.local/state/lightning_accel`."""
+    yield from _session_env_dir(tmp_path_factory, "ACCEL_USAGE_DIR", "accel-usage")
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Heartbeats of the tests' fits (GPUMonitor publishes by default, and accel-train's default callbacks hold one)
-    go into a directory of the session, not the user's `~/.cache/lightning_accel/runs`; subprocesses inherit it."""
-    before = os.environ.get("ACCEL_RUNS_DIR")
-    os.environ["ACCEL_RUNS_DIR"] = str(tmp_path_factory.mktemp("accel-runs"))
-    yield Path(os.environ["ACCEL_RUNS_DIR"])
-    if before is None:
-        os.environ.pop("ACCEL_RUNS_DIR", None)
-    else:
-        os.environ["ACCEL_RUNS_DIR"] = before
+    go into a directory of the session, not the user's `~/.cache/lightning_accel/runs`."""
+    yield from _session_env_dir(tmp_path_factory, "ACCEL_RUNS_DIR", "accel-runs")
 
 
 @pytest.fixture(autouse=True)
