@@ -16,9 +16,11 @@ from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Literal
 
+from lightning_accel.dash.notify import DEFAULT_GRACE_S, DEFAULT_REPEAT_S, Notifier, load_routes, snooze
 from lightning_accel.dash.state import DashState, page_dict, text_report
 from lightning_accel.dash.usage_schema import default_usage_dir, default_usage_path
 from lightning_accel.dash.usage_view import CSV_COLUMNS, UsageReader, usage_databases, write_csv
+from lightning_accel.errors import ConfigError
 from lightning_accel.telemetry.heartbeat import DEFAULT_KEEP_S, DEFAULT_STALE_AFTER_S, default_runs_dir
 from lightning_accel.telemetry.idle_held import DEFAULT_IDLE_AFTER_S, DEFAULT_IDLE_PCT, IdleHeldTracker
 
@@ -139,7 +141,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-usage", action="store_true", help="record no usage (`--once` and `--json` never record it)"
     )
+    parser.add_argument(
+        "--notify",
+        type=Path,
+        default=None,
+        help="a routing file (YAML: `default:` and `users:` -> {url, format: slack|json, mention}): while the page is "
+        "served, idle-held cards, stale and failed jobs and card-health events are posted there, once per episode "
+        "(examples/monitoring/README.md)",
+    )
+    parser.add_argument(
+        "--notify-grace",
+        type=_seconds,
+        default=DEFAULT_GRACE_S,
+        help=f"an alert is posted once it has lasted this long (default {DEFAULT_GRACE_S:.0f} s; health events and "
+        "failed jobs at once)",
+    )
+    parser.add_argument(
+        "--notify-repeat",
+        type=_seconds,
+        default=DEFAULT_REPEAT_S,
+        help=f"and again every this long while it lasts (default {DEFAULT_REPEAT_S:.0f} s)",
+    )
     return parser
+
+
+def _snooze_file() -> Path:
+    return default_usage_dir() / "snooze.json"
+
+
+def _snooze_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="accel-dash snooze",
+        description="Silence the alerts whose key matches PATTERN (fnmatch: `idle_held/gpu-node-3/*`, "
+        "`job/*`, `health/*/GPU-1234*`) for a while: writes the snooze file accel-dash reads before each post.",
+    )
+    parser.add_argument("pattern", help="the alert keys to silence (as the posts' `key` shows them)")
+    parser.add_argument("--for", dest="for_s", type=_seconds, default=3600.0, help="seconds (default 3600)")
+    parser.add_argument("--file", type=Path, default=None, help=f"the snooze file (default {_snooze_file()})")
+    args = parser.parse_args(argv)
+    path = args.file or _snooze_file()
+    try:
+        snooze(path, args.pattern, args.for_s)
+    except OSError as err:
+        print(f"accel-dash snooze: error: `--file {path}` cannot be written ({err.strerror or err})", file=sys.stderr)
+        return 2
+    print(f"accel-dash snooze: {args.pattern!r} silenced for {args.for_s:.0f} s ({path})")
+    return 0
 
 
 def build_usage_parser() -> argparse.ArgumentParser:
@@ -338,6 +385,8 @@ def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["usage"]:
         return _usage_main(argv[1:])
+    if argv[:1] == ["snooze"]:
+        return _snooze_main(argv[1:])
     args = build_parser().parse_args(argv)
     runs_dir = (args.runs_dir or default_runs_dir()).expanduser()
     given_by = "`--runs-dir`" if args.runs_dir else "`$ACCEL_RUNS_DIR`" if os.environ.get("ACCEL_RUNS_DIR") else None
@@ -365,6 +414,15 @@ def _main(argv: Sequence[str] | None) -> int:
 
         store = UsageStore(args.usage_db.expanduser() if args.usage_db else default_usage_path(state.host))
         state.usage = UsageFeed(store, state.host)
+    if args.notify is not None and not (args.json or args.once):
+        try:
+            routes = load_routes(args.notify.expanduser())
+        except ConfigError as err:
+            print(f"accel-dash: error: `--notify`: {err}", file=sys.stderr)
+            return 2
+        state.notifier = Notifier(
+            routes, grace_s=args.notify_grace, repeat_s=args.notify_repeat, snooze_file=_snooze_file()
+        )
     try:
         if args.json:
             print(json.dumps(page_dict(state.build()), indent=1))

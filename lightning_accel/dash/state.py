@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_accel.dash.notify import Notifier, page_alerts
 from lightning_accel.dash.usage_feed import UsageFeed
 from lightning_accel.telemetry.heartbeat import (
     DEFAULT_KEEP_S,
@@ -60,6 +61,7 @@ class DashState:
         max_bytes: heartbeat text shown at most; the jobs past it are counted in the same note.
         idle: flags idle-held cards (`telemetry.idle_held`); None: the tracker's defaults (5% for 300 s).
         usage: records this host's usage at each build (`dash.usage_feed.UsageFeed`); None: nothing recorded.
+        notifier: sends the page's alerts to webhooks (`dash.notify.Notifier`, never blocking); None: none sent.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class DashState:
         max_bytes: int = MAX_PAGE_BYTES,
         idle: IdleHeldTracker | None = None,
         usage: UsageFeed | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         self.runs_dir, self.stale_after_s, self.keep_s, self.min_age_s = runs_dir, stale_after_s, keep_s, min_age_s
         self.max_jobs, self.max_bytes = max_jobs, max_bytes
@@ -85,6 +88,7 @@ class DashState:
         self._last: tuple[float, str] | None = None
         self.idle = idle if idle is not None else IdleHeldTracker()
         self.usage = usage
+        self.notifier = notifier
 
     def get(self, now: float | None = None) -> str:
         """The page data as JSON (`page_json(self.build())`), at most `min_age_s` old."""
@@ -139,7 +143,7 @@ class DashState:
                 self.usage.observe(now, ordered, [card.as_dict() for card in idle_held])
             except Exception as err:  # the usage kept must never cost the live view
                 notes.append(f"usage not recorded this time ({type(err).__name__}: {err})")
-        return {
+        page = {
             "schema": SCHEMA,
             "generated": now,
             "host": self.host,
@@ -152,6 +156,12 @@ class DashState:
             "idle_threshold_pct": self.idle.threshold_pct,
             "idle_after_s": self.idle.after_s,
         }
+        if self.notifier is not None:
+            try:
+                self.notifier.observe(now, page_alerts(page))
+            except Exception as err:  # telling the team must never cost the live view
+                notes.append(f"alerts not sent this time ({type(err).__name__}: {err})")
+        return page
 
 
 def _lead_history(gpu: Mapping[str, Any], label: str, times: list[float], shift: float) -> list[tuple[float, Any]]:
