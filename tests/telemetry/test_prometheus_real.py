@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import threading
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -75,6 +76,19 @@ def _fake_dcgm_exporter(host: str) -> Iterator[int]:
         server.server_close()
 
 
+IDLE_FOR = "10s"  # the shipped AccelGpuIdleHeld waits 5 minutes; this copy of rules.yml waits 10 s
+
+
+def _rules(tmp_path: Path) -> Path:
+    """examples/monitoring/rules.yml with the idle-held alert's `for` at IDLE_FOR, every other rule as shipped."""
+    shipped = (DASHBOARD.parents[2] / "rules.yml").read_text()
+    head, tail = shipped.split("- alert: AccelGpuIdleHeld", 1)
+    assert "for: 5m" in tail.split("- alert:", 1)[0]
+    rules = tmp_path / "rules.yml"
+    rules.write_text(head + "- alert: AccelGpuIdleHeld" + tail.replace("for: 5m", f"for: {IDLE_FOR}", 1))
+    return rules
+
+
 @contextmanager
 def _prometheus(tmp_path: Path, targets: Path, dcgm_port: int) -> Iterator[str]:
     binary = tool("prometheus")
@@ -84,6 +98,7 @@ def _prometheus(tmp_path: Path, targets: Path, dcgm_port: int) -> Iterator[str]:
         json.dumps(
             {  # YAML is a superset of JSON
                 "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                "rule_files": [str(_rules(tmp_path))],
                 "scrape_configs": [
                     {
                         "job_name": "lightning_accel",
@@ -148,13 +163,15 @@ def _query(url: str, expr: str) -> list[dict[str, Any]]:
 
 def _all(expr: str) -> str:
     """`expr` with the dashboard's variables set to "All" and Grafana's rate interval to RATE_WINDOW."""
-    return re.sub(r"\$(host|gpu|run)\b", ".*", expr).replace("$__rate_interval", RATE_WINDOW)
+    return re.sub(r"\$(host|gpu|run)\b", ".*", expr).replace("$__rate_interval", RATE_WINDOW).replace("$__range", "5m")
 
 
 def _dashboard() -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
     """The shipped dashboard's panel expressions, (title, PromQL), and its query variables, (name, label, match)."""
     dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [(panel["title"], _all(target["expr"])) for panel in dashboard["panels"] for target in panel["targets"]]
+    exprs = [
+        (panel["title"], _all(target["expr"])) for panel in dashboard["panels"] for target in panel.get("targets", [])
+    ]
     variables = []
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":
@@ -174,11 +191,13 @@ def test_a_real_prometheus_scrapes_a_training_job(tmp_path: Path) -> None:
         "callbacks.gpu_monitor.readings=null",
         f"callbacks.gpu_monitor.prometheus_file_sd_dir={targets}",
         "data.read_delay_ms=4",
-        "+trainer.max_time=00:00:00:32",
+        "+trainer.max_time=00:00:01:00",
         "callbacks.gpu_monitor.run_name=prom-job",
     ]
     with _fake_dcgm_exporter(host) as dcgm_port, _prometheus(tmp_path, targets, dcgm_port) as prom:
-        with job(tmp_path / "ddp", runs, "a", overrides, env={"ACCEL_FAKE_XID": "13@3"}) as ddp:
+        idle = tmp_path / "idle"
+        env = {"ACCEL_FAKE_XID": "13@3", "ACCEL_FAKE_IDLE_FILE": str(idle)}
+        with job(tmp_path / "ddp", runs, "a", overrides, env=env) as ddp:
             # the job's node writes its target; Prometheus finds it and scrapes it
             wait_until(
                 lambda: _query(prom, 'up{job="lightning_accel"} == 1'),
@@ -251,6 +270,27 @@ def test_a_real_prometheus_scrapes_a_training_job(tmp_path: Path) -> None:
             assert float(dcgm["value"][1]) == 0.425 and dcgm["metric"]["run_id"] == beat["run_id"]
             assert dcgm["metric"]["gpu"] == "0" and dcgm["metric"]["host"] == host
             assert ours["metric"]["__name__"] == "accel_gpu_sm_active_ratio"
+
+            # the job's cards go idle while it holds their memory: the idle-held alert fires (read through the
+            # HTTP API), on each card, with the run's labels; its recording rules give the usage row its data
+            assert not [a for a in _api(prom, "alerts")["alerts"] if a["labels"]["alertname"] == "AccelGpuIdleHeld"]
+            idle.touch()
+            idle_at = time.monotonic()
+            firing = wait_until(
+                lambda: [
+                    a
+                    for a in _api(prom, "alerts")["alerts"]
+                    if a["labels"]["alertname"] == "AccelGpuIdleHeld" and a["state"] == "firing"
+                ],
+                timeout_s=60,
+                what="the idle-held alert to fire",
+            )
+            print(
+                f"AccelGpuIdleHeld fired {time.monotonic() - idle_at:.1f} s after the cards went idle (for: {IDLE_FOR})"
+            )
+            assert {a["labels"]["run_id"] for a in firing} == {beat["run_id"]}
+            assert {a["labels"]["uuid"][:6] for a in firing} <= {"GPU-a0", "GPU-a1"}
+            idle.unlink()
 
             # the job ends: its target goes, and Prometheus drops it
             ddp.wait(timeout=180)
