@@ -16,8 +16,9 @@ from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from lightning_accel.dash.notify import DEFAULT_GRACE_S, DEFAULT_REPEAT_S, Notifier, load_routes, snooze
+from lightning_accel.dash.notify import DEFAULT_GRACE_S, DEFAULT_REPEAT_S, Notifier, load_routes
 from lightning_accel.dash.state import DashState, page_dict, text_report
+from lightning_accel.dash.subcommands import agent_main, seconds, snooze_file, snooze_main
 from lightning_accel.dash.usage_schema import default_usage_dir, default_usage_path
 from lightning_accel.dash.usage_view import CSV_COLUMNS, UsageReader, usage_databases, write_csv
 from lightning_accel.errors import ConfigError
@@ -27,16 +28,6 @@ from lightning_accel.telemetry.idle_held import DEFAULT_IDLE_AFTER_S, DEFAULT_ID
 __all__ = ["DEFAULT_PORT", "build_parser", "build_usage_parser", "main"]
 
 DEFAULT_PORT = 8765
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
-    return value
 
 
 def _percent(text: str) -> float:
@@ -100,13 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     shown.add_argument("--json", action="store_true", help="print the page data once as JSON and exit")
     parser.add_argument(
         "--stale-after",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_STALE_AFTER_S,
         help=f"a running job silent this long reads as stale (default {DEFAULT_STALE_AFTER_S:.0f} s)",
     )
     parser.add_argument(
         "--keep",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_KEEP_S,
         help=f"list stale, finished and failed jobs this long after their last heartbeat (default "
         f"{DEFAULT_KEEP_S:.0f} s)",
@@ -120,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--idle-after",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_IDLE_AFTER_S,
         help=f"a card held and idle this long is flagged idle-held, with its owner and the idle GPU-hours "
         f"(default {DEFAULT_IDLE_AFTER_S:.0f} s)",
@@ -151,42 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--notify-grace",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_GRACE_S,
         help=f"an alert is posted once it has lasted this long (default {DEFAULT_GRACE_S:.0f} s; health events and "
         "failed jobs at once)",
     )
     parser.add_argument(
         "--notify-repeat",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_REPEAT_S,
         help=f"and again every this long while it lasts (default {DEFAULT_REPEAT_S:.0f} s)",
     )
     return parser
-
-
-def _snooze_file() -> Path:
-    return default_usage_dir() / "snooze.json"
-
-
-def _snooze_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="accel-dash snooze",
-        description="Silence the alerts whose key matches PATTERN (fnmatch: `idle_held/gpu-node-3/*`, "
-        "`job/*`, `health/*/GPU-1234*`) for a while: writes the snooze file accel-dash reads before each post.",
-    )
-    parser.add_argument("pattern", help="the alert keys to silence (as the posts' `key` shows them)")
-    parser.add_argument("--for", dest="for_s", type=_seconds, default=3600.0, help="seconds (default 3600)")
-    parser.add_argument("--file", type=Path, default=None, help=f"the snooze file (default {_snooze_file()})")
-    args = parser.parse_args(argv)
-    path = args.file or _snooze_file()
-    try:
-        snooze(path, args.pattern, args.for_s)
-    except OSError as err:
-        print(f"accel-dash snooze: error: `--file {path}` cannot be written ({err.strerror or err})", file=sys.stderr)
-        return 2
-    print(f"accel-dash snooze: {args.pattern!r} silenced for {args.for_s:.0f} s ({path})")
-    return 0
 
 
 def build_usage_parser() -> argparse.ArgumentParser:
@@ -386,7 +353,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if argv[:1] == ["usage"]:
         return _usage_main(argv[1:])
     if argv[:1] == ["snooze"]:
-        return _snooze_main(argv[1:])
+        return snooze_main(argv[1:])
+    if argv[:1] == ["agent"]:
+        return agent_main(argv[1:])
     args = build_parser().parse_args(argv)
     runs_dir = (args.runs_dir or default_runs_dir()).expanduser()
     given_by = "`--runs-dir`" if args.runs_dir else "`$ACCEL_RUNS_DIR`" if os.environ.get("ACCEL_RUNS_DIR") else None
@@ -421,7 +390,7 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"accel-dash: error: `--notify`: {err}", file=sys.stderr)
             return 2
         state.notifier = Notifier(
-            routes, grace_s=args.notify_grace, repeat_s=args.notify_repeat, snooze_file=_snooze_file()
+            routes, grace_s=args.notify_grace, repeat_s=args.notify_repeat, snooze_file=snooze_file()
         )
     try:
         if args.json:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_accel.dash.agent import read_agents
 from lightning_accel.dash.notify import Notifier, page_alerts
 from lightning_accel.dash.usage_feed import UsageFeed
 from lightning_accel.telemetry.heartbeat import (
@@ -127,19 +128,22 @@ class DashState:
             host = job.heartbeat["host"]
             hosts.setdefault(host, {"host": host, "jobs": [], "cards": []})["jobs"].append(job)
         cards_problem = None
+        agents, agent_notes = read_agents(self.runs_dir, now, self.stale_after_s)
+        notes.extend(agent_notes)
+        for name, agent in agents.items():
+            if name == self.host and self._host_cards is not None:
+                continue  # this host's own reading is fresher than its agent's file
+            entry = hosts.setdefault(name, {"host": name, "jobs": [], "cards": []})
+            entry["cards"] = _not_ours(agent["cards"], entry["jobs"])
+            if agent["problem"]:
+                notes.append(f"the agent of {name} reads no cards: {agent['problem']}")
         if self._host_cards is not None:
-            held = {
-                gpu["uuid"]
-                for job in hosts[self.host]["jobs"]
-                if job.status in ("running", "stale")
-                for gpu in job.heartbeat["gpus"]
-            }
-            hosts[self.host]["cards"] = [card for card in self._host_cards() if card["uuid"] not in held]
+            hosts[self.host]["cards"] = _not_ours(self._host_cards(), hosts[self.host]["jobs"])
             cards_problem = self._host_cards_problem() if self._host_cards_problem is not None else None
         ordered = [hosts.pop(self.host), *(hosts[name] for name in sorted(hosts))]
         idle_held = self.idle.update(now, cards_seen(ordered, now))
-        if self.usage is not None:
-            try:
+        if self.usage is not None and (self.host not in agents or self.usage.agent):
+            try:  # one writer per machine: where this host's agent runs, it records the usage
                 self.usage.observe(now, ordered, [card.as_dict() for card in idle_held])
             except Exception as err:  # the usage kept must never cost the live view
                 notes.append(f"usage not recorded this time ({type(err).__name__}: {err})")
@@ -162,6 +166,12 @@ class DashState:
             except Exception as err:  # telling the team must never cost the live view
                 notes.append(f"alerts not sent this time ({type(err).__name__}: {err})")
         return page
+
+
+def _not_ours(cards: list[dict[str, Any]], jobs: list[Job]) -> list[dict[str, Any]]:
+    """The cards that no running or stale job of ours on that host holds."""
+    held = {gpu["uuid"] for job in jobs if job.status in ("running", "stale") for gpu in job.heartbeat["gpus"]}
+    return [card for card in cards if card["uuid"] not in held]
 
 
 def _lead_history(gpu: Mapping[str, Any], label: str, times: list[float], shift: float) -> list[tuple[float, Any]]:

@@ -24,8 +24,10 @@ DEFAULT_MAX_GAP_S = 60.0
 class UsageFeed:
     """Turns successive page builds into `UsageObservation`s for `store` (which never raises: it warns)."""
 
-    def __init__(self, store: UsageStore, host: str, max_gap_s: float = DEFAULT_MAX_GAP_S) -> None:
+    def __init__(self, store: UsageStore, host: str, max_gap_s: float = DEFAULT_MAX_GAP_S, agent: bool = False) -> None:
         self.store, self.host, self.max_gap_s = store, host, max_gap_s
+        self.agent = agent
+        """Whether the host's agent feeds this (an accel-dash page leaves the record to a running agent)."""
         self._last: float | None = None
         self._energy: dict[tuple[str, str], float] = {}
         self._progress: dict[str, tuple[int, int]] = {}
