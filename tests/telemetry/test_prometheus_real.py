@@ -162,8 +162,10 @@ def _query(url: str, expr: str) -> list[dict[str, Any]]:
 
 
 def _all(expr: str) -> str:
-    """`expr` with the dashboard's variables set to "All" and Grafana's rate interval to RATE_WINDOW."""
-    return re.sub(r"\$(host|gpu|run)\b", ".*", expr).replace("$__rate_interval", RATE_WINDOW).replace("$__range", "5m").replace("$__interval_ms", "1000").replace("$__interval", "1s")
+    """`expr` with the dashboard's variables set to "All", Grafana's rate interval to RATE_WINDOW, its range to 5
+    minutes and its interval to the scrape's 1 s."""
+    expr = re.sub(r"\$(host|gpu|run)\b", ".*", expr).replace("$__rate_interval", RATE_WINDOW)
+    return expr.replace("$__range", "5m").replace("$__interval_ms", "1000").replace("$__interval", "1s")
 
 
 def _dashboard() -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
