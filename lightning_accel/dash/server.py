@@ -64,7 +64,8 @@ class _Guard:
 
 
 def make_app(state: DashState, loopback: bool = True) -> Any:
-    """The Starlette app: `GET /` (the page), `GET /api/state` (its data), `GET /static/...`; every other method
+    """The Starlette app: `GET /` (the page), `GET /api/state` (its data), `GET /usage` and `GET /api/usage` (the
+    usage kept, the last 30 days), `GET /static/...`; every other method
     gets 405, nothing changes anything. On a loopback address only `Host: 127.0.0.1|localhost|[::1]` is served, so a
     web page elsewhere cannot reach it by rebinding a DNS name to 127.0.0.1."""
     from starlette.applications import Starlette
@@ -80,10 +81,18 @@ def make_app(state: DashState, loopback: bool = True) -> Any:
     def data(request: Request) -> Response:  # sync: Starlette runs it in a thread (it reads files and NVML)
         return Response(state.get(), media_type="application/json")
 
+    def usage_page(request: Request) -> FileResponse:
+        return FileResponse(STATIC / "usage.html", media_type="text/html; charset=utf-8")
+
+    def usage_data(request: Request) -> Response:  # sync: it reads the usage databases, read-only
+        return Response(state.usage_json(), media_type="application/json")
+
     middleware = [Middleware(_Guard, allowed_hosts=("127.0.0.1", "localhost", "[::1]") if loopback else None)]
     routes = [
         Route("/", page, methods=["GET", "HEAD"]),
         Route("/api/state", data, methods=["GET", "HEAD"]),
+        Route("/usage", usage_page, methods=["GET", "HEAD"]),
+        Route("/api/usage", usage_data, methods=["GET", "HEAD"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     return Starlette(routes=routes, middleware=middleware)

@@ -90,6 +90,8 @@ class DashState:
         self.idle = idle if idle is not None else IdleHeldTracker()
         self.usage = usage
         self.notifier = notifier
+        self.usage_sources: list[Path] | None = None
+        """The usage databases (or directories of them) the usage page merges; None: the usage directory."""
 
     def get(self, now: float | None = None) -> str:
         """The page data as JSON (`page_json(self.build())`), at most `min_age_s` old."""
@@ -100,6 +102,19 @@ class DashState:
             text = page_json(self.build(now))
             self._last = (clock, text)
             return text
+
+    def usage_json(self, days: int = 30, now: float | None = None) -> str:
+        """The usage page's data (`dash.usage_view.UsagePage.as_dict`) over the last `days` UTC days, merged from
+        `usage_sources` (default: every `usage-<host>.sqlite` of the usage directory), as JSON."""
+        from datetime import datetime, timedelta, timezone
+
+        from lightning_accel.dash.usage_schema import default_usage_dir
+        from lightning_accel.dash.usage_view import UsageReader, usage_databases
+
+        today = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc).date()
+        sources = self.usage_sources if self.usage_sources is not None else [default_usage_dir()]
+        page = UsageReader(usage_databases(sources)).page(since=today - timedelta(days=days - 1), until=today)
+        return json.dumps(page.as_dict(), allow_nan=False)
 
     def build(self, now: float | None = None) -> dict[str, Any]:
         """`{"schema", "generated", "host", "runs_dir", "stale_after_s", "hosts": [{"host", "jobs", "cards"}],

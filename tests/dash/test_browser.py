@@ -273,3 +273,69 @@ def test_a_real_browser_sees_a_card_held_idle_flagged_with_its_owner_and_cleared
         assert cleared_after_s <= 2 * HEARTBEAT_S + PAGE_REFRESH_S, cleared_after_s
         assert trained.poll() is None, log_of(tmp_path / "job")  # the job trained on throughout
         browser.close()
+
+
+@pytest.mark.slow
+def test_a_real_browser_draws_the_usage_page(tmp_path: Path) -> None:
+    """Two weeks of two users' usage on two hosts (each its own database): the usage page draws a stacked bar per
+    user and day, held below and idle-held above, and lists the top idle-held job."""
+    from lightning_accel.dash.usage_schema import UsageObservation
+    from lightning_accel.dash.usage_store import UsageStore
+
+    chromium = tool("chromium", "chromium-browser")
+    sync_playwright = _playwright()
+    usage, runs = tmp_path / "usage", tmp_path / "runs"
+    usage.mkdir()
+    runs.mkdir()
+    now = time.time()
+    for host, user, idle_share in (("gpu-node-1", "ada", 0.4), ("gpu-node-2", "bob", 0.05)):
+        with UsageStore(usage / f"usage-{host}.sqlite") as store:
+            for day in range(14):
+                at = now - (13 - day) * 86400
+                cards = [
+                    UsageObservation(
+                        host=host,
+                        user=user,
+                        job=f"{user}-run{day // 7}",
+                        gpu_index=i,
+                        gpu_uuid=f"GPU-{i}",
+                        interval_s=4 * 3600.0,
+                        held_s=4 * 3600.0,
+                        idle=i < 8 * idle_share,
+                    )
+                    for i in range(8)
+                ]
+                assert store.record(cards, at)
+    with (
+        dash_server(["--runs-dir", str(runs), "--no-host-gpus", "--no-usage"], env={"ACCEL_USAGE_DIR": str(usage)}) as (
+            url,
+            _,
+        ),
+        sync_playwright() as playwright,
+    ):
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
+        page = browser.new_context(viewport={"width": 1100, "height": 800}).new_page()
+        page.goto(url + "/usage")
+        wait_until(lambda: page.evaluate("() => document.body.dataset.loaded === '1'"), 30, "the usage page to draw")
+        users = page.locator(".usage-user")
+        assert [users.nth(i).get_attribute("data-user") for i in range(users.count())] == ["ada", "bob"]
+        assert page.locator(".usage-user svg rect.idle-bar").count() == 2 * 30  # one per user and day of the range
+        assert page.locator("#top tr td").first.inner_text() == "ada"  # the most idle-held GPU-hours
+        stacks = page.evaluate(
+            """() => [...document.querySelectorAll(".usage-user svg")].map((svg) => {
+                const rects = [...svg.querySelectorAll("rect")]
+                    .map((r) => [+r.getAttribute("y"), +r.getAttribute("height")]);
+                const [busy, idle] = [rects[rects.length - 2], rects[rects.length - 1]];  // today's bar
+                return {idleTop: idle[0], idleBottom: idle[0] + idle[1],
+                        busyTop: busy[0], busyBottom: busy[0] + busy[1]};
+            })"""
+        )
+        for stack in stacks:  # idle-held sits on the busy part, and the bar stands on the axis
+            assert abs(stack["idleBottom"] - stack["busyTop"]) < 1e-6 and abs(stack["busyBottom"] - 120) < 1e-6, stack
+        ada, bob = stacks
+        assert abs((ada["idleBottom"] - ada["idleTop"]) - (ada["busyBottom"] - ada["busyTop"])) < 1e-6  # half idle
+        shot = tmp_path / "accel-dash-usage.png"
+        page.screenshot(path=str(shot), full_page=True)
+        if os.environ.get("ACCEL_DASH_USAGE_SCREENSHOT"):
+            shutil.copyfile(shot, os.environ["ACCEL_DASH_USAGE_SCREENSHOT"])
+        browser.close()

@@ -407,3 +407,18 @@ def test_ctrl_c_stops_the_page_with_130_and_no_traceback(tmp_path: Path) -> None
         assert proc.wait(timeout=30) == 130
     assert "Traceback" not in proc.stderr_text and "KeyboardInterrupt" not in proc.stderr_text
     assert "accel-dash: interrupted (Ctrl-C)" in proc.stderr_text
+
+
+def test_the_usage_page_and_its_data_are_served(served: Any) -> None:
+    url, _ = served
+    status, headers, body = _get(url + "/usage")
+    assert (
+        status == 200
+        and b'src="/static/usage.js"' in body
+        and "script-src 'self'" in headers["content-security-policy"]
+    )
+    status, _, body = _get(url + "/api/usage")
+    page = json.loads(body)
+    assert status == 200 and len(page["days"]) == 30
+    assert set(page) >= {"held_gpu_hours", "idle_gpu_hours", "top_idle_jobs", "databases", "notes"}
+    assert _get(url + "/static/usage.js")[0] == 200

@@ -149,3 +149,30 @@ def test_the_page_records_this_hosts_usage_held_and_idle_held(tmp_path: Path) ->
         state.build(now)
         state.build(now + 5.0)
     assert not other.exists() or UsageReader([other]).rows() == []  # another host's job: its own machine records it
+
+
+def test_the_usage_page_merges_every_hosts_database_over_30_days(tmp_path: Path) -> None:
+    from lightning_accel.dash.usage_schema import UsageObservation
+    from lightning_accel.dash.usage_store import UsageStore
+
+    now = time.time()
+    for host, user, idle in (("h1", "ada", True), ("h2", "bob", False)):
+        with UsageStore(tmp_path / f"usage-{host}.sqlite") as store:
+            observation = UsageObservation(
+                host=host,
+                user=user,
+                job=f"{user}-job",
+                gpu_index=0,
+                gpu_uuid="GPU-0",
+                interval_s=3600.0,
+                held_s=3600.0,
+                idle=idle,
+                energy_j=3.6e6,
+            )
+            assert store.record([observation], now)
+    state = DashState(tmp_path / "runs", host="here")
+    state.usage_sources = [tmp_path]
+    page = json.loads(state.usage_json(now=now))
+    assert len(page["days"]) == 30 and sum(page["held_gpu_hours"]["ada"]) + sum(page["held_gpu_hours"]["bob"]) == 2.0
+    assert sum(page["idle_gpu_hours"]["ada"]) == 1.0 and sum(page["idle_gpu_hours"]["bob"]) == 0.0
+    assert [job["key"] for job in page["top_idle_jobs"]][0] == ["ada", "ada-job"]
