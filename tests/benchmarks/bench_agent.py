@@ -1,5 +1,5 @@
 """The agent's cost: `accel-dash agent` on a machine of 8 (scripted) GPUs at its 2 s interval, as the CPU time it
-takes over the wall time, with an interval over repeated runs. The target (issue 39): at most 1% of a core.
+takes over the wall time, with an interval over repeated runs. The target: at most 1% of a core.
 
 The fake NVML answers in Python, where the real library answers in C: the figure is an upper bound of the agent's
 own work (reading, JSON, the atomic write, the usage record), measured in this process by `time.process_time`.

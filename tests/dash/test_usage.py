@@ -195,18 +195,6 @@ def test_a_read_only_database_warns_and_the_writer_keeps_the_interval(
     assert UsageReader([store.path]).rows()[0].held_s == pytest.approx(180.0)  # the kept interval too
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes a file whatever its mode")
-def test_a_database_file_without_write_permission_warns(store: UsageStore) -> None:
-    store.record([obs()], MIDNIGHT + 60)
-    store.close()
-    os.chmod(store.path, 0o444)
-    try:
-        with pytest.warns(UsageStoreWarning):
-            assert not store.record([obs()], MIDNIGHT + 120)
-    finally:
-        os.chmod(store.path, 0o644)
-
-
 def test_pending_intervals_are_bounded(tmp_path: Path) -> None:
     path = tmp_path / "usage-a.sqlite"
     with UsageStore(path, busy_timeout_s=0.05, max_pending=2) as writer:
