@@ -6,7 +6,9 @@ replay buffer, a counter. No rule can tell that from the code, so it is read fro
 
 - `fingerprint(module)`: a cheap summary of every attribute the module and its submodules hold that is not a
   parameter, a buffer, a submodule or Lightning's own bookkeeping: values of numbers and strings, identity, shape and
-  in-place version of tensors, identity and length of containers, and plain objects' attributes two levels deep;
+  in-place version of tensors, identity and length of containers, and plain objects' attributes two levels deep.
+  Identity is a `_Same` token, not `id()`: a tensor freed by a call and a new one made at its address by the next
+  would share an `id` and read as unchanged;
 - `changed(before, after)`: the attributes whose summary differs, by their path (`hidden`, `agent.replay_buffer`);
 - `Snapshot.take(module)` / `snapshot.restore()`: copies of what is cheap to copy (numbers, strings, None, tensors
   and tuples or lists of them), put back after a search, and the names of what changed that could not be.
@@ -19,6 +21,7 @@ torchmetrics' metric modules are left out: their states accumulate over calls by
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,26 +63,54 @@ def _own_attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
         yield name, value
 
 
+class _Same:
+    """An object's identity in a fingerprint: equal to another token of the same object while it lives. A weak
+    reference where the object takes one (tensors, arrays, plain objects), so a fingerprint keeps no tensor alive;
+    else the object itself (lists, dicts), which keeps its address from being reused while the fingerprint lives."""
+
+    __slots__ = ("_get", "_id")
+
+    def __init__(self, value: Any) -> None:
+        self._id = id(value)
+        try:
+            self._get: Any = weakref.ref(value)
+        except TypeError:
+            self._get = lambda: value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Same):
+            return NotImplemented
+        mine = self._get()
+        return mine is not None and mine is other._get()
+
+    def __hash__(self) -> int:
+        return self._id
+
+    def __repr__(self) -> str:
+        return f"_Same({self._id:#x}{'' if self._get() is not None else ', gone'})"
+
+
 def _summary(value: Any, depth: int) -> Any:
     if isinstance(value, _SCALARS):
         return value
     if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), tuple(value.shape), value.dtype, value._version)
+        return ("tensor", _Same(value), tuple(value.shape), value.dtype, value._version)
     if isinstance(value, (list, tuple, dict, set, frozenset)) or hasattr(value, "maxlen"):
         items = list(value.values()) if isinstance(value, dict) else list(value) if not isinstance(value, set) else []
         inner = tuple(_summary(item, depth - 1) for item in items[:8]) if depth > 0 and len(items) <= 8 else ()
-        last = id(items[-1]) if items else None
-        return ("container", type(value).__name__, id(value), len(value), last, inner)
+        last = _Same(items[-1]) if items else None
+        return ("container", type(value).__name__, _Same(value), len(value), last, inner)
     array = getattr(value, "__array_interface__", None)
     if array is not None:  # a numpy array: its bytes when small
         nbytes = getattr(value, "nbytes", 1 << 30)
-        return ("array", id(value), array.get("shape"), value.tobytes() if nbytes <= 1 << 16 else None)
+        return ("array", _Same(value), array.get("shape"), value.tobytes() if nbytes <= 1 << 16 else None)
     if isinstance(value, nn.Module) or callable(value) and not hasattr(value, "__dict__"):
-        return ("object", id(value))
+        return ("object", _Same(value))
     attributes = getattr(value, "__dict__", None)
     if isinstance(attributes, dict) and depth > 0:
-        return ("object", id(value), tuple(sorted((k, _summary(v, depth - 1)) for k, v in attributes.items())))
-    return ("object", id(value))
+        inner = tuple(sorted(((k, _summary(v, depth - 1)) for k, v in attributes.items()), key=lambda kv: kv[0]))
+        return ("object", _Same(value), inner)
+    return ("object", _Same(value))
 
 
 def fingerprint(module: nn.Module) -> dict[str, Any]:
