@@ -25,6 +25,7 @@ CUDA_PARTS = (
     "model_parallel",
     "fp8",
     "micro_batch",
+    "health",
 )
 FULL_CUDA_PARTS = ("gpu_monitor", "tune", "ladder")
 
@@ -213,3 +214,35 @@ def test_full_check_on_a_real_gpu(tmp_path: Path) -> None:
         timeout=1200,
     )
     assert done.returncode == 0, (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.parametrize("lost", [False, True], ids=["healthy", "a-lost-card"])
+def test_the_health_part_polls_every_card_and_the_agent_lists_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, lost: bool
+) -> None:
+    import contextlib
+    import os
+    import time
+
+    from _fake_nvml import FakeGPU, FakeNVML, install
+
+    from lightning_accel.gpu_check import health_part
+
+    uuids = ["GPU-a0aaaaaa-0000-0000-0000-000000000000", "GPU-b1bbbbbb-0000-0000-0000-000000000001"]
+    errors = {"nvmlDeviceGetRemappedRows": 15} if lost else {}  # NVML_ERROR_GPU_IS_LOST
+    gpus = [FakeGPU(uuids[0], processes=[os.getpid()], errors=errors, remapped_rows=(0, 0, 1, 0)), FakeGPU(uuids[1])]
+    start = time.monotonic()
+    install(monkeypatch, FakeNVML(gpus, clock=lambda: time.monotonic() - start))  # the agent's rounds are 0.5 s apart
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(health_part, "need_cuda", lambda: None)  # the seams: CUDA's ordinals and the memory held
+    monkeypatch.setattr(health_part, "_cuda_uuids", lambda: uuids)
+    monkeypatch.setattr(health_part, "_holding_memory", contextlib.nullcontext)
+    part = health_part.check_health(gpu_check.CheckContext(out_dir=tmp_path))
+    assert part.name == "health" and part.figures["agent cards"] == "2"
+    assert part.figures["this process seen"] == "yes" and len(part.figures["poll (ms, each of 3)"].split()) == 3
+    assert part.figures["cuda:1 health"] == "ok" and "ecc_corrected_volatile" in part.figures["cuda:1 readings given"]
+    if lost:
+        assert part.status == "FAIL" and part.detail == "cuda:0 is lost (GPU_IS_LOST)"
+    else:
+        assert part.status == "PASS" and part.detail == ""
+        assert part.figures["cuda:0 health"] == "row remapping pending: reset the GPU to apply it"  # reported only

@@ -20,7 +20,10 @@ installed, `gpu_check.png`. Parts (about a minute on an H200):
 - `micro_batch`: MicroBatchFinder under a 3 GiB cap on the process (`set_per_process_memory_fraction`): the GPT
   example's batch of 128 does not fit, the first real steps size the micro-batch from real CUDA out-of-memory
   errors and measured peaks, a real allocator OOM injected in the first step after the sizing is recovered by
-  halving, and the weights after 6 steps equal a run at a fixed micro-batch of 8 (1e-3).
+  halving, and the weights after 6 steps equal a run at a fixed micro-batch of 8 (1e-3);
+- `health`: card health through NVML (XID event sets, ECC, remapped rows, a lost card) polled three times, no
+  reading failing but for "not supported", and `accel-dash agent` publishing every card while this process holds
+  memory on one.
 
 `--full` adds (about 8 minutes on an H200 in all):
 

@@ -21,6 +21,7 @@ from lightning_accel.gpu_check.fsdp_part import check_fsdp
 from lightning_accel.gpu_check.gpt_precision_part import check_gpt_precision
 from lightning_accel.gpu_check.gpu_monitor_overhead_part import check_gpu_monitor_overhead
 from lightning_accel.gpu_check.gpu_monitor_part import check_gpu_monitor
+from lightning_accel.gpu_check.health_part import check_health
 from lightning_accel.gpu_check.ladder_part import check_ladder
 from lightning_accel.gpu_check.mfu_part import check_mfu
 from lightning_accel.gpu_check.micro_batch_part import check_micro_batch
@@ -45,6 +46,7 @@ PARTS: dict[str, Callable[[CheckContext], Part]] = {
     "model_parallel": check_model_parallel,
     "fp8": check_fp8,
     "micro_batch": check_micro_batch,
+    "health": check_health,
 }
 """The parts of every check, in this order; part `x` lives in `gpu_check/x_part.py` as `check_x`."""
 FULL_PARTS: dict[str, Callable[[CheckContext], Part]] = {
