@@ -14,6 +14,7 @@ import re
 from collections.abc import Container
 
 __all__ = [
+    "AgentWarning",
     "ConfigError",
     "ConfigTypeError",
     "FileOperationError",
@@ -94,6 +95,11 @@ class PreflightError(LightningAccelError):
 
 class LightningAccelWarning(UserWarning):
     """Warnings of lightning_accel (filter them with `warnings.filterwarnings("ignore", category=...)`)."""
+
+
+class AgentWarning(LightningAccelWarning):
+    """A round of `accel-dash agent` that failed in part (its file not written, its usage record failed); the agent
+    goes on with the next round."""
 
 
 class UsageStoreWarning(LightningAccelWarning):

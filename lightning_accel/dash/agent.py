@@ -16,10 +16,12 @@ import json
 import os
 import stat
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_accel.errors import AgentWarning
 from lightning_accel.telemetry.heartbeat import safe_component, write_json_atomic
 
 __all__ = [
@@ -142,7 +144,12 @@ def read_agents(runs_dir: Path, now: float, stale_after_s: float) -> tuple[dict[
             if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
                 raise ValueError(f"is not a regular file of at most {MAX_BYTES // 1024} KiB")
             with open(entry.path, "rb") as handle:
-                agent = check_agent(json.loads(handle.read(MAX_BYTES + 1)))
+                raw = handle.read(MAX_BYTES + 1)
+            try:
+                data = json.loads(raw)
+            except (ValueError, RecursionError) as err:  # RecursionError: nested past the parser's depth
+                raise ValueError(f"is not valid JSON ({str(err)[:120]})") from None
+            agent = check_agent(data)
         except (OSError, ValueError) as err:
             notes.append(f"skipped agent file {entry.name}: {err}")
             continue
@@ -152,6 +159,13 @@ def read_agents(runs_dir: Path, now: float, stale_after_s: float) -> tuple[dict[
             continue
         agents[agent["host"]] = agent
     return agents, notes
+
+
+def _warn_once(warned: set[str], message: str) -> None:
+    kind = message.split("(")[0]
+    if kind not in warned:
+        warned.add(kind)
+        warnings.warn(f"accel-dash agent: {message}", AgentWarning, stacklevel=3)
 
 
 def run_agent(
@@ -164,14 +178,27 @@ def run_agent(
     rounds: int | None = None,
 ) -> None:
     """Publish this host's cards every `interval_s` (`rounds` times; None: until interrupted), calling `on_round`
-    with each round's cards (the usage record)."""
+    with each round's cards (the usage record).
+
+    The first round's write raises `OSError` (a runs directory that cannot be written is the caller's error to
+    report); after it, a write that fails (a network filesystem's passing error) or an `on_round` that raises is
+    warned once per kind of error (`AgentWarning`) and the agent goes on with the next round."""
     done = 0
+    warned: set[str] = set()
     while rounds is None or done < rounds:
         started = time.monotonic()
         cards = read_cards()
-        publish_agent(runs_dir, host, cards, interval_s, problem())
+        try:
+            publish_agent(runs_dir, host, cards, interval_s, problem())
+        except OSError as err:
+            if done == 0:
+                raise
+            _warn_once(warned, f"the agent file cannot be written ({err.strerror or err}); trying again next round")
         if on_round is not None:
-            on_round(cards)
+            try:
+                on_round(cards)
+            except Exception as err:  # the usage record: a failure there never stops the publishing
+                _warn_once(warned, f"the round's usage record failed ({type(err).__name__}: {err})")
         done += 1
         if rounds is None or done < rounds:
             time.sleep(max(0.0, interval_s - (time.monotonic() - started)))

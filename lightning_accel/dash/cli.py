@@ -25,9 +25,11 @@ from lightning_accel.errors import ConfigError
 from lightning_accel.telemetry.heartbeat import DEFAULT_KEEP_S, DEFAULT_STALE_AFTER_S, default_runs_dir
 from lightning_accel.telemetry.idle_held import DEFAULT_IDLE_AFTER_S, DEFAULT_IDLE_PCT, IdleHeldTracker
 
-__all__ = ["DEFAULT_PORT", "build_parser", "build_usage_parser", "main"]
+__all__ = ["DEFAULT_PORT", "WATCH_INTERVAL_S", "build_parser", "build_usage_parser", "main"]
 
 DEFAULT_PORT = 8765
+WATCH_INTERVAL_S = 2.0
+"""Seconds between the page's builds while it records usage or sends alerts, whether a browser looks or not."""
 
 
 def _percent(text: str) -> float:
@@ -152,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=seconds,
         default=DEFAULT_REPEAT_S,
         help=f"and again every this long while it lasts (default {DEFAULT_REPEAT_S:.0f} s)",
+    )
+    parser.add_argument(
+        "--snooze-file",
+        type=Path,
+        default=None,
+        help="the snooze file read before each post, as `accel-dash snooze --file` writes it (default: "
+        "`$ACCEL_USAGE_DIR/snooze.json`, else `$XDG_STATE_HOME/lightning_accel/snooze.json`: give it where the "
+        "page runs as another user or service)",
     )
     return parser
 
@@ -309,7 +319,13 @@ def _serve(args: argparse.Namespace, state: DashState) -> int:
     print(f"accel-dash: http://{shown}:{port}/ reading {state.runs_dir} (Ctrl-C stops)", flush=True)
     config = uvicorn.Config(make_app(state, loopback=loopback), log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+    # the usage and the alerts must not wait for a browser: the page is built every 2 s whoever looks
+    stop_watch = state.watch(WATCH_INTERVAL_S) if state.usage is not None or state.notifier is not None else None
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if stop_watch is not None:
+            stop_watch()
     # uvicorn takes SIGINT itself and shuts down; some releases re-raise it afterwards, others return (exit 0 when
     # the signal came while the server started): a Ctrl-C it caught is told as one (exit 130) either way.
     if signal.SIGINT in getattr(server, "_captured_signals", ()):
@@ -390,7 +406,10 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"accel-dash: error: `--notify`: {err}", file=sys.stderr)
             return 2
         state.notifier = Notifier(
-            routes, grace_s=args.notify_grace, repeat_s=args.notify_repeat, snooze_file=snooze_file()
+            routes,
+            grace_s=args.notify_grace,
+            repeat_s=args.notify_repeat,
+            snooze_file=(args.snooze_file or snooze_file()).expanduser(),
         )
     try:
         if args.json:

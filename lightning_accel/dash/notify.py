@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import queue
+import re
 import threading
 import time
 import urllib.error
@@ -109,9 +111,9 @@ def page_alerts(state: Mapping[str, Any]) -> list[Alert]:
             if job.status in ("stale", "failed"):
                 why = f": {beat['reason']}" if beat["reason"] else ""
                 alerts.append(
-                    Alert(
+                    Alert(  # its own key per kind: a stale job that then fails is told again, at once
                         f"job_{job.status}",
-                        f"job/{job.file}",
+                        f"job_{job.status}/{job.file}",
                         beat["user"],
                         host["host"],
                         f"{where} is {job.status}{why}",
@@ -120,18 +122,29 @@ def page_alerts(state: Mapping[str, Any]) -> list[Alert]:
             if job.status != "running":
                 continue
             for gpu in beat["gpus"]:
-                problems = gpu.get("health", {}).get("problems", [])
-                if problems:
+                for problem in gpu.get("health", {}).get("problems", []):
+                    if problem.startswith(_READING_FAILED):
+                        continue  # the monitoring's trouble, not the card's: shown on the page, never posted
                     alerts.append(
-                        Alert(
+                        Alert(  # one episode per problem: a new XID on a card that has one already is told
                             "health",
-                            f"health/{host['host']}/{gpu['uuid']}",
+                            f"health/{host['host']}/{gpu['uuid']}/{_problem_key(problem)}",
                             beat["user"],
                             host["host"],
-                            f"GPU {gpu['index']} ({gpu['name']}) of {where}: " + "; ".join(problems),
+                            f"GPU {gpu['index']} ({gpu['name']}) of {where}: {problem}",
                         )
                     )
     return alerts
+
+
+_READING_FAILED = "a health reading failed"
+
+
+def _problem_key(problem: str) -> str:
+    """A health problem's key, stable while it lasts: its words before the first `:` or `,` (`XID 79 (GPU has
+    fallen off the bus)`, `lost`, `2 uncorrected ECC error(s) since the driver loaded`: a count that grows is a new
+    episode), without the age."""
+    return re.split(r"[:,]", problem, maxsplit=1)[0].strip()
 
 
 def load_routes(path: Path) -> dict[str | None, Route]:
@@ -163,13 +176,26 @@ def load_routes(path: Path) -> dict[str | None, Route]:
 
 def read_snoozes(path: Path, now: float) -> list[str]:
     """The key patterns (fnmatch) snoozed at `now` in the snooze file; a missing or broken file snoozes nothing."""
+    return [str(entry["pattern"]) for entry in _snooze_entries(path) if entry["until"] > now]
+
+
+def _snooze_entries(path: Path) -> list[dict[str, Any]]:
+    """The snooze file's well-formed entries (`{"pattern": str, "until": finite number}`), each checked on its own:
+    a missing or broken file gives none, a broken entry is left out and the others kept."""
     try:
         entries = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return []
     if not isinstance(entries, list):
         return []
-    return [str(e["pattern"]) for e in entries if isinstance(e, dict) and float(e.get("until", 0)) > now]
+    kept = []
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("pattern"), str):
+            continue
+        until = entry.get("until")
+        if isinstance(until, (int, float)) and not isinstance(until, bool) and math.isfinite(until):
+            kept.append({"pattern": entry["pattern"], "until": float(until)})
+    return kept
 
 
 def snooze(path: Path, pattern: str, for_s: float, now: float | None = None) -> None:
@@ -177,11 +203,7 @@ def snooze(path: Path, pattern: str, for_s: float, now: float | None = None) -> 
     from lightning_accel.files import atomic_write
 
     now = time.time() if now is None else now
-    try:
-        entries = json.loads(path.read_text())
-        entries = [e for e in entries if isinstance(e, dict) and float(e.get("until", 0)) > now]
-    except (OSError, ValueError, TypeError, AttributeError):
-        entries = []
+    entries = [entry for entry in _snooze_entries(path) if entry["until"] > now]
     entries.append({"pattern": pattern, "until": now + for_s})
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, json.dumps(entries, indent=1) + "\n")

@@ -103,6 +103,23 @@ class DashState:
             self._last = (clock, text)
             return text
 
+    def watch(self, interval_s: float = 2.0) -> Callable[[], None]:
+        """Build the page every `interval_s` on a daemon thread of its own, whether a browser asks or not, so the
+        usage is recorded, the idle-held episodes followed and the alerts sent with no page open (a hidden browser
+        tab asks about once a minute). Returns the function that stops it. A build that raises is skipped: the next
+        one tries again."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    self.get()
+                except Exception:  # a failure in monitoring never stops it; the page shows what the build noted
+                    continue
+
+        threading.Thread(target=loop, name="accel-dash-watch", daemon=True).start()
+        return stop.set
+
     def usage_json(self, days: int = 30, now: float | None = None) -> str:
         """The usage page's data (`dash.usage_view.UsagePage.as_dict`) over the last `days` UTC days, merged from
         `usage_sources` (default: every `usage-<host>.sqlite` of the usage directory), as JSON."""

@@ -36,11 +36,16 @@ def snooze_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="accel-dash snooze",
         description="Silence the alerts whose key matches PATTERN (fnmatch: `idle_held/gpu-node-3/*`, "
-        "`job/*`, `health/*/GPU-1234*`) for a while: writes the snooze file accel-dash reads before each post.",
+        "`job_stale/*`, `health/*/GPU-1234*`) for a while: writes the snooze file accel-dash reads before each post.",
     )
     parser.add_argument("pattern", help="the alert keys to silence (as the posts' `key` shows them)")
     parser.add_argument("--for", dest="for_s", type=seconds, default=3600.0, help="seconds (default 3600)")
-    parser.add_argument("--file", type=Path, default=None, help=f"the snooze file (default {snooze_file()})")
+    parser.add_argument(
+        "--file",
+        type=Path,
+        default=None,
+        help=f"the snooze file (default {snooze_file()}); the page reads it where its `--snooze-file` says",
+    )
     args = parser.parse_args(argv)
     path = args.file or snooze_file()
     try:

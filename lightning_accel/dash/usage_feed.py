@@ -31,6 +31,7 @@ class UsageFeed:
         self._last: float | None = None
         self._energy: dict[tuple[str, str], float] = {}
         self._progress: dict[str, tuple[int, int]] = {}
+        self._seen: set[str] = set()
 
     def observe(self, now: float, hosts: Iterable[Mapping[str, Any]], idle_held: Iterable[Mapping[str, Any]]) -> None:
         """Record the interval since the last call (a page's `hosts` and `idle_held`, `DashState.build`'s)."""
@@ -39,6 +40,7 @@ class UsageFeed:
         watched = interval is not None and 0 < interval <= self.max_gap_s
         idle = {(card["host"], card["uuid"], card["holder"]) for card in idle_held}
         observations: list[UsageObservation] = []
+        self._seen = set()
         for host in hosts:
             if host["host"] != self.host:
                 continue
@@ -61,6 +63,10 @@ class UsageFeed:
                             idle=(self.host, card["uuid"], holder) in idle,
                         )
                     )
+        for run in [run for run in self._progress if run not in self._seen]:  # ended jobs: forget their counters
+            del self._progress[run]
+        for key in [key for key in self._energy if key[0] not in self._seen]:
+            del self._energy[key]
         if observations:
             self.store.record(observations, now)
 
@@ -68,6 +74,7 @@ class UsageFeed:
         self, beat: Mapping[str, Any], interval: float | None, idle: set[tuple[str, str, str]]
     ) -> list[UsageObservation]:
         run = str(beat["run_id"])
+        self._seen.add(run)
         samples, steps = int(beat["samples"]), int(beat["step"])
         before = self._progress.get(run)
         self._progress[run] = (samples, steps)
@@ -82,7 +89,11 @@ class UsageFeed:
         if interval is None or not gpus:
             return []
         new_samples, new_steps = (0, 0) if before is None else (max(0, samples - before[0]), max(0, steps - before[1]))
-        share, rest = divmod(new_samples, len(gpus))
+        # each node's heartbeat counts the samples of the whole job: this node takes its share, so that the hosts'
+        # databases add up to the job's samples once (the steps are the job's on every node: readers take the most)
+        nodes, node_rank = max(1, int(beat.get("num_nodes") or 1)), int(beat.get("node_rank") or 0)
+        node_share, node_rest = divmod(new_samples, nodes)
+        share, rest = divmod(node_share + (1 if node_rank < node_rest else 0), len(gpus))
         holder = f"{beat['name']} {run}"
         return [
             UsageObservation(

@@ -33,7 +33,7 @@ from lightning_accel.dash.usage_schema import (
     job_rows,
     rollup_rows,
 )
-from lightning_accel.errors import ConfigError, UsageCorruptWarning, UsageStoreWarning
+from lightning_accel.errors import ConfigError, UsageCorruptWarning, UsageStoreWarning, describe_os_error
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -188,6 +188,16 @@ class UsageStore:
                 raise
         except sqlite3.Error as err:
             self._warn(err, "keeps this interval for the next try", stacklevel=3)
+            self._bound_pending()
+            return False
+        except OSError as err:  # its directory cannot be made (a path under a file, no permission)
+            warnings.warn(
+                f"the usage database {self.path} cannot be opened: {describe_os_error(err)}; pass a path on a "
+                "writable local disk (`--usage-db`, `$ACCEL_USAGE_DIR`); the writer keeps this interval for the next "
+                "try.",
+                UsageStoreWarning,
+                stacklevel=2,
+            )
             self._bound_pending()
             return False
         self._pending.clear()

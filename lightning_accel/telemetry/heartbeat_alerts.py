@@ -2,8 +2,8 @@
 window of each card, the step counter), so they cost the training loop nothing per step; no Lightning imports.
 
 Each alert fires once per episode, when its condition starts to hold, and is armed again once it stops:
-- `throttling`: a card's clocks were held down (thermal, power or hardware slowdown) more than `max_throttle_pct` of
-  the last window;
+- `throttling`: a card's clocks were held down by thermal or hardware slowdown more than `max_throttle_pct` of the
+  last window (the power cap is left out: a busy card at its cap is working as set);
 - `memory_headroom`: a card's used memory is within `min_memory_headroom_pct` of its total;
 - `nonfinite_loss`: the count of non-finite losses (NonFiniteGuard's, read as an int) went up;
 - `no_progress`: no optimizer step for `hung_after_steps` times the median step time, and at least `min_hung_s` (a
@@ -89,17 +89,21 @@ class HeartbeatAlerts:
             self._active.discard(key)
 
     def _throttling(self, step: int, index: int, values: Mapping[str, float]) -> None:
-        limit, held = self.settings.max_throttle_pct, values.get("throttle_any_frac")
-        if limit is None or held is None:
+        # thermal and hardware slowdown only, as the shipped Prometheus rule: a busy card at its power cap is the
+        # card working as set, not a fault (GPUMonitor's window alert, with `log_metrics`, counts the power cap too)
+        limit = self.settings.max_throttle_pct
+        parts = [values[k] for k in ("throttle_thermal_frac", "throttle_hw_slowdown_frac") if k in values]
+        if limit is None or not parts:
             return
+        held = max(parts)  # the longer of the two: a floor of the time either held the clocks down
         self._episode(
             f"throttling/{index}",
             held * 100 > limit,
             "throttling",
             step,
             lambda: (
-                f"GPU {index}: clocks held down {held * 100:.0f}% of the last window (over {limit:g}%): check "
-                "cooling, the power cap (`nvidia-smi -q -d PERFORMANCE`) and the card"
+                f"GPU {index}: clocks held down by thermal or hardware slowdown {held * 100:.0f}% of the last "
+                f"window (over {limit:g}%): check cooling, airflow and the card (`nvidia-smi -q -d PERFORMANCE`)"
             ),
         )
 

@@ -3,6 +3,7 @@ hosts' cards with their processes (a process that is no Lightning job of ours in
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 from _fake_nvml import FakeGPU, FakeNVML, install
 
-from lightning_accel.dash.agent import AGENT_DIR, agent_file, read_agents
+import lightning_accel.dash.agent as agent_module
+from lightning_accel.dash.agent import AGENT_DIR, agent_file, read_agents, run_agent
 from lightning_accel.dash.cli import main
 from lightning_accel.dash.state import DashState, text_report
+from lightning_accel.errors import AgentWarning
 from lightning_accel.telemetry.idle_held import IdleHeldTracker
 
 
@@ -59,13 +62,46 @@ def test_a_silent_or_broken_agent_file_is_a_note_and_the_rest_shows(
     os.utime(agent_file(runs, "node-b"), (old, old))
     (runs / AGENT_DIR / "junk.json").write_text(json.dumps({"schema": "lightning_accel.agent/1", "cards": "many"}))
     os.symlink(agent_file(runs, "node-a"), runs / AGENT_DIR / "link.json")
+    (runs / AGENT_DIR / "deep.json").write_text("[" * 200_000)  # past the parser's depth: RecursionError
     agents, notes = read_agents(runs, time.time(), 30.0)
     assert list(agents) == ["node-a"]
-    assert notes == [
+    assert notes[0].startswith("skipped agent file deep.json: is not valid JSON (")
+    assert notes[1:] == [
         "skipped agent file junk.json: `cards` is not a list of at most 256 cards",
         "skipped agent file link.json: is not a regular file of at most 1024 KiB",
         "the agent of node-b has been silent for 600 s: its cards are not shown",
     ]
+    assert [h["host"] for h in DashState(runs, host="viewer").build()["hosts"]] == ["viewer", "node-a"]
+
+
+def test_a_round_that_fails_after_the_first_is_warned_and_the_agent_goes_on(tmp_path: Path) -> None:
+    runs, rounds = tmp_path / "runs", []
+
+    def record(cards: list[dict[str, object]]) -> None:
+        rounds.append(len(rounds))
+        if len(rounds) == 2:
+            raise RuntimeError("the database went away")
+
+    real = agent_module.publish_agent
+    calls = []
+
+    def publish(*args: object) -> Path:
+        calls.append(len(calls))
+        if len(calls) in (3, 4):  # two rounds whose write fails, past the first
+            raise OSError(errno.EIO, "Input/output error")
+        return real(*args)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch, pytest.warns(AgentWarning) as caught:
+        patch.setattr(agent_module, "publish_agent", publish)
+        run_agent(runs, "node-a", lambda: [], lambda: None, 0.01, on_round=record, rounds=5)
+    assert rounds == [0, 1, 2, 3, 4] and len(calls) == 5  # every round ran
+    assert [str(w.message) for w in caught] == [
+        "accel-dash agent: the round's usage record failed (RuntimeError: the database went away)",
+        "accel-dash agent: the agent file cannot be written (Input/output error); trying again next round",
+    ]  # once per kind
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(OSError):  # the first round's failure is the caller's
+        patch.setattr(agent_module, "publish_agent", lambda *a: (_ for _ in ()).throw(OSError(errno.EACCES, "no")))
+        run_agent(runs, "node-a", lambda: [], lambda: None, 0.01, rounds=2)
 
 
 def test_the_agent_records_its_hosts_usage_and_the_page_leaves_it_to_the_agent(

@@ -176,3 +176,27 @@ def test_the_usage_page_merges_every_hosts_database_over_30_days(tmp_path: Path)
     assert len(page["days"]) == 30 and sum(page["held_gpu_hours"]["ada"]) + sum(page["held_gpu_hours"]["bob"]) == 2.0
     assert sum(page["idle_gpu_hours"]["ada"]) == 1.0 and sum(page["idle_gpu_hours"]["bob"]) == 0.0
     assert [job["key"] for job in page["top_idle_jobs"]][0] == ["ada", "ada-job"]
+
+
+def test_the_watch_builds_the_page_with_no_browser_asking(tmp_path: Path) -> None:
+    class Alerts:  # a Notifier's one method the page calls
+        def __init__(self) -> None:
+            self.seen: list[float] = []
+
+        def observe(self, now: float, alerts: list[dict[str, Any]]) -> None:
+            self.seen.append(now)
+            if len(self.seen) == 2:
+                raise RuntimeError("a notifier that breaks once")
+
+    alerts = Alerts()
+    state = DashState(tmp_path / "runs", host="here", min_age_s=0.0, notifier=alerts)  # type: ignore[arg-type]
+    stop = state.watch(0.05)
+    deadline = time.monotonic() + 10.0
+    while len(alerts.seen) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stop()
+    assert len(alerts.seen) >= 4 and alerts.seen == sorted(alerts.seen)  # went on past the build that raised
+    time.sleep(0.2)
+    stopped = len(alerts.seen)
+    time.sleep(0.2)
+    assert len(alerts.seen) == stopped  # stopped

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_accel.dash.notify import Alert, Notifier, Route, _post, load_routes, snooze
+from lightning_accel.dash.notify import Alert, Notifier, Route, _post, load_routes, read_snoozes, snooze
 from lightning_accel.errors import ConfigError
 
 IDLE = Alert("idle_held", "idle_held/h1/GPU-1/gpt r1", "ada", "h1", "GPU 1 on h1 held idle by ada's gpt r1 for 5 min")
@@ -156,3 +156,65 @@ def test_the_page_posts_an_idle_held_card_once_and_the_commands_name_bad_input(t
     assert main(["snooze", "idle_held/here/*", "--for", "120", "--file", str(snoozes)]) == 0
     (entry,) = json.loads(snoozes.read_text())
     assert entry["pattern"] == "idle_held/here/*" and entry["until"] > time.time() + 100
+
+
+def test_each_health_problem_and_each_job_status_is_an_episode_of_its_own() -> None:
+    from types import SimpleNamespace
+
+    from lightning_accel.dash.notify import page_alerts
+
+    def page(status: str, problems: list[str]) -> dict:
+        gpu = {"index": 0, "uuid": "GPU-0", "name": "H100", "health": {"problems": problems}}
+        beat = {"name": "gpt", "run_id": "r1", "user": "ada", "reason": "", "gpus": [gpu]}
+        job = SimpleNamespace(status=status, heartbeat=beat, file="r1.h1.0.json")
+        return {"idle_held": [], "hosts": [{"host": "h1", "jobs": [job]}]}
+
+    ecc = "2 uncorrected ECC error(s) since the driver loaded"
+    before = page_alerts(page("running", [ecc, "a health reading failed: nvmlDeviceGetTotalEccErrors: Unknown"]))
+    after = page_alerts(page("running", [ecc, "XID 79 (GPU has fallen off the bus), 3 s ago"]))
+    assert [a.key for a in before] == [f"health/h1/GPU-0/{ecc}"]  # a failed reading is the monitoring's, not posted
+    assert [a.key for a in after] == [f"health/h1/GPU-0/{ecc}", "health/h1/GPU-0/XID 79 (GPU has fallen off the bus)"]
+    later = page_alerts(page("running", ["XID 79 (GPU has fallen off the bus), 63 s ago"]))
+    assert later[0].key == after[1].key  # the age is not part of the key: the same episode
+    stale, failed = page_alerts(page("stale", [])), page_alerts(page("failed", []))
+    assert [a.key for a in stale + failed] == ["job_stale/r1.h1.0.json", "job_failed/r1.h1.0.json"]
+    with receiver() as (url, got):  # a stale job that then fails is told twice: stale past the grace, failed at once
+        notifier = Notifier({None: Route(url, "json")}, grace_s=60.0)
+        for t, alerts in ((0.0, stale), (100.0, stale), (101.0, failed)):
+            notifier.observe(t, alerts)
+        assert notifier.wait_idle()
+    assert [g["kind"] for g in got] == ["job_stale", "job_failed"]
+
+
+def test_a_broken_snooze_entry_is_left_out_and_the_others_hold(tmp_path: Path) -> None:
+    from lightning_accel.dash.notify import read_snoozes
+
+    path = tmp_path / "snooze.json"
+    entries = [{"until": "soon", "pattern": "job_*"}, {"until": 500.0}, {"pattern": "idle_held/*", "until": 500.0}]
+    path.write_text(json.dumps([*entries, {"pattern": "health/*", "until": float("inf")}, 7]))
+    assert read_snoozes(path, 100.0) == ["idle_held/*"]
+    with receiver() as (url, got):
+        notifier = Notifier({None: Route(url, "json")}, grace_s=0.0, snooze_file=path)
+        notifier.observe(100.0, [IDLE, XID])  # the file does not stop every alert: only the snoozed one
+        assert notifier.wait_idle()
+    assert [g["key"] for g in got] == [XID.key]
+    snooze(path, "job_*", 60.0, now=100.0)
+    assert json.loads(path.read_text()) == [
+        {"pattern": "idle_held/*", "until": 500.0},
+        {"pattern": "job_*", "until": 160.0},
+    ]
+
+
+def test_the_page_reads_the_snooze_file_its_option_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_accel.dash.cli as cli
+
+    served = []
+    monkeypatch.setattr(cli, "_serve", lambda args, state: served.append(state) or 0)
+    routes = tmp_path / "routes.yaml"
+    routes.write_text("default: {url: 'http://127.0.0.1:9/hook'}\n")
+    snoozes = tmp_path / "team" / "snooze.json"
+    argv = ["--runs-dir", str(tmp_path), "--no-host-gpus", "--no-usage", "--notify", str(routes)]
+    assert cli.main([*argv, "--snooze-file", str(snoozes)]) == 0
+    assert cli.main(["snooze", "job_*", "--file", str(snoozes)]) == 0
+    (state,) = served
+    assert state.notifier.snooze_file == snoozes and read_snoozes(snoozes, time.time()) == ["job_*"]

@@ -366,3 +366,41 @@ def test_a_jobs_steps_are_its_own_not_the_sum_over_its_gpus_and_nodes(tmp_path: 
     hosts = {total.key: total.steps for total in UsageReader([tmp_path]).totals("host")}
     assert hosts == {("a",): 15, ("b",): 10}
     assert {row.steps for row in UsageReader([tmp_path]).rows() if row.job == "r1"} == {10}  # each GPU's own view
+
+
+def test_a_database_whose_directory_cannot_be_made_warns_and_keeps_a_bounded_few(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    store = UsageStore(tmp_path / "a-file" / "usage-a.sqlite", max_pending=5)
+    with pytest.warns(UsageStoreWarning, match=r"cannot be opened: .*\(EEXIST\).*keeps this interval"):
+        for step in range(1, 21):
+            assert not store.record([obs()], MIDNIGHT + 60 * step)
+    assert store.pending == 5  # the oldest dropped, as for a locked database
+    store.close()
+
+
+def test_a_two_node_jobs_samples_are_counted_once_over_both_hosts_databases(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from lightning_accel.dash.usage_feed import UsageFeed
+
+    def page(host: str, node_rank: int, samples: int, step: int) -> list[dict[str, object]]:
+        beat = {  # each node's heartbeat counts the samples of the whole job (every data-parallel rank)
+            "run_id": "r1",
+            "name": "gpt",
+            "user": "ada",
+            "num_nodes": 2,
+            "node_rank": node_rank,
+            "samples": samples,
+            "step": step,
+            "gpus": [{"index": i, "uuid": f"GPU-{host}{i}", "energy_j": None} for i in range(2)],
+        }
+        return [{"host": host, "jobs": [SimpleNamespace(status="running", heartbeat=beat)], "cards": []}]
+
+    for host, node_rank in (("a", 0), ("b", 1)):
+        with UsageStore(tmp_path / f"usage-{host}.sqlite") as store:
+            feed = UsageFeed(store, host)
+            for t, samples, step in ((0, 0, 0), (2, 101, 4), (4, 203, 8)):
+                feed.observe(MIDNIGHT + t, page(host, node_rank, samples, step), [])
+    (job,) = UsageReader([tmp_path]).totals("job")
+    assert (job.samples, job.steps) == (203, 8)  # not 406: each node took its half (102 + 101, the odd one on node 0)
+    assert job.held_s == pytest.approx(4 * 4.0)  # 2 hosts x 2 GPUs x 4 s

@@ -15,12 +15,14 @@ def names(checks: HeartbeatAlerts) -> list[str]:
 
 def test_throttling_and_memory_fire_once_per_episode_and_rearm() -> None:
     checks = HeartbeatAlerts(HeartbeatAlertSettings(max_throttle_pct=25, min_memory_headroom_pct=5))
-    hot = {0: {"throttle_any_frac": 0.6, "memory_used_mib": 1000.0, "memory_total_mib": 80000.0}}
-    full = {0: {"throttle_any_frac": 0.0, "memory_used_mib": 79000.0, "memory_total_mib": 80000.0}}
-    calm = {0: {"throttle_any_frac": 0.1, "memory_used_mib": 1000.0, "memory_total_mib": 80000.0}}
-    for step, latest in enumerate([hot, hot, calm, hot, full, full, calm]):
+    free = {"memory_used_mib": 1000.0, "memory_total_mib": 80000.0}
+    hot = {0: {"throttle_thermal_frac": 0.6, "throttle_hw_slowdown_frac": 0.2, **free}}
+    capped = {0: {"throttle_power_frac": 0.9, "throttle_any_frac": 0.9, "throttle_thermal_frac": 0.0, **free}}
+    full = {0: {"throttle_thermal_frac": 0.0, "memory_used_mib": 79000.0, "memory_total_mib": 80000.0}}
+    calm = {0: {"throttle_thermal_frac": 0.1, **free}}
+    for step, latest in enumerate([hot, hot, calm, hot, full, full, capped, calm]):
         checks.check(float(step), step, latest)
-    assert names(checks) == ["throttling", "throttling", "memory_headroom"]
+    assert names(checks) == ["throttling", "throttling", "memory_headroom"]  # a card at its power cap: no alert
     first = checks.alerts[0]
     assert first["step"] == 0 and "GPU 0" in first["message"] and "60%" in first["message"]
     assert "1.2% of its memory free" in checks.alerts[2]["message"]
