@@ -18,7 +18,7 @@ from typing import Literal
 
 from lightning_accel.dash.notify import DEFAULT_GRACE_S, DEFAULT_REPEAT_S, Notifier, load_routes
 from lightning_accel.dash.state import DashState, page_dict, text_report
-from lightning_accel.dash.subcommands import agent_main, seconds, snooze_file, snooze_main
+from lightning_accel.dash.subcommands import agent_main, percent, seconds, snooze_file, snooze_main
 from lightning_accel.dash.usage_schema import default_usage_dir, default_usage_path
 from lightning_accel.dash.usage_view import CSV_COLUMNS, UsageReader, usage_databases, write_csv
 from lightning_accel.errors import ConfigError
@@ -30,16 +30,6 @@ __all__ = ["DEFAULT_PORT", "WATCH_INTERVAL_S", "build_parser", "build_usage_pars
 DEFAULT_PORT = 8765
 WATCH_INTERVAL_S = 2.0
 """Seconds between the page's builds while it records usage or sends alerts, whether a browser looks or not."""
-
-
-def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a percentage, got {text!r}") from None
-    if not 0 < value <= 100:
-        raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], e.g. 5, got {text}")
-    return value
 
 
 def _port(text: str) -> int:
@@ -106,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--idle-pct",
-        type=_percent,
+        type=percent,
         default=DEFAULT_IDLE_PCT,
         help=f"a held card whose SM activity (utilisation where the card has no GPM) stays below this is idle "
         f"(default {DEFAULT_IDLE_PCT:g}%%)",

@@ -14,8 +14,19 @@ from lightning_accel.dash.notify import snooze
 from lightning_accel.dash.state import DashState
 from lightning_accel.dash.usage_schema import default_usage_dir, default_usage_path
 from lightning_accel.telemetry.heartbeat import default_runs_dir
+from lightning_accel.telemetry.idle_held import DEFAULT_IDLE_AFTER_S, DEFAULT_IDLE_PCT, IdleHeldTracker
 
-__all__ = ["agent_main", "seconds", "snooze_file", "snooze_main"]
+__all__ = ["agent_main", "percent", "seconds", "snooze_file", "snooze_main"]
+
+
+def percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage, got {text!r}") from None
+    if not 0 < value <= 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage in (0, 100], e.g. 5, got {text}")
+    return value
 
 
 def seconds(text: str) -> float:
@@ -70,6 +81,18 @@ def agent_main(argv: Sequence[str]) -> int:
     parser.add_argument("--interval", type=seconds, default=2.0, help="seconds between readings (default 2)")
     parser.add_argument("--usage-db", type=Path, default=None, help="as accel-dash's `--usage-db`")
     parser.add_argument("--no-usage", action="store_true", help="publish the cards only; record no usage")
+    parser.add_argument(
+        "--idle-pct",
+        type=percent,
+        default=DEFAULT_IDLE_PCT,
+        help=f"as accel-dash's: the idle-held usage it records (default {DEFAULT_IDLE_PCT:g}%%)",
+    )
+    parser.add_argument(
+        "--idle-after",
+        type=seconds,
+        default=DEFAULT_IDLE_AFTER_S,
+        help=f"as accel-dash's (default {DEFAULT_IDLE_AFTER_S:.0f} s)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)  # tests and benchmarks
     args = parser.parse_args(argv)
     runs_dir = (args.runs_dir or default_runs_dir()).expanduser()
@@ -80,7 +103,8 @@ def agent_main(argv: Sequence[str]) -> int:
     cards = HostGPUs()
     store = None
     last: list[list[dict[str, Any]]] = [[]]  # the round's reading: read once, published and recorded
-    state = DashState(runs_dir, host_cards=lambda: last[0], host=host)
+    idle = IdleHeldTracker(args.idle_pct, args.idle_after)
+    state = DashState(runs_dir, host_cards=lambda: last[0], host=host, idle=idle)
     if not args.no_usage:
         from lightning_accel.dash.usage_feed import UsageFeed
         from lightning_accel.dash.usage_store import UsageStore

@@ -112,7 +112,8 @@ def test_the_agent_records_its_hosts_usage_and_the_page_leaves_it_to_the_agent(
     from lightning_accel.dash.usage_view import UsageReader
 
     runs, db = tmp_path / "runs", tmp_path / "usage-node-a.sqlite"
-    gpus = [FakeGPU("GPU-a0aaaaaa-0000-0000-0000-000000000000", utilization=0.0, processes=[os.getpid()])]
+    uuid = "GPU-a0aaaaaa-0000-0000-0000-000000000000"
+    gpus = [FakeGPU(uuid, utilization=0.0, architecture=8, processes=[os.getpid()])]  # Ampere: no GPM, utilisation
     install(monkeypatch, FakeNVML(gpus, clock=time.monotonic))  # readings a real interval apart
     assert (
         main(
@@ -128,12 +129,15 @@ def test_the_agent_records_its_hosts_usage_and_the_page_leaves_it_to_the_agent(
                 "0.5",
                 "--usage-db",
                 str(db),
+                "--idle-after",
+                "0.4",
             ]
         )
         == 0
     )
     (row,) = UsageReader([db]).rows()
     assert row.host == "node-a" and row.job == f"pid {os.getpid()}" and 0.8 < row.held_s < 1.5  # two intervals
+    assert 0.4 < row.idle_held_s <= row.held_s  # its own threshold: idle-held from the second interval on
     page_db = tmp_path / "usage-page.sqlite"
     with UsageStore(page_db) as store:  # a page on node-a while its agent runs: no second writer
         state = DashState(runs, host="node-a", host_cards=lambda: [], usage=UsageFeed(store, "node-a"))
