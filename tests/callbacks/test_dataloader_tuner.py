@@ -653,18 +653,15 @@ def test_io_bound_choice_beside_a_busy_process_gets_many_workers(
 
 
 def _stretch_readings(monkeypatch: pytest.MonkeyPatch, factor: Callable[[LoaderSettings], float]) -> None:
-    """Every trial's reading (its time and its wait alike) multiplied by `factor(settings)`: noise, scripted."""
+    """Every trial's clock runs `factor(settings)` times as fast as the real one from the trial's start: each reading
+    (its time, its wait, its cut against the baseline's pace) is scaled alike. Noise, scripted: the trial's own cut
+    sees the scaled time too, so a machine busy with other work cannot cut a trial the script makes fast."""
     real = runner_module.run_trial
 
     def stretched(make_loader: Any, step: Any, settings: LoaderSettings, **kwargs: Any) -> Trial:
-        trial = real(make_loader, step, settings, **kwargs)
-        scale = factor(settings)
-        trial.seconds, trial.wait_s, trial.step_s_median = (
-            trial.seconds * scale,
-            trial.wait_s * scale,
-            trial.step_s_median * scale,
-        )
-        return trial
+        scale, start = factor(settings), time.perf_counter()
+        kwargs["clock"] = lambda: start + (time.perf_counter() - start) * scale
+        return real(make_loader, step, settings, **kwargs)
 
     monkeypatch.setattr(runner_module, "run_trial", stretched)
 
