@@ -74,6 +74,7 @@ class ModuleWatch:
             return
         self._carried_checked = True
         carried = [name for name in module_state.changed(self._carried, now) if name not in self.state]
+        self._carried = None  # compared once: the fingerprint holds nothing past it
         if carried:
             rank_zero_warn(
                 f"MicroBatchFinder: each batch of {n} runs as micro-batches of {k}, so `training_step` runs once per "

@@ -106,8 +106,9 @@ class DashState:
     def watch(self, interval_s: float = 2.0) -> Callable[[], None]:
         """Build the page every `interval_s` on a daemon thread of its own, whether a browser asks or not, so the
         usage is recorded, the idle-held episodes followed and the alerts sent with no page open (a hidden browser
-        tab asks about once a minute). Returns the function that stops it. A build that raises is skipped: the next
-        one tries again."""
+        tab asks about once a minute). Returns the function that stops it and waits for a build under way to end,
+        so that the caller may close the usage store and the card reader after it. A build that raises is skipped:
+        the next one tries again."""
         stop = threading.Event()
 
         def loop() -> None:
@@ -117,8 +118,14 @@ class DashState:
                 except Exception:  # a failure in monitoring never stops it; the page shows what the build noted
                     continue
 
-        threading.Thread(target=loop, name="accel-dash-watch", daemon=True).start()
-        return stop.set
+        thread = threading.Thread(target=loop, name="accel-dash-watch", daemon=True)
+        thread.start()
+
+        def stop_watch() -> None:
+            stop.set()
+            thread.join(timeout=30.0)  # a build reads files and NVML: seconds at most
+
+        return stop_watch
 
     def usage_json(self, days: int = 30, now: float | None = None) -> str:
         """The usage page's data (`dash.usage_view.UsagePage.as_dict`) over the last `days` UTC days, merged from

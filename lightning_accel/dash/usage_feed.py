@@ -45,6 +45,7 @@ class UsageFeed:
             if host["host"] != self.host:
                 continue
             for job in host["jobs"]:
+                self._seen.add(str(job.heartbeat["run_id"]))  # on the page (stale a while, too): its counters kept
                 if job.status == "running":
                     observations.extend(self._job(job.heartbeat, interval if watched else None, idle))
             for card in host["cards"]:
@@ -63,7 +64,7 @@ class UsageFeed:
                             idle=(self.host, card["uuid"], holder) in idle,
                         )
                     )
-        for run in [run for run in self._progress if run not in self._seen]:  # ended jobs: forget their counters
+        for run in [run for run in self._progress if run not in self._seen]:  # gone from the page: forget them
             del self._progress[run]
         for key in [key for key in self._energy if key[0] not in self._seen]:
             del self._energy[key]
@@ -74,7 +75,6 @@ class UsageFeed:
         self, beat: Mapping[str, Any], interval: float | None, idle: set[tuple[str, str, str]]
     ) -> list[UsageObservation]:
         run = str(beat["run_id"])
-        self._seen.add(run)
         samples, steps = int(beat["samples"]), int(beat["step"])
         before = self._progress.get(run)
         self._progress[run] = (samples, steps)

@@ -154,7 +154,11 @@ class UsageStore:
     def _connect(self) -> sqlite3.Connection:
         if self._connection is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            connection = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None)
+            # one writer, but not always one thread (a page's request handlers and its watch thread take turns under
+            # DashState's lock): the connection is not tied to the thread that opened it
+            connection = sqlite3.connect(
+                self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
             try:
                 connection.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
                 connection.execute("PRAGMA journal_mode = WAL")

@@ -90,13 +90,13 @@ def _read_health(devices: Sequence[Any], figures: dict[str, str]) -> list[str]:
 
 def _agent_round(ctx: CheckContext, count: int, figures: dict[str, str]) -> list[str]:
     """Two rounds of `accel-dash agent` (in this process, which holds memory on a card); the problems found."""
-    from lightning_accel.dash.cli import main
+    from lightning_accel.dash.subcommands import agent_main  # not the command line's main: a Ctrl-C stops the check
 
     runs_dir = ctx.out_dir / "health" / "runs"
-    argv = ["agent", "--runs-dir", str(runs_dir), "--hostname", "gpu-check", "--interval", "0.5", "--rounds", "2"]
+    argv = ["--runs-dir", str(runs_dir), "--hostname", "gpu-check", "--interval", "0.5", "--rounds", "2"]
     output = io.StringIO()
     with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-        code = main([*argv, "--no-usage"])
+        code = agent_main([*argv, "--no-usage"])
     if code != 0:
         return [f"`accel-dash agent` exited {code}: {' / '.join(output.getvalue().strip().splitlines()[-3:])}"]
     path = runs_dir / "agents" / "gpu-check.json"

@@ -7,8 +7,8 @@ replay buffer, a counter. No rule can tell that from the code, so it is read fro
 - `fingerprint(module)`: a cheap summary of every attribute the module and its submodules hold that is not a
   parameter, a buffer, a submodule or Lightning's own bookkeeping: values of numbers and strings, identity, shape and
   in-place version of tensors, identity and length of containers, and plain objects' attributes two levels deep.
-  Identity is a `_Same` token, not `id()`: a tensor freed by a call and a new one made at its address by the next
-  would share an `id` and read as unchanged;
+  Identity is a `_Same` token (a weak reference where the object takes one), not `id()`: a tensor freed by a call
+  and a new one made at its address by the next would share an `id` and read as unchanged;
 - `changed(before, after)`: the attributes whose summary differs, by their path (`hidden`, `agent.replay_buffer`);
 - `Snapshot.take(module)` / `snapshot.restore()`: copies of what is cheap to copy (numbers, strings, None, tensors
   and tuples or lists of them), put back after a search, and the names of what changed that could not be.
@@ -64,30 +64,34 @@ def _own_attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
 
 
 class _Same:
-    """An object's identity in a fingerprint: equal to another token of the same object while it lives. A weak
-    reference where the object takes one (tensors, arrays, plain objects), so a fingerprint keeps no tensor alive;
-    else the object itself (lists, dicts), which keeps its address from being reused while the fingerprint lives."""
+    """An object's identity in a fingerprint, which never keeps the object alive. Where the object takes a weak
+    reference (tensors, arrays, plain objects), the token is equal to another token of the same object while it
+    lives, and never once it is gone: an object built at a freed one's address is not the same. Lists, tuples and
+    dicts take none: their token is their `id()`, and what they hold is summarised by tokens of its own."""
 
-    __slots__ = ("_get", "_id")
+    __slots__ = ("_id", "_ref")
 
     def __init__(self, value: Any) -> None:
         self._id = id(value)
         try:
-            self._get: Any = weakref.ref(value)
+            self._ref: weakref.ref[Any] | None = weakref.ref(value)
         except TypeError:
-            self._get = lambda: value
+            self._ref = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _Same):
             return NotImplemented
-        mine = self._get()
-        return mine is not None and mine is other._get()
+        if self._ref is None or other._ref is None:
+            return self._ref is other._ref and self._id == other._id
+        mine = self._ref()
+        return mine is not None and mine is other._ref()
 
     def __hash__(self) -> int:
         return self._id
 
     def __repr__(self) -> str:
-        return f"_Same({self._id:#x}{'' if self._get() is not None else ', gone'})"
+        gone = self._ref is not None and self._ref() is None
+        return f"_Same({self._id:#x}{', gone' if gone else ''})"
 
 
 def _summary(value: Any, depth: int) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -194,9 +195,9 @@ def test_the_watch_builds_the_page_with_no_browser_asking(tmp_path: Path) -> Non
     deadline = time.monotonic() + 10.0
     while len(alerts.seen) < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
-    stop()
+    stop()  # returns once the thread has ended: the caller may close the store and the card reader after it
+    assert not [t for t in threading.enumerate() if t.name == "accel-dash-watch"]
     assert len(alerts.seen) >= 4 and alerts.seen == sorted(alerts.seen)  # went on past the build that raised
-    time.sleep(0.2)
     stopped = len(alerts.seen)
     time.sleep(0.2)
-    assert len(alerts.seen) == stopped  # stopped
+    assert len(alerts.seen) == stopped

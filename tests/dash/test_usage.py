@@ -404,3 +404,37 @@ def test_a_two_node_jobs_samples_are_counted_once_over_both_hosts_databases(tmp_
     (job,) = UsageReader([tmp_path]).totals("job")
     assert (job.samples, job.steps) == (203, 8)  # not 406: each node took its half (102 + 101, the odd one on node 0)
     assert job.held_s == pytest.approx(4 * 4.0)  # 2 hosts x 2 GPUs x 4 s
+
+
+def test_the_writer_may_be_called_from_one_thread_then_another_and_closed_from_a_third(tmp_path: Path) -> None:
+    import threading
+
+    store = UsageStore(tmp_path / "usage-a.sqlite")  # a page: its watch thread and its request handlers take turns
+    results: list[bool] = []
+    for step in (1, 2):
+        thread = threading.Thread(target=lambda s=step: results.append(store.record([obs()], MIDNIGHT + 60 * s)))
+        thread.start()
+        thread.join()
+    assert results == [True, True] and store.pending == 0
+    store.close()  # from the main thread, as accel-dash does at Ctrl-C
+    assert UsageReader([store.path]).rows()[0].held_s == pytest.approx(120.0)
+
+
+def test_a_job_stale_for_a_while_keeps_its_counters_and_its_samples_are_counted(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from lightning_accel.dash.usage_feed import UsageFeed
+
+    def page(status: str, samples: int) -> list[dict[str, object]]:
+        beat = {"run_id": "r1", "name": "gpt", "user": "ada", "num_nodes": 1, "node_rank": 0, "samples": samples}
+        beat |= {"step": samples // 10, "gpus": [{"index": 0, "uuid": "GPU-0", "energy_j": None}]}
+        return [{"host": "a", "jobs": [SimpleNamespace(status=status, heartbeat=beat)], "cards": []}]
+
+    with UsageStore(tmp_path / "usage-a.sqlite") as store:
+        feed = UsageFeed(store, "a")
+        for t, status, samples in ((0, "running", 0), (2, "running", 100), (4, "stale", 100), (6, "running", 300)):
+            feed.observe(MIDNIGHT + t, page(status, samples), [])
+        feed.observe(MIDNIGHT + 8, [{"host": "a", "jobs": [], "cards": []}], [])  # gone from the page: forgotten
+        assert feed._progress == {}
+    (job,) = UsageReader([tmp_path]).totals("job")
+    assert (job.samples, job.steps) == (300, 30)  # the 200 done while it read stale counted when it came back

@@ -134,3 +134,17 @@ def test_a_tensor_made_where_a_freed_one_was_still_reads_as_changed() -> None:
         reused += id(module.hidden) == old
         assert "hidden" in changed(before, fingerprint(module))
     assert reused > 0  # the case above happened: an address was reused while the fingerprint lived
+
+
+def test_a_fingerprint_keeps_no_tensor_alive_in_a_tuple_either() -> None:
+    import gc
+    import weakref
+
+    module = Stateful()
+    module.hidden = (torch.zeros(64, 64), torch.zeros(64, 64))  # type: ignore[assignment]  # an LSTM's (h, c)
+    gone = [weakref.ref(t) for t in module.hidden]  # type: ignore[union-attr]
+    before = fingerprint(module)
+    module.hidden = (torch.ones(64, 64), torch.ones(64, 64))  # type: ignore[assignment]
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]  # the fingerprint held neither the old tuple nor its tensors
+    assert "hidden" in changed(before, fingerprint(module))  # and still tells the new pair from the old
