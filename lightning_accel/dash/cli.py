@@ -18,12 +18,12 @@ from typing import Literal
 
 from lightning_accel.dash.notify import DEFAULT_GRACE_S, DEFAULT_REPEAT_S, Notifier, load_routes
 from lightning_accel.dash.state import DashState, page_dict, text_report
-from lightning_accel.dash.subcommands import agent_main, percent, seconds, snooze_file, snooze_main
+from lightning_accel.dash.subcommands import add_idle_options, agent_main, seconds, snooze_file, snooze_main
 from lightning_accel.dash.usage_schema import default_usage_dir, default_usage_path
 from lightning_accel.dash.usage_view import CSV_COLUMNS, UsageReader, usage_databases, write_csv
 from lightning_accel.errors import ConfigError
 from lightning_accel.telemetry.heartbeat import DEFAULT_KEEP_S, DEFAULT_STALE_AFTER_S, default_runs_dir
-from lightning_accel.telemetry.idle_held import DEFAULT_IDLE_AFTER_S, DEFAULT_IDLE_PCT, IdleHeldTracker
+from lightning_accel.telemetry.idle_held import IdleHeldTracker
 
 __all__ = ["DEFAULT_PORT", "WATCH_INTERVAL_S", "build_parser", "build_usage_parser", "main"]
 
@@ -94,20 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"list stale, finished and failed jobs this long after their last heartbeat (default "
         f"{DEFAULT_KEEP_S:.0f} s)",
     )
-    parser.add_argument(
-        "--idle-pct",
-        type=percent,
-        default=DEFAULT_IDLE_PCT,
-        help=f"a held card whose SM activity (utilisation where the card has no GPM) stays below this is idle "
-        f"(default {DEFAULT_IDLE_PCT:g}%%)",
-    )
-    parser.add_argument(
-        "--idle-after",
-        type=seconds,
-        default=DEFAULT_IDLE_AFTER_S,
-        help=f"a card held and idle this long is flagged idle-held, with its owner and the idle GPU-hours "
-        f"(default {DEFAULT_IDLE_AFTER_S:.0f} s)",
-    )
+    add_idle_options(parser)
     parser.add_argument(
         "--no-host-gpus",
         action="store_true",

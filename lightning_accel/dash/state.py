@@ -24,7 +24,13 @@ from lightning_accel.telemetry.heartbeat import (
     lead_signal,
     read_heartbeats,
 )
-from lightning_accel.telemetry.idle_held import CardSeen, IdleHeldTracker
+from lightning_accel.telemetry.idle_held import (
+    CardSeen,
+    IdleHeldTracker,
+    holding_processes,
+    job_holder,
+    processes_holder,
+)
 
 __all__ = [
     "MAX_JOBS",
@@ -241,7 +247,7 @@ def cards_seen(hosts: list[dict[str, Any]], now: float) -> list[CardSeen]:
                         index=gpu["index"],
                         name=gpu["name"],
                         owner=beat["user"],
-                        holder=f"{beat['name']} {beat['run_id']}",
+                        holder=job_holder(beat),
                         job=beat["run_id"],
                         activity_pct=value,
                         signal=label,
@@ -251,8 +257,7 @@ def cards_seen(hosts: list[dict[str, Any]], now: float) -> list[CardSeen]:
                     )
                 )
         for card in host["cards"]:
-            processes = card.get("processes") or []
-            holding = [p for p in processes if p.get("memory_mib") is None or p["memory_mib"] > 0]
+            holding = holding_processes(card.get("processes"))
             if not holding:
                 continue
             label, value = lead_signal(card["latest"])
@@ -263,7 +268,7 @@ def cards_seen(hosts: list[dict[str, Any]], now: float) -> list[CardSeen]:
                     index=card["index"],
                     name=card["name"],
                     owner=", ".join(sorted({str(p["user"]) for p in holding})),
-                    holder=", ".join(f"pid {p['pid']} {p['name']}" for p in holding),
+                    holder=processes_holder(holding),
                     job=None,
                     activity_pct=value,
                     signal=label,

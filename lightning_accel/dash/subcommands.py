@@ -16,7 +16,7 @@ from lightning_accel.dash.usage_schema import default_usage_dir, default_usage_p
 from lightning_accel.telemetry.heartbeat import default_runs_dir
 from lightning_accel.telemetry.idle_held import DEFAULT_IDLE_AFTER_S, DEFAULT_IDLE_PCT, IdleHeldTracker
 
-__all__ = ["agent_main", "percent", "seconds", "snooze_file", "snooze_main"]
+__all__ = ["add_idle_options", "agent_main", "percent", "seconds", "snooze_file", "snooze_main"]
 
 
 def percent(text: str) -> float:
@@ -37,6 +37,24 @@ def seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
     return value
+
+
+def add_idle_options(parser: argparse.ArgumentParser) -> None:
+    """`--idle-pct` and `--idle-after`, the idle-held threshold of accel-dash's page and of its agent."""
+    parser.add_argument(
+        "--idle-pct",
+        type=percent,
+        default=DEFAULT_IDLE_PCT,
+        help=f"a held card whose SM activity (utilisation where the card has no GPM) stays below this is idle "
+        f"(default {DEFAULT_IDLE_PCT:g}%%)",
+    )
+    parser.add_argument(
+        "--idle-after",
+        type=seconds,
+        default=DEFAULT_IDLE_AFTER_S,
+        help=f"a card held and idle this long is flagged idle-held, with its owner and the idle GPU-hours "
+        f"(default {DEFAULT_IDLE_AFTER_S:.0f} s)",
+    )
 
 
 def snooze_file() -> Path:
@@ -81,18 +99,7 @@ def agent_main(argv: Sequence[str]) -> int:
     parser.add_argument("--interval", type=seconds, default=2.0, help="seconds between readings (default 2)")
     parser.add_argument("--usage-db", type=Path, default=None, help="as accel-dash's `--usage-db`")
     parser.add_argument("--no-usage", action="store_true", help="publish the cards only; record no usage")
-    parser.add_argument(
-        "--idle-pct",
-        type=percent,
-        default=DEFAULT_IDLE_PCT,
-        help=f"as accel-dash's: the idle-held usage it records (default {DEFAULT_IDLE_PCT:g}%%)",
-    )
-    parser.add_argument(
-        "--idle-after",
-        type=seconds,
-        default=DEFAULT_IDLE_AFTER_S,
-        help=f"as accel-dash's (default {DEFAULT_IDLE_AFTER_S:.0f} s)",
-    )
+    add_idle_options(parser)  # as accel-dash's: the idle-held usage it records
     parser.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)  # tests and benchmarks
     args = parser.parse_args(argv)
     runs_dir = (args.runs_dir or default_runs_dir()).expanduser()

@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning_accel.dash.usage_schema import UsageObservation
 from lightning_accel.dash.usage_store import UsageStore
+from lightning_accel.telemetry.idle_held import holding_processes, job_holder, processes_holder
 
 __all__ = ["DEFAULT_MAX_GAP_S", "UsageFeed"]
 
@@ -49,9 +50,9 @@ class UsageFeed:
                 if job.status == "running":
                     observations.extend(self._job(job.heartbeat, interval if watched else None, idle))
             for card in host["cards"]:
-                holding = [p for p in card.get("processes") or [] if p.get("memory_mib") is None or p["memory_mib"]]
+                holding = holding_processes(card.get("processes"))
                 if holding and watched and interval is not None:
-                    holder = ", ".join(f"pid {p['pid']} {p['name']}" for p in holding)
+                    holder = processes_holder(holding)
                     observations.append(
                         UsageObservation(
                             host=self.host,
@@ -94,7 +95,7 @@ class UsageFeed:
         nodes, node_rank = max(1, int(beat.get("num_nodes") or 1)), int(beat.get("node_rank") or 0)
         node_share, node_rest = divmod(new_samples, nodes)
         share, rest = divmod(node_share + (1 if node_rank < node_rest else 0), len(gpus))
-        holder = f"{beat['name']} {run}"
+        holder = job_holder(beat)
         return [
             UsageObservation(
                 host=self.host,

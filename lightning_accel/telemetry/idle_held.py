@@ -16,7 +16,7 @@ or from now. No Lightning imports.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,6 +27,9 @@ __all__ = [
     "CardSeen",
     "IdleHeld",
     "IdleHeldTracker",
+    "holding_processes",
+    "job_holder",
+    "processes_holder",
     "trailing_below_since",
 ]
 
@@ -39,6 +42,22 @@ DataLoader's first fill, shorter than the hour after which clusters' job-defence
 DEFAULT_MAX_GAP_S = 30.0
 """Readings further apart than this are not one watch: the episode is dated from the history again, or from now (the
 page reads every 2 s; a busy spell shorter than the readings' spacing is not seen)."""
+
+
+def holding_processes(processes: Sequence[Mapping[str, Any]] | None) -> list[Mapping[str, Any]]:
+    """The processes (`telemetry.host_gpus`' `pid`, `user`, `name`, `memory_mib`) that hold memory on a card: those
+    with memory, and those whose memory NVML does not tell."""
+    return [p for p in processes or [] if p.get("memory_mib") is None or p["memory_mib"] > 0]
+
+
+def processes_holder(holding: Sequence[Mapping[str, Any]]) -> str:
+    """The holder of a card no job of ours holds, as the page and the usage name it: `pid 41 python, pid 77 jupyter`."""
+    return ", ".join(f"pid {p['pid']} {p['name']}" for p in holding)
+
+
+def job_holder(beat: Mapping[str, Any]) -> str:
+    """The holder of a job's cards, as the page and the usage name it: the run's name and id."""
+    return f"{beat['name']} {beat['run_id']}"
 
 
 @dataclass(frozen=True)
