@@ -2,9 +2,9 @@
 
 A routing file (YAML) says where each user's alerts go::
 
-    default: {url: https://hooks.slack.com/services/T0/B0/XXXX, format: slack}
+    default: {url: https://hooks.slack.com/services/T0/B0/team-secret, format: slack}
     users:
-      ada: {url: https://hooks.slack.com/services/T0/B1/YYYY, format: slack, mention: "<@U024BE7LH>"}
+      ada: {url: https://hooks.slack.com/services/T0/B1/ada-secret, format: slack, mention: "<@U024BE7LH>"}
       bob: {url: http://alerts.internal:8080/gpu, format: json}
 
 `format: slack` posts Slack's incoming-webhook JSON (`{"text": ...}`, which Mattermost and Rocket.Chat take too);
